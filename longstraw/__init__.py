@@ -1,0 +1,19 @@
+"""LongStraw: a torch.compile backend for GRPO-style losses over long shared prompts.
+
+    step = torch.compile(grpo_loss, backend="longstraw")
+    step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad="detached"))
+"""
+
+from .backend import Backend, GroupPlan, longstraw_backend
+from .errors import InputError, LongStrawError, UnsupportedGraphError
+from .options import Options
+
+__all__ = [
+    "Backend",
+    "GroupPlan",
+    "InputError",
+    "LongStrawError",
+    "Options",
+    "UnsupportedGraphError",
+    "longstraw_backend",
+]

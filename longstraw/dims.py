@@ -1,0 +1,599 @@
+"""Dimension propagation: which tensor dimensions are the same axis.
+
+Every dimension of every tensor in the graph is a product of *factors*
+(usually one). Operators impose equalities between factors, recorded in a
+union-find: `a * b` unifies aligned dimensions of equal size, `linear` keeps
+all but the last, `view` maps groups of dimensions with equal products, and
+so on. Nothing is inferred from sizes alone: two dimensions of size 17 are
+the same axis only if some operator says so. After the walk, the sequence
+axis is the class of the attention queries' position dimension and the group
+axis the class of their batch dimension (`partition.py` seeds both).
+
+The walk also records what later stages must check: dimensions an operator
+mixes values along (`mixes`), restrictions of a dimension to a sub-range
+(`restricts`: slices, `narrow`, integer indices), dimensions split in a way
+that does not follow their factors (`splits`), and operators without a rule
+(`unknown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .nodes import arg, is_call, op_name, size_args, tensor_of
+
+Dim = tuple[int, ...]
+
+_SAME_AS_SELF = {
+    "to", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool", "type",
+    "contiguous", "clone", "detach", "requires_grad_", "cpu", "cuda", "dropout",
+    "neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh",
+    "sigmoid", "silu", "gelu", "relu", "softplus", "erf", "square", "reciprocal", "sign",
+    "logical_not", "invert", "nan_to_num", "clamp", "clamp_min", "clamp_max", "pow",
+    "leaky_relu", "elu", "mish", "hardtanh", "relu6", "logit", "float_power",
+}
+_BROADCAST = {
+    "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "maximum", "minimum",
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and", "logical_or",
+    "where", "masked_fill", "atan2", "lerp", "addcmul", "addcdiv", "rsub", "iadd", "imul",
+}
+_REDUCE = {"sum", "mean", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "all", "any", "count_nonzero"}
+_ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "argsort"}
+_FACTORY = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "tensor",
+            "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "linspace", "eye"}
+_LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
+_NO_VALUE = {"_set_grad_enabled", "_log_api_usage_once", "size", "dim", "numel", "getattr", "stride"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Restriction:
+    """A dimension of the input kept only over `[start, stop)` (or one index)."""
+
+    in_dim: int
+    out_dim: int | None  # None: the dimension was indexed away
+    start: int
+    stop: int
+
+
+def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input and output dimensions with equal products (size-1
+    dimensions stand alone), the correspondence a `view` establishes."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(in_shape) or j < len(out_shape):
+        if i < len(in_shape) and in_shape[i] == 1 and (j >= len(out_shape) or out_shape[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(out_shape) and out_shape[j] == 1 and (i >= len(in_shape) or in_shape[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(in_shape) or j >= len(out_shape):
+            raise ValueError(f"view from {list(in_shape)} to {list(out_shape)} has mismatched sizes")
+        gi, gj = [i], [j]
+        pi, pj = in_shape[i], out_shape[j]
+        i += 1
+        j += 1
+        while pi != pj:
+            if pi < pj:
+                pi *= in_shape[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= out_shape[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _normalize_dims(dims: Any, rank: int) -> list[int]:
+    if dims is None:
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % rank if rank else 0 for d in dims]
+
+
+class DimAnalysis:
+    """Union-find over dimension factors for one graph (see module docstring)."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self._parent: list[int] = []
+        self._size: list[int] = []
+        self.dims: dict[fx.Node, Any] = {}
+        self.mixes: dict[fx.Node, list[Dim]] = {}
+        self.restricts: dict[fx.Node, list[Restriction]] = {}
+        self.splits: dict[fx.Node, list[Dim]] = {}
+        self.unknown: set[fx.Node] = set()
+        for node in graph.nodes:
+            self._visit(node)
+
+    # union-find -------------------------------------------------------
+
+    def fresh(self, size: int) -> Dim:
+        self._parent.append(len(self._parent))
+        self._size.append(int(size))
+        return (len(self._parent) - 1,)
+
+    def find(self, factor: int) -> int:
+        while self._parent[factor] != factor:
+            self._parent[factor] = self._parent[self._parent[factor]]
+            factor = self._parent[factor]
+        return factor
+
+    def unify(self, a: Dim, b: Dim) -> None:
+        if len(a) != len(b):
+            return
+        for fa, fb in zip(a, b):
+            ra, rb = self.find(fa), self.find(fb)
+            if ra != rb and self._size[ra] == self._size[rb]:
+                self._parent[rb] = ra
+
+    def classes(self, dim: Dim) -> tuple[int, ...]:
+        return tuple(self.find(f) for f in dim)
+
+    def factor_size(self, factor: int) -> int:
+        return self._size[self.find(factor)]
+
+    def dims_of(self, node: fx.Node) -> list[Dim]:
+        dims = self.dims.get(node)
+        return dims if isinstance(dims, list) and (not dims or isinstance(dims[0], tuple)) else []
+
+    def dim_index(self, node: fx.Node, cls: int) -> int | None:
+        """Index of the first dimension of `node` that contains class `cls`."""
+        for i, dim in enumerate(self.dims_of(node)):
+            if cls in self.classes(dim):
+                return i
+        return None
+
+    def has_class(self, node: fx.Node, cls: int) -> bool:
+        return self.dim_index(node, cls) is not None
+
+    # the walk -----------------------------------------------------------
+
+    def _fresh_dims(self, shape: Sequence[int]) -> list[Dim]:
+        return [self.fresh(s) for s in shape]
+
+    def _visit(self, node: fx.Node) -> None:
+        value = node.meta.get("longstraw_value")
+        if node.op in ("placeholder", "get_attr"):
+            self.dims[node] = self._fresh_for(value)
+            return
+        if not is_call(node):
+            return
+        name = op_name(node)
+        if name in _NO_VALUE or value is None:
+            return
+        rule = _RULES.get(name)
+        if rule is None:
+            if name in _SAME_AS_SELF:
+                rule = _same_as_self
+            elif name in _BROADCAST:
+                rule = _broadcast
+        out = rule(self, node) if rule is not None else None
+        if out is None:
+            self.dims[node] = self._fresh_for(value)
+            if any(tensor_of(a) is not None for a in node.all_input_nodes) or isinstance(value, torch.Tensor):
+                self.unknown.add(node)
+            return
+        self.dims[node] = out
+
+    def _fresh_for(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._fresh_dims(value.shape)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return [self._fresh_dims(v.shape) for v in value]
+        return None
+
+    def _in(self, node: Any) -> tuple[list[Dim], tuple[int, ...]]:
+        t = tensor_of(node)
+        return self.dims_of(node), tuple(t.shape)
+
+    def _out_shape(self, node: fx.Node) -> tuple[int, ...]:
+        return tuple(tensor_of(node).shape)
+
+    def _broadcast_dims(self, inputs: list[fx.Node], out_shape: tuple[int, ...]) -> list[Dim]:
+        out: list[Dim] = []
+        ins = [self._in(n) for n in inputs]
+        for i, size in enumerate(out_shape):
+            candidates = []
+            for dims, shape in ins:
+                j = i - (len(out_shape) - len(shape))
+                if j >= 0 and shape[j] == size:
+                    candidates.append(dims[j])
+            for c in candidates[1:]:
+                self.unify(candidates[0], c)
+            out.append(candidates[0] if candidates else self.fresh(size))
+        return out
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    flat: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: flat.append(n) if tensor_of(n) is not None else None)
+    return flat
+
+
+def _same_as_self(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or tensor_of(src) is None:
+        return None
+    if tuple(tensor_of(src).shape) != an._out_shape(node):
+        return _broadcast(an, node)
+    return list(an.dims_of(src))
+
+
+def _broadcast(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    if tensor_of(node) is None:
+        return None
+    return an._broadcast_dims(_tensor_args(node), an._out_shape(node))
+
+
+def _linear(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, _ = an._in(node.args[0])
+    return dims[:-1] + [an.fresh(an._out_shape(node)[-1])]
+
+
+def _embedding(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, _ = an._in(node.args[0])
+    return dims + [an.fresh(an._out_shape(node)[-1])]
+
+
+def _view(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    src = node.args[0]
+    in_dims, in_shape = an._in(src)
+    out_shape = an._out_shape(node)
+    out: list[Dim | None] = [None] * len(out_shape)
+    for gi, gj in view_groups(in_shape, out_shape):
+        if len(gi) == 1 and len(gj) == 1:
+            out[gj[0]] = in_dims[gi[0]]
+        elif len(gj) == 1:
+            merged = tuple(f for i in gi for f in in_dims[i])
+            out[gj[0]] = merged if gi else an.fresh(out_shape[gj[0]])
+        elif len(gi) == 1 and gj:
+            factors = in_dims[gi[0]]
+            sizes = [out_shape[j] for j in gj]
+            if len(factors) == len(gj) and [an.factor_size(f) for f in factors] == sizes:
+                for j, f in zip(gj, factors):
+                    out[j] = (f,)
+            else:
+                an.splits.setdefault(node, []).append(factors)
+                for j in gj:
+                    out[j] = an.fresh(out_shape[j])
+        else:
+            for i in gi:
+                if gj:
+                    an.splits.setdefault(node, []).append(in_dims[i])
+            for j in gj:
+                out[j] = an.fresh(out_shape[j])
+    return [d if d is not None else an.fresh(s) for d, s in zip(out, out_shape)]
+
+
+def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    rank = len(shape)
+    if op_name(node) == "t":
+        a, b = 0, rank - 1
+    else:
+        a, b = arg(node, 1, "dim0") % rank, arg(node, 2, "dim1") % rank
+    out = list(dims)
+    out[a], out[b] = out[b], out[a]
+    return out
+
+
+def _permute(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    order = size_args(node) if node.op == "call_method" else list(arg(node, 1, "dims"))
+    return [dims[d % len(shape)] for d in order]
+
+
+def _unsqueeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 1, "dim") % (len(shape) + 1)
+    return dims[:d] + [an.fresh(1)] + dims[d:]
+
+
+def _squeeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    which = arg(node, 1, "dim")
+    drop = set(_normalize_dims(which, len(shape))) if which is not None else set(range(len(shape)))
+    return [d for i, (d, s) in enumerate(zip(dims, shape)) if not (i in drop and s == 1)]
+
+
+def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    out_shape = an._out_shape(node)
+    out = []
+    for i, size in enumerate(out_shape):
+        j = i - (len(out_shape) - len(shape))
+        out.append(dims[j] if j >= 0 and shape[j] == size else an.fresh(size))
+    if op_name(node) == "expand_as":
+        other, _ = an._in(node.args[1])
+        for o, d in zip(other, out):
+            an.unify(o, d)
+    return out
+
+
+def _repeat(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    out_shape = an._out_shape(node)
+    out = []
+    for i, size in enumerate(out_shape):
+        j = i - (len(out_shape) - len(shape))
+        out.append(dims[j] if j >= 0 and shape[j] == size else an.fresh(size))
+    return out
+
+
+def _repeat_interleave(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 2, "dim")
+    if d is None:
+        return None
+    d %= len(shape)
+    out = list(dims)
+    out[d] = an.fresh(an._out_shape(node)[d])
+    return out
+
+
+def _getitem(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    src = node.args[0]
+    src_dims = an.dims.get(src)
+    index = node.args[1]
+    if tensor_of(src) is None:
+        # element of a tuple-valued node (split, chunk, unbind...)
+        if isinstance(src_dims, list) and isinstance(index, int) and src_dims and isinstance(src_dims[0], list):
+            return src_dims[index]
+        return None
+    dims, shape = an._in(src)
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in items):
+        return None
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(shape) - consumed) + items[k + 1:]
+    else:
+        items = items + [slice(None)] * (len(shape) - consumed)
+    out: list[Dim] = []
+    restrictions: list[Restriction] = []
+    d = 0
+    for item in items:
+        if item is None:
+            out.append(an.fresh(1))
+            continue
+        size = shape[d]
+        if isinstance(item, int):
+            pos = item % size
+            restrictions.append(Restriction(d, None, pos, pos + 1))
+        elif isinstance(item, slice):
+            start, stop, step = item.indices(size)
+            if step != 1:
+                return None
+            if start == 0 and stop == size:
+                out.append(dims[d])
+            else:
+                restrictions.append(Restriction(d, len(out), start, max(start, stop)))
+                out.append(an.fresh(max(0, stop - start)))
+        else:
+            return None
+        d += 1
+    if restrictions:
+        an.restricts[node] = restrictions
+    return out
+
+
+def _narrow(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    dims, shape = an._in(node.args[0])
+    d, start, length = arg(node, 1, "dim"), arg(node, 2, "start"), arg(node, 3, "length")
+    if not all(isinstance(v, int) for v in (d, start, length)):
+        return None
+    d %= len(shape)
+    start %= shape[d] if shape[d] else 1
+    out = list(dims)
+    if start == 0 and length == shape[d]:
+        return out
+    out[d] = an.fresh(length)
+    an.restricts[node] = [Restriction(d, d, start, start + length)]
+    return out
+
+
+def _select(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    dims, shape = an._in(node.args[0])
+    d, index = arg(node, 1, "dim"), arg(node, 2, "index")
+    if not isinstance(index, int):
+        return None
+    d %= len(shape)
+    pos = index % shape[d]
+    an.restricts[node] = [Restriction(d, None, pos, pos + 1)]
+    return dims[:d] + dims[d + 1:]
+
+
+def _cat(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    tensors = arg(node, 0, "tensors")
+    d = arg(node, 1, "dim", 0)
+    parts = [t for t in tensors if isinstance(t, fx.Node) and tensor_of(t) is not None]
+    out_shape = an._out_shape(node)
+    d %= len(out_shape)
+    # `torch.cat([torch.tensor([]), k])`, as HF attention does without a cache
+    parts = [p for p in parts if not (tensor_of(p).dim() == 1 and tensor_of(p).numel() == 0)]
+    if not parts:
+        return None
+    first, _ = an._in(parts[0])
+    for p in parts[1:]:
+        dims, _ = an._in(p)
+        for i, (a, b) in enumerate(zip(first, dims)):
+            if i != d:
+                an.unify(a, b)
+    out = list(first)
+    if len(parts) > 1:
+        out[d] = an.fresh(out_shape[d])
+    return out
+
+
+def _stack(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    tensors = arg(node, 0, "tensors")
+    d = arg(node, 1, "dim", 0) % len(an._out_shape(node))
+    first, _ = an._in(tensors[0])
+    for t in tensors[1:]:
+        dims, _ = an._in(t)
+        for a, b in zip(first, dims):
+            an.unify(a, b)
+    return first[:d] + [an.fresh(len(tensors))] + first[d:]
+
+
+def _split(an: DimAnalysis, node: fx.Node) -> list[list[Dim]] | None:
+    dims, shape = an._in(node.args[0])
+    name = op_name(node)
+    d = arg(node, 2 if name != "unbind" else 1, "dim", 0) % len(shape)
+    value = node.meta["longstraw_value"]
+    an.splits.setdefault(node, []).append(dims[d])
+    result = []
+    for piece in value:
+        out = list(dims)
+        if name == "unbind":
+            out.pop(d)
+        else:
+            out[d] = an.fresh(piece.shape[d])
+        result.append(out)
+    return result
+
+
+def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or tensor_of(src) is None:
+        return None
+    dims, shape = an._in(src)
+    which = arg(node, 1, "dim")
+    keepdim = arg(node, 2, "keepdim", False)
+    if op_name(node) in ("std", "var") and "correction" in node.kwargs:
+        keepdim = node.kwargs.get("keepdim", False)
+    reduced = _normalize_dims(which, len(shape))
+    an.mixes[node] = [dims[i] for i in reduced]
+    out = []
+    for i, dim in enumerate(dims):
+        if i in reduced:
+            if keepdim:
+                out.append(an.fresh(1))
+        else:
+            out.append(dim)
+    return out if len(out) == len(an._out_shape(node)) else None
+
+
+def _along_dim(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 1, "dim")
+    an.mixes[node] = [dims[i] for i in _normalize_dims(d, len(shape))]
+    return list(dims)
+
+
+def _norm(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, shape = an._in(node.args[0])
+    normalized = arg(node, 1, "normalized_shape")
+    k = len(normalized) if isinstance(normalized, (tuple, list, torch.Size)) else 1
+    an.mixes[node] = dims[len(dims) - k:]
+    return list(dims)
+
+
+def _matmul(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    a, b = node.args[0], node.args[1]
+    (da, sa), (db, sb) = an._in(a), an._in(b)
+    if len(sa) < 2 or len(sb) < 2:
+        return None
+    an.unify(da[-1], db[-2])
+    an.mixes[node] = [da[-1]]
+    out_shape = an._out_shape(node)
+    batch_shape = out_shape[:-2]
+    batch: list[Dim] = []
+    for i, size in enumerate(batch_shape):
+        candidates = []
+        for dims, shape in ((da[:-2], sa[:-2]), (db[:-2], sb[:-2])):
+            j = i - (len(batch_shape) - len(shape))
+            if j >= 0 and shape[j] == size:
+                candidates.append(dims[j])
+        for c in candidates[1:]:
+            an.unify(candidates[0], c)
+        batch.append(candidates[0] if candidates else an.fresh(size))
+    return batch + [da[-2], db[-1]]
+
+
+def _gather(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    src = node.args[0]
+    d = arg(node, 1, "dim")
+    index = arg(node, 2, "index")
+    (ds, ss), (di, si) = an._in(src), an._in(index)
+    d %= len(ss)
+    for i, (a, b) in enumerate(zip(ds, di)):
+        if i != d and ss[i] == si[i]:
+            an.unify(a, b)
+    an.mixes[node] = [ds[d]]
+    return list(di)
+
+
+def _sdpa(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    q, k, v = node.args[0], node.args[1], node.args[2]
+    (dq, sq), (dk, sk), (dv, sv) = an._in(q), an._in(k), an._in(v)
+    for i in range(len(sq) - 2):
+        if sk[i] == sq[i]:
+            an.unify(dq[i], dk[i])
+    an.unify(dk[-2], dv[-2])
+    mask = arg(node, 3, "attn_mask")
+    if isinstance(mask, fx.Node) and tensor_of(mask) is not None:
+        dm, sm = an._in(mask)
+        if len(sm) >= 1 and sm[-1] == sk[-2]:
+            an.unify(dm[-1], dk[-2])
+        if len(sm) >= 2 and sm[-2] == sq[-2]:
+            an.unify(dm[-2], dq[-2])
+        for i in range(1, len(sm) - 1):
+            j = len(sq) - 1 - i
+            if j >= 0 and sm[-1 - i] == sq[j] and sm[-1 - i] != 1:
+                an.unify(dm[-1 - i], dq[j])
+    an.mixes[node] = [dq[-2], dk[-2]]
+    return dq[:-1] + [dv[-1]]
+
+
+def _factory(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    return an._fresh_dims(an._out_shape(node))
+
+
+def _like(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    return list(an.dims_of(node.args[0]))
+
+
+def _triangular(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    dims, _ = an._in(node.args[0])
+    an.mixes[node] = dims[-2:]
+    return list(dims)
+
+
+_RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
+    "linear": _linear,
+    "embedding": _embedding,
+    "view": _view, "reshape": _view, "flatten": _view, "unflatten": _view, "view_as": _view, "reshape_as": _view,
+    "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose, "t": _transpose,
+    "permute": _permute,
+    "unsqueeze": _unsqueeze, "squeeze": _squeeze,
+    "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
+    "repeat": _repeat, "repeat_interleave": _repeat_interleave,
+    "getitem": _getitem, "narrow": _narrow, "select": _select,
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
+    "split": _split, "chunk": _split, "unbind": _split,
+    "matmul": _matmul, "bmm": _matmul, "mm": _matmul,
+    "gather": _gather,
+    "scaled_dot_product_attention": _sdpa,
+    "rms_norm": _norm, "layer_norm": _norm,
+    "tril": _triangular, "triu": _triangular,
+    **{name: _reduce for name in _REDUCE},
+    **{name: _along_dim for name in _ALONG_DIM},
+    **{name: _factory for name in _FACTORY},
+    **{name: _like for name in _LIKE},
+}
+
+# `operator.matmul` shows up as "matmul"; keep a reference so linters see it used.
+_ = (operator.matmul, math.prod)

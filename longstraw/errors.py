@@ -1,0 +1,56 @@
+"""Errors the backend raises on purpose, each naming the node that caused it."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+class LongStrawError(RuntimeError):
+    """Base class of every error LongStraw raises deliberately."""
+
+
+class UnsupportedGraphError(LongStrawError):
+    """The loss graph cannot be rewritten into prompt capture plus branch replay."""
+
+
+class InputError(LongStrawError):
+    """The runtime inputs break an assumption the compiled plan relies on."""
+
+
+def describe_node(node: fx.Node) -> str:
+    """Operator, module path and user source line of a node, for error messages."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    parts = [f"operator `{target}` (node `{node.name}`)"]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        parts.append(f"in module `{_clean_module_path(path)}`")
+    frame = _user_frame(node)
+    if frame:
+        parts.append(f"at {frame}")
+    return " ".join(parts)
+
+
+def _clean_module_path(path: str) -> str:
+    """`L['model']._modules['model'].layers[0]` -> `model.model.layers.0`."""
+    out = path.replace("L['", "").replace("']", "").replace("._modules['", ".").replace("['", ".")
+    return out.replace("[", ".").replace("]", "")
+
+
+def _user_frame(node: fx.Node) -> str | None:
+    """Last `File "...", line N` entry of the recorded user stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
+    if not lines:
+        return None
+    # 'File "/x/y.py", line 12, in forward' -> 'y.py:12 (forward)'
+    last = lines[-1]
+    try:
+        path = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+        func = last.rsplit("in ", 1)[1]
+        return f"{path}:{lineno} ({func})"
+    except IndexError:
+        return last

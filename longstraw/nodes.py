@@ -1,0 +1,91 @@
+"""Predicates over Dynamo FX nodes, shared by the analyses and the passes.
+
+Dynamo records torch-level calls: `call_function` nodes whose target is a
+torch function or an `operator` builtin, and `call_method` nodes whose target
+is a Tensor method name. `op_name` folds both into one vocabulary.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+
+def op_name(node: fx.Node) -> str:
+    """A single name for the operation a node performs (`linear`, `view`, `mul`...)."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target))
+        return name.lstrip("_") if name in ("__and__", "__or__", "__xor__", "__invert__") else name
+    return node.op
+
+
+def is_call(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method")
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node) == "scaled_dot_product_attention"
+
+
+def is_grad_mode_switch(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+
+
+def is_side_effect(node: fx.Node) -> bool:
+    """Nodes that return nothing but must keep their place in the program."""
+    return node.op == "call_function" and node.target in (
+        torch._C._set_grad_enabled,
+        torch._C._log_api_usage_once,
+    )
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def value_of(node: fx.Node) -> Any:
+    """The example value (a FakeTensor, a tuple of them, an int...) recorded for a node."""
+    return node.meta["longstraw_value"]
+
+
+def tensor_of(node: fx.Node) -> torch.Tensor | None:
+    value = node.meta.get("longstraw_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Input nodes whose values are tensors, in argument order, without duplicates."""
+    seen: dict[fx.Node, None] = {}
+    for arg in node.all_input_nodes:
+        if tensor_of(arg) is not None:
+            seen[arg] = None
+    return list(seen)
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument lookup."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def size_args(node: fx.Node) -> list[Any]:
+    """The size list of view/reshape/expand-like calls, which Dynamo records
+    either as varargs `x.view(3, 17, -1)` or as one tuple `x.view((3, 17, -1))`."""
+    rest = node.args[1:] if node.op == "call_method" else node.args[1:]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        return list(rest[0])
+    if not rest and "size" in node.kwargs:
+        return list(node.kwargs["size"])
+    if not rest and "shape" in node.kwargs:
+        return list(node.kwargs["shape"])
+    return list(rest)
+
+
+def walk_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    yield from graph.nodes

@@ -1,0 +1,42 @@
+"""Backend options: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+from .errors import LongStrawError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    prompt_grad: Literal["exact", "detached"] = "exact"
+    """`exact`: gradients flow through the captured prompt state, as in eager.
+    `detached`: the state of prompt positions 0..P-2 is a constant (the
+    reference system's objective); the last prompt token runs in every branch."""
+
+    prefix_chunk_size: int = 32768
+    """Prompt positions evaluated per chunk during capture and the reverse pass."""
+
+    on_unsupported: Literal["error", "eager"] = "error"
+    """`error`: raise, naming the operator, module and source line.
+    `eager`: warn once and run the graph unchanged (no memory savings)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_grad not in ("exact", "detached"):
+            raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
+        if not isinstance(self.prefix_chunk_size, int) or self.prefix_chunk_size < 1:
+            raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
+        if self.on_unsupported not in ("error", "eager"):
+            raise LongStrawError(f"on_unsupported must be 'error' or 'eager', got {self.on_unsupported!r}")
+
+    @classmethod
+    def from_any(cls, options: "Options | Mapping[str, Any] | None") -> "Options":
+        if options is None:
+            return cls()
+        if isinstance(options, Options):
+            return options
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise LongStrawError(f"unknown longstraw option(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**options)

@@ -1,0 +1,332 @@
+"""Classify every node of the loss graph and record the decisions.
+
+- *sequence* nodes carry the token axis (the union-find class of the
+  attention queries' position dimension): they run in prompt chunks and in
+  branch replays, one position range at a time;
+- *roots* are the first sequence nodes built from inputs (`cat([prompt
+  .expand(G, -1), responses], 1)`), computed once per call and sliced;
+- *exits* restrict the token axis to the positions the loss reads
+  (`logits[:, P-1:-1]`); the earliest exit bounds the shared prefix;
+- *branch* nodes follow exits and stay per-row along the group axis; the
+  ones the tail reads are the branch outputs;
+- *tail* nodes are everything after (the loss reduction), run under
+  autograd on the stacked branch outputs;
+- *outer* nodes depend on no sequence node: parameter-only ones are
+  recomputed where needed, data ones are computed once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.fx as fx
+
+from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claiming_pass
+
+from .boundary import choose_state
+from .dims import DimAnalysis, Restriction
+from .errors import InputError, UnsupportedGraphError, describe_node
+from .nodes import is_call, is_side_effect, op_name, tensor_inputs, tensor_of
+from .state import StateSlot
+
+log = logging.getLogger("longstraw.partition")
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    """A sequence tensor built from inputs: sliced per chunk and per branch."""
+
+    node: fx.Node
+    token_dim: int
+    batch_dim: int | None
+    structural_prefix: int | None  # prompt length when the graph proves rows equal
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    node: fx.Node
+    restriction: Restriction  # on the token axis, in full-sequence positions
+
+
+@dataclasses.dataclass
+class Partition:
+    """Every decision about one graph; the step builder and the summary read it."""
+
+    graph: fx.Graph
+    placeholders: list[fx.Node]
+    params: set[fx.Node]
+    dims: DimAnalysis
+    token: int
+    batch: int
+    seq_len: int
+    group_size: int
+    claims: dict[fx.Node, ArchitecturePass]
+    sites: dict[fx.Node, list[SiteState]]
+    slots: list[StateSlot]
+    roots: list[Root]
+    exits: list[Exit]
+    sequence: set[fx.Node]
+    branch: set[fx.Node]
+    tail: set[fx.Node]
+    outer_data: set[fx.Node]
+    branch_outputs: list[fx.Node]
+    first_consumed: int
+
+    def batch_dim(self, node: fx.Node) -> int | None:
+        return self.dims.dim_index(node, self.batch)
+
+    def token_dim(self, node: fx.Node) -> int | None:
+        return self.dims.dim_index(node, self.token)
+
+
+def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
+    return UnsupportedGraphError(
+        f"{describe_node(node)} {why}. LongStraw needs every operator that mixes sequence positions to be "
+        "claimed by an architecture pass (see longstraw.passes). Pass options={'on_unsupported': 'eager'} "
+        "to run this graph unchanged instead."
+    )
+
+
+def partition(
+    gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
+) -> Partition:
+    graph = gm.graph
+    an = DimAnalysis(graph)
+    claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
+    if not claims:
+        raise UnsupportedGraphError(
+            "no attention (or other position-mixing operator claimed by a pass) found in the loss graph: "
+            "there is no prompt state to share between the group's responses"
+        )
+    for node, p in claims.items():
+        reason = p.unsupported_reason(node)
+        if reason:
+            raise _unsupported(node, f"cannot be replayed incrementally: {reason}")
+
+    token, batch = _seed_axes(claims, an)
+    sequence = {n for n in graph.nodes if _has_class(an, n, token)}
+    _check_sequence_ops(graph, an, token, sequence, claims)
+    exits = _find_exits(graph, an, token, sequence)
+    roots = _find_roots(an, token, batch, sequence, params)
+    seq_len = an.factor_size(token)
+    first_consumed = min(e.restriction.start for e in exits)
+    for e in exits:
+        if e.restriction.stop <= e.restriction.start:
+            raise InputError(
+                f"the loss reads an empty range of positions at {describe_node(e.node)}: "
+                "responses must have at least one token"
+            )
+    post = _descendants(graph, {e.node for e in exits}) - sequence
+    for node in sequence:
+        for arg in node.all_input_nodes:
+            if arg in post:
+                raise _unsupported(node, "combines a restricted range of positions with the full sequence (a shift)")
+    for node in graph.find_nodes(op="output"):
+        for arg in node.all_input_nodes:
+            if arg in sequence:
+                raise _unsupported(arg, "is returned from the loss with its full sequence axis (prompt positions included)")
+    branch, tail = _split_branch_tail(graph, an, batch, post, {e.node for e in exits})
+    branch_outputs = [
+        n for n in graph.nodes if n in branch and any(u in tail or u.op == "output" for u in n.users)
+    ]
+    if not branch_outputs:
+        raise UnsupportedGraphError("the loss reads nothing per response: no branch outputs were found")
+    outer = set(graph.nodes) - sequence - post
+    outer_data = {n for n in outer if _depends_on_data(n, params)}
+    slots, sites = choose_state(claims, an, token, batch)
+    group_size = _group_size(roots)
+    part = Partition(
+        graph=graph,
+        placeholders=list(graph.find_nodes(op="placeholder")),
+        params=params,
+        dims=an,
+        token=token,
+        batch=batch,
+        seq_len=seq_len,
+        group_size=group_size,
+        claims=claims,
+        sites=sites,
+        slots=slots,
+        roots=roots,
+        exits=exits,
+        sequence=sequence,
+        branch=branch,
+        tail=tail,
+        outer_data=outer_data,
+        branch_outputs=branch_outputs,
+        first_consumed=first_consumed,
+    )
+    log.debug(
+        "partition: %d sequence, %d branch, %d tail nodes; %d state slots; first consumed position %d",
+        len(sequence), len(branch), len(tail), len(slots), first_consumed,
+    )
+    return part
+
+
+def _has_class(an: DimAnalysis, node: fx.Node, cls: int) -> bool:
+    dims = an.dims.get(node)
+    if not dims:
+        return False
+    if isinstance(dims[0], list):
+        return any(cls in an.classes(d) for piece in dims for d in piece)
+    return any(cls in an.classes(d) for d in dims)
+
+
+def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tuple[int, int]:
+    tokens, batches = set(), set()
+    for node, p in claims.items():
+        (seq_node, seq_dim), (batch_node, batch_dim) = p.position_dims(node)
+        tokens.add(an.classes(an.dims_of(seq_node)[seq_dim]))
+        batches.add(an.dims_of(batch_node)[batch_dim])
+    if len(tokens) != 1 or len(next(iter(tokens))) != 1:
+        raise UnsupportedGraphError(
+            "the attention operators of this graph do not share one sequence axis "
+            f"(found {len(tokens)} distinct axes); only decoder self-attention over one sequence is supported"
+        )
+    batch_list = list(batches)
+    for b in batch_list[1:]:
+        an.unify(batch_list[0], b)
+    token = next(iter(tokens))[0]
+    batch = an.classes(batch_list[0])[0]
+    if token == batch:
+        raise UnsupportedGraphError("the batch and sequence axes of the attention queries could not be told apart")
+    return token, batch
+
+
+def _check_sequence_ops(
+    graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], claims: dict
+) -> None:
+    for node in graph.nodes:
+        if not is_call(node) or is_side_effect(node) or node in claims:
+            continue
+        seq_inputs = [a for a in node.all_input_nodes if a in sequence]
+        for dim in an.splits.get(node, []):
+            if token in an.classes(dim):
+                raise _unsupported(node, "splits the sequence axis (e.g. into fixed-size chunks)")
+        if not seq_inputs and node not in sequence:
+            continue
+        if node in an.unknown:
+            raise _unsupported(node, "has no dimension rule and touches the sequence axis")
+        if any(token in an.classes(d) for d in an.mixes.get(node, [])):
+            raise _unsupported(node, "mixes values across sequence positions")
+        if node not in sequence and not _restricts_token(an, node, token):
+            raise _unsupported(node, "reduces or drops the sequence axis")
+
+
+def _restricts_token(an: DimAnalysis, node: fx.Node, token: int) -> Restriction | None:
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node):
+        return None
+    dims = an.dims_of(src)
+    for r in an.restricts.get(node, []):
+        if token in an.classes(dims[r.in_dim]):
+            return r
+    return None
+
+
+def _find_exits(graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node]) -> list[Exit]:
+    exits = []
+    for node in graph.nodes:
+        if node in sequence or not is_call(node):
+            continue
+        r = _restricts_token(an, node, token)
+        if r is not None and node.args[0] in sequence:
+            exits.append(Exit(node, r))
+    if not exits:
+        raise UnsupportedGraphError(
+            "the loss never selects response positions from the sequence (e.g. `logits[:, P-1:-1]`), "
+            "so no shared prefix can be skipped"
+        )
+    return exits
+
+
+def _group_invariant(node: fx.Node, an: DimAnalysis, batch: int) -> bool:
+    """Whether every row of `node` along the group axis is provably the same
+    (it was broadcast from a tensor without that axis)."""
+    name = op_name(node)
+    if name in ("expand", "broadcast_to", "expand_as", "repeat"):
+        src = node.args[0]
+        batch_dim = an.dim_index(node, batch)
+        offset = tensor_of(node).dim() - tensor_of(src).dim()
+        src_dim = None if batch_dim is None else batch_dim - offset
+        return src_dim is None or src_dim < 0 or tensor_of(src).shape[src_dim] == 1
+    if name in ("contiguous", "clone", "to", "long", "int", "view", "reshape"):
+        return _group_invariant(node.args[0], an, batch)
+    return False
+
+
+def _find_roots(
+    an: DimAnalysis, token: int, batch: int, sequence: set[fx.Node], params: set[fx.Node]
+) -> list[Root]:
+    roots = []
+    for node in sequence:
+        inputs = tensor_inputs(node)
+        if not inputs or any(i in sequence for i in inputs):
+            continue
+        if not any(_depends_on_data(i, params) for i in inputs):
+            continue
+        token_dim = an.dim_index(node, token)
+        structural = None
+        if op_name(node) in ("cat", "concat") and node.args:
+            parts = list(node.args[0])
+            cat_dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % tensor_of(node).dim()
+            if cat_dim == token_dim and len(parts) >= 2 and _group_invariant(parts[0], an, batch):
+                structural = tensor_of(parts[0]).shape[cat_dim]
+        roots.append(Root(node, token_dim, an.dim_index(node, batch), structural))
+    if not roots:
+        raise UnsupportedGraphError(
+            "no shared prefix found: no input-built tensor carries the sequence axis (expected e.g. "
+            "`torch.cat([prompt.expand(G, -1), responses], 1)` or input ids whose rows share a prefix)"
+        )
+    return sorted(roots, key=lambda r: r.node.name)
+
+
+def _descendants(graph: fx.Graph, starts: set[fx.Node]) -> set[fx.Node]:
+    out = set(starts)
+    for node in graph.nodes:
+        if any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _split_branch_tail(
+    graph: fx.Graph, an: DimAnalysis, batch: int, post: set[fx.Node], exits: set[fx.Node]
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Branch nodes stay per row along the group axis; the rest of `post` is tail."""
+    branch: set[fx.Node] = set()
+    tail: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node not in post or node.op == "output":
+            continue
+        per_row = (
+            tensor_of(node) is not None
+            and node not in an.unknown
+            and an.has_class(node, batch)
+            and not any(batch in an.classes(d) for d in an.mixes.get(node, []))
+            and not any(a in tail for a in node.all_input_nodes)
+            and not any(batch in an.classes(an.dims_of(node.args[0])[r.in_dim]) for r in an.restricts.get(node, []))
+        )
+        (branch if per_row else tail).add(node)
+    return branch, tail
+
+
+def _depends_on_data(node: fx.Node, params: set[fx.Node]) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n not in params and isinstance(tensor_of(n), torch.Tensor):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _group_size(roots: list[Root]) -> int:
+    sizes = {tensor_of(r.node).shape[r.batch_dim] if r.batch_dim is not None else 1 for r in roots}
+    if len(sizes) != 1:
+        raise InputError(f"inputs disagree on the group size: {sorted(sizes)}")
+    return sizes.pop()

@@ -1,0 +1,224 @@
+"""Execution of a partitioned loss: capture, branches, replay, reverse pass.
+
+Forward (no autograd): the outer graph once; the prompt row in chunks of
+`prefix_chunk_size`, filling the state buffers; each branch on its own
+positions, reading the state. The stacked branch outputs go to the tail,
+which runs under ordinary autograd.
+
+Backward: each branch is replayed with autograd and differentiated with its
+slice of the tail's gradient; parameter gradients are summed over branches
+and, in exact mode, the gradient of the state is accumulated into d(state).
+Exact mode then walks the prompt chunks in reverse, recomputing each with
+autograd from the (immutable) state before it and differentiating it with
+d(state) of its own positions. Gradients are returned to autograd, which
+accumulates them into `.grad` exactly as for any other function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from .errors import InputError
+from .options import Options
+from .partition import Partition
+from .state import PromptState, StepContext
+from .stepgraph import StepGraph, step_imports
+
+log = logging.getLogger("longstraw.runtime")
+
+
+@dataclasses.dataclass
+class CallState:
+    """Everything one forward leaves for its backward."""
+
+    values: dict[Any, torch.Tensor]
+    state: PromptState
+    prefix_len: int
+
+
+class GroupRunner:
+    def __init__(
+        self, part: Partition, options: Options, outer: StepGraph, prefix: StepGraph, branch: StepGraph
+    ) -> None:
+        self.part = part
+        self.options = options
+        self.outer = outer
+        self.prefix = prefix
+        self.branch = branch
+        self.roots = {r.node: r for r in part.roots}
+        self.position = {p: i for i, p in enumerate(part.placeholders)}
+        self.imports = step_imports(part)
+        self.last_prefix_len: int | None = None
+
+    # inputs of the steps ------------------------------------------------
+
+    def _step_inputs(
+        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int
+    ) -> list[Any]:
+        out = []
+        for node in step.externals:
+            if node in self.roots:
+                root = self.roots[node]
+                value = values[node]
+                if root.batch_dim is not None:
+                    value = value.narrow(root.batch_dim, row, 1)
+                out.append(value.narrow(root.token_dim, offset, length))
+            elif node in values:
+                value = values[node]
+                batch_dim = self.part.batch_dim(node)
+                if batch_dim is not None and isinstance(value, torch.Tensor):
+                    value = value.narrow(batch_dim, row, 1)
+                out.append(value)
+            else:
+                out.append(inputs[self.position[node]])
+        return out
+
+    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
+        size = self.options.prefix_chunk_size
+        return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
+
+    def _prefix_len(self, values: dict) -> int:
+        """Positions captured as state: before the first position the loss
+        reads, and shared by every row (proved by the graph, else checked)."""
+        prefix_len = self.part.first_consumed
+        for root in self.part.roots:
+            if root.structural_prefix is not None:
+                shared = root.structural_prefix
+            else:
+                shared = _shared_prefix(values[root.node], root.batch_dim, root.token_dim)
+                if shared == 0 and self.part.group_size > 1:
+                    raise InputError(
+                        f"no shared prefix: the rows of `{root.node.name}` already differ at position 0, "
+                        "so the group has no common prompt to capture"
+                    )
+            prefix_len = min(prefix_len, shared)
+        return prefix_len
+
+    def _check_group(self, values: dict) -> None:
+        group = self.part.group_size
+        for node, value in values.items():
+            batch_dim = self.part.batch_dim(node)
+            if isinstance(value, torch.Tensor) and batch_dim is not None and value.shape[batch_dim] != group:
+                raise InputError(
+                    f"`{node.name}` has {value.shape[batch_dim]} rows along the group axis, expected {group}"
+                )
+
+    # forward ------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
+        part = self.part
+        values = dict(zip(self.imports, self.outer.module(*inputs)))
+        self._check_group(values)
+        prefix_len = self._prefix_len(values)
+        self.last_prefix_len = prefix_len
+        device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
+        state = PromptState(part.slots, capacity=part.seq_len, prefix_len=prefix_len, device=device)
+        for offset, length in self._chunks(prefix_len):
+            ctx = StepContext(state, offset, length, grad_enabled=False)
+            self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+        branch_len = part.seq_len - prefix_len
+        per_branch = []
+        for row in range(part.group_size):
+            ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
+            per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
+        outputs = [
+            torch.cat([b[i] for b in per_branch], dim=part.batch_dim(node))
+            for i, node in enumerate(part.branch_outputs)
+        ]
+        log.info(
+            "forward: G=%d, %d prompt positions captured in %d chunks, %d positions per branch",
+            part.group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
+        )
+        return outputs, CallState(values, state, prefix_len)
+
+    # backward -----------------------------------------------------------
+
+    def backward(
+        self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        part, state, prefix_len = self.part, call.state, call.prefix_len
+        wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        exact = self.options.prompt_grad == "exact" and prefix_len > 0
+        if exact:
+            state.allocate_grads()
+        branch_len = part.seq_len - prefix_len
+        for row in range(part.group_size):
+            slices = [
+                None if g is None else g.narrow(part.batch_dim(node), row, 1)
+                for g, node in zip(grad_outputs, part.branch_outputs)
+            ]
+            with torch.enable_grad():
+                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
+                outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, call.values, row, prefix_len, branch_len))
+                self._accumulate(grads, wanted, inputs, outs, slices)
+        if exact:
+            for offset, length in reversed(self._chunks(prefix_len)):
+                with torch.enable_grad():
+                    ctx = StepContext(state, offset, length, grad_enabled=True)
+                    outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
+                    seeds = [
+                        g.narrow(slot.token_dim, offset, length) for g, slot in zip(state.grads, part.slots)
+                    ]
+                    self._accumulate(grads, wanted, inputs, outs, seeds)
+        state.release()
+        return grads
+
+    @staticmethod
+    def _accumulate(
+        grads: list[torch.Tensor | None],
+        wanted: list[int],
+        inputs: Sequence[Any],
+        outputs: Sequence[torch.Tensor],
+        seeds: Sequence[torch.Tensor | None],
+    ) -> None:
+        pairs = [(o, s) for o, s in zip(outputs, seeds) if s is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if not pairs or not wanted:
+            return
+        result = torch.autograd.grad(
+            [o for o, _ in pairs], [inputs[i] for i in wanted], [s for _, s in pairs], allow_unused=True
+        )
+        for i, g in zip(wanted, result):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i].add_(g)
+
+
+def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:
+    """Number of leading positions at which every row equals the first."""
+    if batch_dim is None:
+        return value.shape[token_dim]
+    same = value == value.narrow(batch_dim, 0, 1)
+    other = [d for d in range(value.dim()) if d != token_dim]
+    per_position = same.permute(token_dim, *other).reshape(value.shape[token_dim], -1).all(dim=1)
+    differs = (~per_position).nonzero()
+    return int(differs[0, 0]) if differs.numel() else value.shape[token_dim]
+
+
+class GroupFunction(torch.autograd.Function):
+    """Autograd boundary: inputs are all placeholders of the loss graph,
+    outputs the stacked branch outputs."""
+
+    @staticmethod
+    def forward(ctx, runner: GroupRunner, *inputs):
+        outputs, call = runner.forward(inputs)
+        ctx.runner, ctx.call = runner, call
+        tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
+        ctx.tensor_positions = tensor_positions
+        ctx.others = [None if isinstance(x, torch.Tensor) else x for x in inputs]
+        ctx.save_for_backward(*[inputs[i] for i in tensor_positions])
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        inputs = list(ctx.others)
+        for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+            inputs[i] = t
+        grads = ctx.runner.backward(ctx.call, inputs, grad_outputs)
+        ctx.call = None
+        return (None, *grads)

@@ -1,0 +1,303 @@
+"""Code generation: the graphs the runtime executes.
+
+- `outer`: computes, once per call and without autograd, the roots and the
+  data-only values the steps read;
+- `step` (prefix and branch kinds): the sequence part of the original
+  graph for one row and positions `[o, o+n)`, with claimed operators
+  replaced by their incremental versions and captured tensors written to
+  state; the branch kind continues through the branch nodes to the branch
+  outputs;
+- `tail`: the nodes after the branch outputs, run under autograd.
+
+With static shapes Dynamo bakes the group size and sequence length into
+arguments (`view(3, 17, -1, 8)`, `arange(17)`). The step rewrites exactly
+the arguments whose output dimension carries the token or group class
+(from `dims.py`), never by matching values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .errors import UnsupportedGraphError, describe_node
+from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
+from .partition import Partition
+from .state import write_state
+
+_SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
+_SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
+
+
+@dataclasses.dataclass
+class StepGraph:
+    """A generated graph and the original nodes its inputs stand for."""
+
+    module: fx.GraphModule
+    externals: list[fx.Node]  # placeholder i of `module` (after ctx) is externals[i]
+
+
+def _needed(outputs: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    needed: set[fx.Node] = set()
+    stack = list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n not in stop:
+            stack.extend(n.all_input_nodes)
+    return needed
+
+
+def _module(graph: fx.Graph, name: str) -> fx.GraphModule:
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph, class_name=name)
+
+
+def build_outer(part: Partition) -> StepGraph:
+    """Roots and data values the steps import, from the original placeholders."""
+    imports = step_imports(part)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
+    for node in part.graph.nodes:
+        if node in _needed(imports, set(part.placeholders)) and node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[n] for n in imports))
+    return StepGraph(_module(graph, "LongStrawOuter"), list(part.placeholders))
+
+
+def step_imports(part: Partition) -> list[fx.Node]:
+    """Values computed once per call by the outer graph: roots, and data-only
+    nodes read by sequence or branch nodes."""
+    roots = [r.node for r in part.roots]
+    used: dict[fx.Node, None] = {r: None for r in roots}
+    for node in part.graph.nodes:
+        if node in part.sequence or node in part.branch:
+            if node in roots:
+                continue
+            for a in node.all_input_nodes:
+                if a in part.outer_data:
+                    used[a] = None
+    return list(used)
+
+
+def build_tail(part: Partition) -> StepGraph:
+    """The original graph after the branch outputs: `tail(*placeholders, *branch_outputs)`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
+    for out in part.branch_outputs:
+        env[out] = graph.placeholder(f"branch_{out.name}")
+    output = next(iter(part.graph.find_nodes(op="output")))
+    needed = _needed([output], set(env))
+    ambient = graph.call_function(torch.is_grad_enabled)
+    for node in part.graph.nodes:
+        if node in env or node not in needed and not is_grad_mode_switch(node):
+            continue
+        if is_grad_mode_switch(node):
+            graph.call_function(torch._C._set_grad_enabled, (graph.call_function(operator.and_, (node.args[0], ambient)),))
+            continue
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    return StepGraph(_module(graph, "LongStrawTail"), list(part.placeholders) + part.branch_outputs)
+
+
+class _StepBuilder:
+    def __init__(self, part: Partition, kind: str) -> None:
+        self.part = part
+        self.kind = kind
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+
+    # sizes ---------------------------------------------------------------
+
+    def new_size(self, node: fx.Node, dim: int) -> Any:
+        """The size of `node`'s dimension `dim` in the step: token factors become
+        the step length, group factors 1, other factors keep their size."""
+        an = self.part.dims
+        const, symbolic = 1, False
+        for f in an.dims_of(node)[dim]:
+            cls = an.find(f)
+            if cls == self.part.token:
+                symbolic = True
+            elif cls != self.part.batch:
+                const *= an.factor_size(f)
+        if not symbolic:
+            return const
+        return self.length if const == 1 else self.graph.call_function(operator.mul, (const, self.length))
+
+    def labelled(self, node: fx.Node, dim: int) -> bool:
+        an = self.part.dims
+        return any(an.find(f) in (self.part.token, self.part.batch) for f in an.dims_of(node)[dim])
+
+    def resized(self, node: fx.Node, sizes: list[Any], first_dim: int = 0) -> list[Any]:
+        """Rewrite a size list whose entry i is output dimension first_dim + i."""
+        out = []
+        for i, size in enumerate(sizes):
+            d = first_dim + i
+            out.append(size if size == -1 or not self.labelled(node, d) else self.new_size(node, d))
+        return out
+
+    # emission ------------------------------------------------------------
+
+    def mapped(self, a: Any) -> Any:
+        """Original nodes to their step counterparts; nodes already in the step graph stay."""
+        return fx.node.map_arg(a, lambda n: n if n.graph is self.graph else self.env[n])
+
+    def copy(self, node: fx.Node, args: tuple | None = None, kwargs: dict | None = None) -> fx.Node:
+        args = self.mapped(node.args if args is None else args)
+        kwargs = self.mapped(node.kwargs if kwargs is None else kwargs)
+        new = self.graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        return new
+
+    def emit(self, node: fx.Node) -> Any:
+        part, name = self.part, op_name(node)
+        if is_grad_mode_switch(node):
+            flag = self.graph.call_function(operator.and_, (node.args[0], self.ambient))
+            return self.graph.call_function(torch._C._set_grad_enabled, (flag,))
+        if node in part.claims:
+            return part.claims[node].emit_step(self.graph, node, self.ctx, self.env.__getitem__, part.sites[node])
+        if tensor_of(node) is None:
+            return self.copy(node)
+        if name == "arange":
+            return self.emit_arange(node)
+        if name in ("getitem", "narrow", "select") and node in part.dims.restricts:
+            return self.emit_restriction(node)
+        if node.op == "call_method" and name in _SIZED_METHODS:
+            if name == "new_full":
+                sizes = self.resized(node, list(node.args[1]))
+                return self.copy(node, (node.args[0], tuple(sizes), *node.args[2:]), node.kwargs)
+            kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "shape")}
+            return self.copy(node, (node.args[0], tuple(self.resized(node, size_args(node)))), kwargs)
+        if node.op == "call_function" and name == "reshape":
+            return self.copy(node, (node.args[0], tuple(self.resized(node, list(node.args[1])))), node.kwargs)
+        if node.op == "call_function" and name in _SIZED_FACTORIES:
+            return self.emit_factory(node)
+        if name == "repeat" and any(self.labelled(node, d) for d in range(tensor_of(node).dim())):
+            mults = size_args(node)
+            offset = tensor_of(node).dim() - len(mults)
+            if any(m != 1 and self.labelled(node, i + offset) for i, m in enumerate(mults)):
+                raise UnsupportedGraphError(f"{describe_node(node)} repeats along the sequence or group axis")
+        if name == "unflatten":
+            d = arg(node, 1, "dim") % tensor_of(node.args[0]).dim()
+            sizes = self.resized(node, list(arg(node, 2, "sizes")), first_dim=d)
+            return self.copy(node, (node.args[0], d, tuple(sizes)), {})
+        return self.copy(node)
+
+    def emit_arange(self, node: fx.Node) -> fx.Node:
+        if not self.labelled(node, 0):
+            return self.copy(node)
+        if self.part.dims.find(self.part.dims.dims_of(node)[0][0]) != self.part.token:
+            raise UnsupportedGraphError(f"{describe_node(node)} enumerates the group axis, which branch replay splits")
+        numeric = [a for a in node.args if isinstance(a, (int, float))]
+        start = numeric[0] if len(numeric) >= 2 else node.kwargs.get("start", 0)
+        step = numeric[2] if len(numeric) >= 3 else node.kwargs.get("step", 1)
+        if step != 1:
+            raise UnsupportedGraphError(f"{describe_node(node)}: positions with a step other than 1")
+        begin = self.graph.call_function(operator.add, (start, self.offset))
+        end = self.graph.call_function(operator.add, (begin, self.length))
+        kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
+        return self.copy(node, (begin, end), kwargs)
+
+    def emit_factory(self, node: fx.Node) -> fx.Node:
+        name = op_name(node)
+        if name == "full":
+            sizes = list(node.args[0])
+            return self.copy(node, (tuple(self.resized(node, sizes)), *node.args[1:]), node.kwargs)
+        sizes = list(node.args[0]) if len(node.args) == 1 and isinstance(node.args[0], (tuple, list)) else list(node.args)
+        return self.copy(node, (tuple(self.resized(node, sizes)),), node.kwargs)
+
+    def emit_restriction(self, node: fx.Node) -> fx.Node:
+        """Slices on the token axis: identity ranges stay identity; exits
+        (in the branch step) are shifted to the step's local positions."""
+        part = self.part
+        src = node.args[0]
+        src_dims = part.dims.dims_of(src)
+        rewrites: dict[int, Any] = {}
+        for r in part.dims.restricts[node]:
+            cls = part.dims.classes(src_dims[r.in_dim])
+            if part.batch in cls:
+                raise UnsupportedGraphError(f"{describe_node(node)} indexes the group axis inside a branch")
+            if part.token not in cls:
+                continue
+            if self.kind != "branch":
+                raise AssertionError(f"exit {node.name} reached from a prefix step")
+            start = self.graph.call_function(operator.sub, (r.start, self.offset))
+            stop = self.graph.call_function(operator.sub, (r.stop, self.offset))
+            rewrites[r.in_dim] = (start, stop, r.out_dim is None)
+        name = op_name(node)
+        if name == "getitem":
+            return self.copy(node, (src, self.rewrite_index(node, src, rewrites)), {})
+        if not rewrites:
+            return self.copy(node)
+        ((d, (start, stop, _)),) = rewrites.items()
+        if name == "narrow":
+            return self.copy(node, (src, d, start, self.graph.call_function(operator.sub, (stop, start))), {})
+        return self.copy(node, (src, d, start), {})
+
+    def rewrite_index(self, node: fx.Node, src: fx.Node, rewrites: dict[int, Any]) -> Any:
+        index = node.args[1]
+        items = list(index) if isinstance(index, tuple) else [index]
+        rank = tensor_of(src).dim()
+        consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+        d, out = 0, []
+        for item in items:
+            if item is Ellipsis:
+                span = rank - consumed
+                for k in range(span):
+                    out.append(self.identity_or(d + k, rewrites, slice(None)))
+                d += span
+                continue
+            if item is None:
+                out.append(None)
+                continue
+            if d in rewrites:
+                start, stop, is_int = rewrites[d]
+                out.append(start if is_int else slice(start, stop, None))
+            elif isinstance(item, slice) and self.labelled(src, d):
+                out.append(slice(None))  # full range of a resized axis
+            else:
+                out.append(item)
+            d += 1
+        return tuple(out) if isinstance(index, tuple) else out[0]
+
+    @staticmethod
+    def identity_or(d: int, rewrites: dict[int, Any], default: Any) -> Any:
+        if d not in rewrites:
+            return default
+        start, stop, is_int = rewrites[d]
+        return start if is_int else slice(start, stop, None)
+
+    def build(self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool]) -> StepGraph:
+        part = self.part
+        slot_of = {s.node: s.index for s in part.slots}
+        stop = {n for n in part.graph.nodes if importer(n)}
+        needed = _needed(outputs, stop)
+        self.ctx = self.graph.placeholder("ctx")
+        externals = [n for n in part.graph.nodes if n in needed and (n in stop or n.op == "placeholder")]
+        for n in externals:
+            self.env[n] = self.graph.placeholder(n.name)
+        self.offset = self.graph.call_function(getattr, (self.ctx, "offset"))
+        self.length = self.graph.call_function(getattr, (self.ctx, "length"))
+        self.ambient = self.graph.call_function(torch.is_grad_enabled)
+        for node in part.graph.nodes:
+            if node in self.env or (node not in needed and not is_grad_mode_switch(node)):
+                continue
+            value = self.emit(node)
+            if node in slot_of:
+                value = self.graph.call_function(write_state, (self.ctx, slot_of[node], value))
+            self.env[node] = value
+        self.graph.output(tuple(self.env[o] for o in outputs))
+        return StepGraph(_module(self.graph, f"LongStraw{self.kind.title()}Step"), externals)
+
+
+def build_step(part: Partition, kind: str) -> StepGraph:
+    """`prefix`: outputs the captured tensors for positions [o, o+n) of the
+    prompt row. `branch`: outputs the branch outputs of one response."""
+    imports = set(step_imports(part))
+    outputs = [s.node for s in part.slots] if kind == "prefix" else list(part.branch_outputs)
+    return _StepBuilder(part, kind).build(outputs, lambda n: n in imports)

@@ -1,0 +1,28 @@
+"""Architecture passes: which operators mix positions, and how to run them
+incrementally from captured state.
+
+A pass claims nodes of the Dynamo graph (by operator and, where needed, by
+module path in `node.meta["nn_module_stack"]`). For every claimed node it
+names the inputs whose earlier positions later positions read (`state_inputs`)
+and emits the incremental step into the step graph (`emit_step`). The core
+finds the cheapest tensors to capture for those inputs and wires them in.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .attention import CausalAttentionPass
+from .base import ArchitecturePass, SiteState
+
+DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(),)
+
+
+def claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES) -> ArchitecturePass | None:
+    for p in passes:
+        if p.claims(node):
+            return p
+    return None
+
+
+__all__ = ["ArchitecturePass", "CausalAttentionPass", "DEFAULT_PASSES", "SiteState", "claiming_pass"]

@@ -1,0 +1,194 @@
+"""Full causal attention: SDPA with `is_causal=True`, with or without GQA.
+
+State per layer: K and V at prompt positions, captured after RoPE and before
+any head repetition (`repeat_kv`), which the step folds into SDPA's
+`enable_gqa`. A step with queries at positions `[o, o+n)` attends to the
+buffer view `[0, o+n)` with a lower-right causal bias, so no
+`n x (o+n)` mask is materialised on backends that support the bias.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
+from longstraw.state import StepContext
+
+from .base import ArchitecturePass, Candidate, SiteState
+
+
+class CausalAttentionPass(ArchitecturePass):
+    name = "causal_attention"
+
+    def claims(self, node: fx.Node) -> bool:
+        return is_sdpa(node)
+
+    def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
+        q = node.args[0]
+        return (q, tensor_of(q).dim() - 2), (q, 0)
+
+    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
+        return [node.args[1], node.args[2]]
+
+    def unsupported_reason(self, node: fx.Node) -> str | None:
+        if arg(node, 3, "attn_mask") is not None:
+            return "SDPA with an explicit attn_mask is not supported yet; use is_causal=True"
+        if not arg(node, 5, "is_causal", False):
+            return "non-causal SDPA lets earlier positions see later ones, so the prompt cannot be captured once"
+        dropout = arg(node, 4, "dropout_p", 0.0)
+        if dropout != 0.0:
+            return f"attention dropout (dropout_p={dropout}) is not replayed yet; put the model in eval mode or set attention_dropout=0"
+        if tensor_of(node.args[0]).dim() != 4:
+            return "SDPA query must be [batch, heads, positions, head_dim]"
+        return None
+
+    def candidates(self, node: fx.Node, state_input: fx.Node) -> list[Candidate]:
+        """Walk up from the key/value input through ops the step can absorb:
+        identities (contiguous, clone, `cat([empty, k])`) and head repetition."""
+        out = [Candidate(state_input, 1)]
+        current, repeat = state_input, 1
+        while True:
+            parent, factor = _absorbable(current)
+            if parent is None:
+                return out
+            current, repeat = parent, repeat * factor
+            out.append(Candidate(current, repeat))
+
+    def emit_step(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        ctx: fx.Node,
+        mapped: Callable[[Any], Any],
+        sites: list[SiteState],
+    ) -> fx.Node:
+        k_site, v_site = sites
+        q = node.args[0]
+        kwargs = dict(
+            k_slot=k_site.slot,
+            v_slot=v_site.slot,
+            scale=arg(node, 6, "scale"),
+            enable_gqa=bool(arg(node, 7, "enable_gqa", False)) or k_site.transform > 1 or v_site.transform > 1,
+        )
+        return graph.call_function(
+            attention_step, (ctx, mapped(q), mapped(k_site.cut), mapped(v_site.cut)), kwargs
+        )
+
+
+def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
+    """(input, head repeat factor) if `node` is an op the attention step absorbs."""
+    name = op_name(node)
+    if name in ("contiguous", "clone"):
+        return node.args[0], 1
+    if name == "cat":
+        parts = [p for p in arg(node, 0, "tensors") if tensor_of(p).numel() > 0 or tensor_of(p).dim() > 1]
+        if len(parts) == 1 and tensor_of(parts[0]).shape == tensor_of(node).shape:
+            return parts[0], 1
+        return None, 1
+    if name == "repeat_interleave":
+        repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+        if isinstance(repeats, int) and dim in (1, -3) and tensor_of(node).dim() == 4:
+            return node.args[0], repeats
+        return None, 1
+    if name in ("reshape", "view"):
+        # repeat_kv: x[:, :, None].expand(b, h, r, l, d).reshape(b, h * r, l, d)
+        src = node.args[0]
+        if op_name(src) != "expand" or tensor_of(node).dim() != 4 or tensor_of(src).dim() != 5:
+            return None, 1
+        inner = src.args[0]
+        b, h, r, l, d = tensor_of(src).shape
+        if tuple(tensor_of(inner).shape) != (b, h, 1, l, d) or tuple(tensor_of(node).shape) != (b, h * r, l, d):
+            return None, 1
+        base = _unsqueezed_from(inner)
+        if base is None:
+            return None, 1
+        return base, r
+    return None, 1
+
+
+def _unsqueezed_from(node: fx.Node) -> fx.Node | None:
+    """The 4-D tensor `x` if `node` is `x.unsqueeze(2)` or `x[:, :, None]`."""
+    name = op_name(node)
+    if name == "unsqueeze" and arg(node, 1, "dim") in (2, -3):
+        return node.args[0]
+    if node.target is operator.getitem and isinstance(node.args[1], tuple):
+        index = node.args[1]
+        full = slice(None, None, None)
+        if index[:3] == (full, full, None) and all(i == full or i is Ellipsis for i in index[3:]):
+            return node.args[0]
+    return None
+
+
+def attention_step(
+    ctx: StepContext,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    k_slot: int,
+    v_slot: int,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over all positions so far.
+
+    q: [1, Hq, n, D]; k, v: [1, Hkv, n, D] (the step's own positions, already
+    written to the state buffers by `write_state`)."""
+    return _AttentionOverState.apply(ctx, q, k, v, k_slot, v_slot, scale, enable_gqa)
+
+
+def _attend(q, keys, values, scale, enable_gqa) -> torch.Tensor:
+    n, total = q.shape[-2], keys.shape[-2]
+    if n == total:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=causal_lower_right(n, total), scale=scale, enable_gqa=enable_gqa
+    )
+
+
+class _AttentionOverState(torch.autograd.Function):
+    """Attention whose keys/values before the step live in the state buffers.
+
+    Only q and the step's own k/v are saved; the buffers are read by
+    reference, so replaying a branch never copies the prompt state. Backward
+    recomputes attention over `[0, o+n)`, returns the gradient of the step's
+    positions and adds the rest to d(state) (exact mode)."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, enable_gqa):
+        ctx.step, ctx.slots, ctx.scale, ctx.enable_gqa = step, (k_slot, v_slot), scale, enable_gqa
+        ctx.save_for_backward(q, k, v)
+        return _attend(q, step.visible(k_slot), step.visible(v_slot), scale, enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step: StepContext = ctx.step
+        k_slot, v_slot = ctx.slots
+        q, k, v = ctx.saved_tensors
+        step.write(k_slot, k)
+        step.write(v_slot, v)
+        with torch.enable_grad():
+            q_leaf = q.detach().requires_grad_(True)
+            keys = step.visible(k_slot).detach().requires_grad_(True)
+            values = keys if v_slot == k_slot else step.visible(v_slot).detach().requires_grad_(True)
+            out = _attend(q_leaf, keys, values, ctx.scale, ctx.enable_gqa)
+            leaves = (q_leaf, keys) if values is keys else (q_leaf, keys, values)
+            grads = torch.autograd.grad(out, leaves, grad_out)
+        grad_q, grad_keys = grads[0], grads[1]
+        grad_values = grads[1] if values is keys else grads[2]
+        step.accumulate_grad(k_slot, grad_keys)
+        if v_slot != k_slot:
+            step.accumulate_grad(v_slot, grad_values)
+        o, n = step.offset, step.length
+        grad_k = grad_keys.narrow(-2, o, n)
+        grad_v = grad_values.narrow(-2, o, n)
+        if v_slot == k_slot:
+            grad_k = grad_v = grad_k  # the same tensor feeds both: its gradient already sums both uses
+            return None, grad_q, grad_k, None, None, None, None, None
+        return None, grad_q, grad_k, grad_v, None, None, None, None

@@ -1,0 +1,78 @@
+"""The extension point: what an architecture pass may override."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch.fx as fx
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A tensor the state of a claimed input could be captured as.
+
+    `node` is the candidate; `transform` is pass-specific data that tells the
+    step how to get from the captured tensor back to the claimed input (for
+    attention: how many times K/V heads are repeated)."""
+
+    node: fx.Node
+    transform: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteState:
+    """A claimed input resolved by the core: the captured node `cut` lives in
+    state `slot`; `transform` (from the chosen Candidate) leads back to the input."""
+
+    cut: fx.Node
+    slot: int
+    transform: Any
+
+
+class ArchitecturePass:
+    """Base class of architecture passes.
+
+    Required: `claims`, `position_dims`, `state_inputs`, `emit_step`.
+    Optional: `unsupported_reason` (default: everything claimed is supported),
+    `candidates` (default: capture the claimed input itself).
+    """
+
+    name = "pass"
+
+    def claims(self, node: fx.Node) -> bool:
+        """Whether this pass handles `node` (an operator mixing positions)."""
+        raise NotImplementedError
+
+    def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
+        """(input, dim) of the sequence axis and of the batch (group) axis."""
+        raise NotImplementedError
+
+    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
+        """Inputs whose values at earlier positions later positions read."""
+        raise NotImplementedError
+
+    def unsupported_reason(self, node: fx.Node) -> str | None:
+        """Why this claimed node cannot be run incrementally, or None."""
+        return None
+
+    def candidates(self, node: fx.Node, state_input: fx.Node) -> list[Candidate]:
+        """Tensors the state could be captured as, from `state_input` upwards;
+        the core picks the cheapest per position."""
+        return [Candidate(state_input, None)]
+
+    def emit_step(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        ctx: fx.Node,
+        mapped: Callable[[Any], Any],
+        sites: list[SiteState],
+    ) -> fx.Node:
+        """Emit into `graph` the incremental version of `node`.
+
+        `mapped` translates a node of the original graph into the step graph;
+        `sites` gives, per `state_inputs` entry, the captured node and slot:
+        `mapped(site.cut)` holds the step's own positions, the slot's buffer
+        all earlier ones."""
+        raise NotImplementedError
