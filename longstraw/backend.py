@@ -174,20 +174,32 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     copy = fx.GraphModule(gm, graph)
+    _fold_scalar_inputs(copy, args)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     with fake_mode, torch.no_grad():
         _Recorder(copy).run(*fake_args)
     for node in list(copy.graph.nodes):
         value = node.meta.get("longstraw_value")
-        if node.op == "output" or isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            continue
-        constant = int(value)
-        for user in list(node.users):
-            user.args = fx.node.map_arg(user.args, lambda a: constant if a is node else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: constant if a is node else a)
-        if node.op != "placeholder":
-            copy.graph.erase_node(node)
+        if node.op != "output" and not isinstance(value, bool) and isinstance(value, (int, torch.SymInt)):
+            _replace_with_constant(node, int(value))
     copy.graph.eliminate_dead_code()
     copy.recompile()
     return copy
+
+
+def _replace_with_constant(node: fx.Node, constant: Any) -> None:
+    for user in list(node.users):
+        user.args = fx.node.map_arg(user.args, lambda a: constant if a is node else a)
+        user.kwargs = fx.node.map_arg(user.kwargs, lambda a: constant if a is node else a)
+    if node.op != "placeholder":
+        node.graph.erase_node(node)
+
+
+def _fold_scalar_inputs(gm: fx.GraphModule, args: Sequence[Any]) -> None:
+    """`x.item()` of a scalar input (Dynamo lifts Python floats such as
+    `F.embedding`'s norm_type to tensors under `dynamic=True`) becomes its value."""
+    for placeholder, value in zip(list(gm.graph.find_nodes(op="placeholder")), args):
+        for user in list(placeholder.users):
+            if user.op == "call_method" and user.target == "item" and isinstance(value, torch.Tensor):
+                _replace_with_constant(user, value.item())

@@ -68,6 +68,7 @@ class Partition:
     roots: list[Root]
     exits: list[Exit]
     sequence: set[fx.Node]
+    positional: set[fx.Node]
     branch: set[fx.Node]
     tail: set[fx.Node]
     outer_data: set[fx.Node]
@@ -107,7 +108,8 @@ def partition(
 
     token, batch = _seed_axes(claims, an)
     sequence = {n for n in graph.nodes if _has_class(an, n, token)}
-    _check_sequence_ops(graph, an, token, sequence, claims)
+    positional = _positional(graph, claims, sequence)
+    _check_sequence_ops(graph, an, token, sequence - positional, claims)
     exits = _find_exits(graph, an, token, sequence)
     roots = _find_roots(an, token, batch, sequence, params)
     seq_len = an.factor_size(token)
@@ -152,6 +154,7 @@ def partition(
         roots=roots,
         exits=exits,
         sequence=sequence,
+        positional=positional,
         branch=branch,
         tail=tail,
         outer_data=outer_data,
@@ -193,6 +196,27 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
     if token == batch:
         raise UnsupportedGraphError("the batch and sequence axes of the attention queries could not be told apart")
     return token, batch
+
+
+def _positional(graph: fx.Graph, claims: dict[fx.Node, ArchitecturePass], sequence: set[fx.Node]) -> set[fx.Node]:
+    """Sequence nodes used only to build claimed nodes' positional inputs
+    (masks): the step rebuilds those per block instead of running them."""
+    roots = {m for node, p in claims.items() for m in p.positional_inputs(node) if m in sequence}
+    consumers = {node: set(p.positional_inputs(node)) for node, p in claims.items()}
+    out: set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node not in sequence or not (node in roots or node.users):
+            continue
+        if all(u in out or (u in consumers and not _used_outside(u, node, consumers[u])) for u in node.users):
+            out.add(node)
+    return out
+
+
+def _used_outside(user: fx.Node, node: fx.Node, positional_inputs: set[fx.Node]) -> bool:
+    """Whether `user` reads `node` other than as one of its positional inputs."""
+    uses: list[fx.Node] = []
+    fx.node.map_arg((user.args, user.kwargs), uses.append)
+    return uses.count(node) > (1 if node in positional_inputs else 0)
 
 
 def _check_sequence_ops(

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from .errors import UnsupportedGraphError, describe_node
 from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
+from .dims import DimAnalysis
 from .partition import Partition
 from .state import write_state
 
@@ -41,14 +42,18 @@ class StepGraph:
     externals: list[fx.Node]  # placeholder i of `module` (after ctx) is externals[i]
 
 
-def _needed(outputs: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """Ancestors of `outputs`, not looking past `stop`. Nodes in `positional`
+    are emitted as query x key blocks, not as themselves: only the inputs
+    they read from outside are needed."""
     needed: set[fx.Node] = set()
     stack = list(outputs)
     while stack:
         n = stack.pop()
         if n in needed:
             continue
-        needed.add(n)
+        if n not in positional:
+            needed.add(n)
         if n not in stop:
             stack.extend(n.all_input_nodes)
     return needed
@@ -105,40 +110,59 @@ def build_tail(part: Partition) -> StepGraph:
     return StepGraph(_module(graph, "LongStrawTail"), list(part.placeholders) + part.branch_outputs)
 
 
+@dataclasses.dataclass
+class _Sizing:
+    """How a step resizes dimensions: each sequence class becomes a range
+    `(offset, length)` of positions, the group class becomes 1."""
+
+    dims: DimAnalysis
+    ranges: dict[int, tuple[Any, Any]]
+    batch: int | None
+
+    def range_of(self, node: fx.Node, dim: int) -> tuple[Any, Any] | None:
+        factors = self.dims.dims_of(node)[dim]
+        if len(factors) == 1:
+            return self.ranges.get(self.dims.find(factors[0]))
+        return None
+
+    def labelled(self, node: fx.Node, dim: int) -> bool:
+        return any(self.dims.find(f) in self.ranges or self.dims.find(f) == self.batch for f in self.dims.dims_of(node)[dim])
+
+
 class _StepBuilder:
+    """Copies the needed part of the graph into a step graph (see module docstring)."""
+
     def __init__(self, part: Partition, kind: str) -> None:
         self.part = part
         self.kind = kind
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
+        self.blocks: dict[fx.Node, fx.Node] = {}
 
     # sizes ---------------------------------------------------------------
 
     def new_size(self, node: fx.Node, dim: int) -> Any:
-        """The size of `node`'s dimension `dim` in the step: token factors become
-        the step length, group factors 1, other factors keep their size."""
-        an = self.part.dims
-        const, symbolic = 1, False
+        """The size of `node`'s dimension `dim` in the step: sequence factors
+        become their range's length, group factors 1, others keep their size."""
+        an = self.sizing.dims
+        const, lengths = 1, []
         for f in an.dims_of(node)[dim]:
             cls = an.find(f)
-            if cls == self.part.token:
-                symbolic = True
-            elif cls != self.part.batch:
+            if cls in self.sizing.ranges:
+                lengths.append(self.sizing.ranges[cls][1])
+            elif cls != self.sizing.batch:
                 const *= an.factor_size(f)
-        if not symbolic:
-            return const
-        return self.length if const == 1 else self.graph.call_function(operator.mul, (const, self.length))
-
-    def labelled(self, node: fx.Node, dim: int) -> bool:
-        an = self.part.dims
-        return any(an.find(f) in (self.part.token, self.part.batch) for f in an.dims_of(node)[dim])
+        size: Any = const
+        for length in lengths:
+            size = length if size == 1 else self.graph.call_function(operator.mul, (size, length))
+        return size
 
     def resized(self, node: fx.Node, sizes: list[Any], first_dim: int = 0) -> list[Any]:
         """Rewrite a size list whose entry i is output dimension first_dim + i."""
         out = []
         for i, size in enumerate(sizes):
             d = first_dim + i
-            out.append(size if size == -1 or not self.labelled(node, d) else self.new_size(node, d))
+            out.append(size if size == -1 or not self.sizing.labelled(node, d) else self.new_size(node, d))
         return out
 
     # emission ------------------------------------------------------------
@@ -160,12 +184,14 @@ class _StepBuilder:
             flag = self.graph.call_function(operator.and_, (node.args[0], self.ambient))
             return self.graph.call_function(torch._C._set_grad_enabled, (flag,))
         if node in part.claims:
-            return part.claims[node].emit_step(self.graph, node, self.ctx, self.env.__getitem__, part.sites[node])
+            return part.claims[node].emit_step(self, node, part.sites[node])
         if tensor_of(node) is None:
             return self.copy(node)
         if name == "arange":
             return self.emit_arange(node)
-        if name in ("getitem", "narrow", "select") and node in part.dims.restricts:
+        if name in ("tril", "triu"):
+            return self.emit_triangular(node)
+        if name in ("getitem", "narrow", "select") and node in self.sizing.dims.restricts:
             return self.emit_restriction(node)
         if node.op == "call_method" and name in _SIZED_METHODS:
             if name == "new_full":
@@ -177,10 +203,10 @@ class _StepBuilder:
             return self.copy(node, (node.args[0], tuple(self.resized(node, list(node.args[1])))), node.kwargs)
         if node.op == "call_function" and name in _SIZED_FACTORIES:
             return self.emit_factory(node)
-        if name == "repeat" and any(self.labelled(node, d) for d in range(tensor_of(node).dim())):
+        if name == "repeat":
             mults = size_args(node)
             offset = tensor_of(node).dim() - len(mults)
-            if any(m != 1 and self.labelled(node, i + offset) for i, m in enumerate(mults)):
+            if any(m != 1 and self.sizing.labelled(node, i + offset) for i, m in enumerate(mults)):
                 raise UnsupportedGraphError(f"{describe_node(node)} repeats along the sequence or group axis")
         if name == "unflatten":
             d = arg(node, 1, "dim") % tensor_of(node.args[0]).dim()
@@ -189,19 +215,33 @@ class _StepBuilder:
         return self.copy(node)
 
     def emit_arange(self, node: fx.Node) -> fx.Node:
-        if not self.labelled(node, 0):
+        if not self.sizing.labelled(node, 0):
             return self.copy(node)
-        if self.part.dims.find(self.part.dims.dims_of(node)[0][0]) != self.part.token:
+        span = self.sizing.range_of(node, 0)
+        if span is None:
             raise UnsupportedGraphError(f"{describe_node(node)} enumerates the group axis, which branch replay splits")
         numeric = [a for a in node.args if isinstance(a, (int, float))]
         start = numeric[0] if len(numeric) >= 2 else node.kwargs.get("start", 0)
         step = numeric[2] if len(numeric) >= 3 else node.kwargs.get("step", 1)
         if step != 1:
             raise UnsupportedGraphError(f"{describe_node(node)}: positions with a step other than 1")
-        begin = self.graph.call_function(operator.add, (start, self.offset))
-        end = self.graph.call_function(operator.add, (begin, self.length))
+        offset, length = span
+        begin = self.graph.call_function(operator.add, (start, offset))
+        end = self.graph.call_function(operator.add, (begin, length))
         kwargs = {k: v for k, v in node.kwargs.items() if k not in ("start", "end", "step")}
         return self.copy(node, (begin, end), kwargs)
+
+    def emit_triangular(self, node: fx.Node) -> fx.Node:
+        """`tril(x, d)` keeps column - row <= d; on a block whose rows start at
+        r0 and columns at c0 that is column' - row' <= d + r0 - c0."""
+        src = node.args[0]
+        rank = tensor_of(src).dim()
+        rows, cols = self.sizing.range_of(src, rank - 2), self.sizing.range_of(src, rank - 1)
+        if rows is None and cols is None:
+            return self.copy(node)
+        diagonal = arg(node, 1, "diagonal", 0)
+        shift = self.graph.call_function(operator.sub, (rows[0] if rows else 0, cols[0] if cols else 0))
+        return self.copy(node, (src, self.graph.call_function(operator.add, (diagonal, shift))), {})
 
     def emit_factory(self, node: fx.Node) -> fx.Node:
         name = op_name(node)
@@ -214,20 +254,21 @@ class _StepBuilder:
     def emit_restriction(self, node: fx.Node) -> fx.Node:
         """Slices on the token axis: identity ranges stay identity; exits
         (in the branch step) are shifted to the step's local positions."""
-        part = self.part
+        an = self.sizing.dims
         src = node.args[0]
-        src_dims = part.dims.dims_of(src)
+        src_dims = an.dims_of(src)
         rewrites: dict[int, Any] = {}
-        for r in part.dims.restricts[node]:
-            cls = part.dims.classes(src_dims[r.in_dim])
-            if part.batch in cls:
+        for r in an.restricts[node]:
+            cls = an.classes(src_dims[r.in_dim])
+            if self.sizing.batch in cls:
                 raise UnsupportedGraphError(f"{describe_node(node)} indexes the group axis inside a branch")
-            if part.token not in cls:
+            span = self.sizing.range_of(src, r.in_dim)
+            if span is None:
                 continue
             if self.kind != "branch":
-                raise AssertionError(f"exit {node.name} reached from a prefix step")
-            start = self.graph.call_function(operator.sub, (r.start, self.offset))
-            stop = self.graph.call_function(operator.sub, (r.stop, self.offset))
+                raise UnsupportedGraphError(f"{describe_node(node)} restricts the sequence axis inside the prompt computation")
+            start = self.graph.call_function(operator.sub, (r.start, span[0]))
+            stop = self.graph.call_function(operator.sub, (r.stop, span[0]))
             rewrites[r.in_dim] = (start, stop, r.out_dim is None)
         name = op_name(node)
         if name == "getitem":
@@ -248,35 +289,62 @@ class _StepBuilder:
         for item in items:
             if item is Ellipsis:
                 span = rank - consumed
-                for k in range(span):
-                    out.append(self.identity_or(d + k, rewrites, slice(None)))
+                out.extend(self.index_item(d + k, rewrites, slice(None), src) for k in range(span))
                 d += span
-                continue
-            if item is None:
+            elif item is None:
                 out.append(None)
-                continue
-            if d in rewrites:
-                start, stop, is_int = rewrites[d]
-                out.append(start if is_int else slice(start, stop, None))
-            elif isinstance(item, slice) and self.labelled(src, d):
-                out.append(slice(None))  # full range of a resized axis
             else:
-                out.append(item)
-            d += 1
+                out.append(self.index_item(d, rewrites, item, src))
+                d += 1
         return tuple(out) if isinstance(index, tuple) else out[0]
 
-    @staticmethod
-    def identity_or(d: int, rewrites: dict[int, Any], default: Any) -> Any:
-        if d not in rewrites:
-            return default
-        start, stop, is_int = rewrites[d]
-        return start if is_int else slice(start, stop, None)
+    def index_item(self, d: int, rewrites: dict[int, Any], item: Any, src: fx.Node) -> Any:
+        if d in rewrites:
+            start, stop, is_int = rewrites[d]
+            return start if is_int else slice(start, stop, None)
+        if isinstance(item, slice) and self.sizing.labelled(src, d):
+            return slice(None)  # the full range of a resized axis
+        return item
+
+    # attention masks and other query x key blocks --------------------------
+
+    def query_key_block(self, node: fx.Node) -> fx.Node:
+        """Emit `node` (e.g. an attention mask `[..., L, L]` computed from
+        positions only) for the step's rows `[o, o+n)` and the visible
+        columns `[0, o+n)`.
+
+        The subgraph is copied as a tree, so a position tensor used for both
+        rows and columns gets one copy per role, and dimension propagation on
+        the tree tells rows from columns; the tree is then emitted with rows
+        and columns resized separately."""
+        if node in self.blocks:
+            return self.blocks[node]
+        tree, root, leaves = _tree_copy(node, self.part.sequence)
+        an = DimAnalysis(tree)
+        rank = tensor_of(root).dim()
+        row_cls = an.find(an.dims_of(root)[rank - 2][0])
+        col_cls = an.find(an.dims_of(root)[rank - 1][0])
+        if row_cls == col_cls:
+            raise UnsupportedGraphError(f"{describe_node(node)}: cannot tell the rows of this mask from its columns")
+        visible = self.graph.call_function(operator.add, (self.offset, self.length))
+        saved = self.sizing, self.env
+        self.sizing = _Sizing(an, {row_cls: (self.offset, self.length), col_cls: (0, visible)}, None)
+        self.env = {leaf: saved[1][original] for leaf, original in leaves.items()}
+        try:
+            for tree_node in tree.nodes:
+                if tree_node not in self.env:
+                    self.env[tree_node] = self.emit(tree_node)
+            block = self.env[root]
+        finally:
+            self.sizing, self.env = saved
+        self.blocks[node] = block
+        return block
 
     def build(self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool]) -> StepGraph:
         part = self.part
         slot_of = {s.node: s.index for s in part.slots}
         stop = {n for n in part.graph.nodes if importer(n)}
-        needed = _needed(outputs, stop)
+        needed = _needed(outputs, stop, part.positional)
         self.ctx = self.graph.placeholder("ctx")
         externals = [n for n in part.graph.nodes if n in needed and (n in stop or n.op == "placeholder")]
         for n in externals:
@@ -284,6 +352,7 @@ class _StepBuilder:
         self.offset = self.graph.call_function(getattr, (self.ctx, "offset"))
         self.length = self.graph.call_function(getattr, (self.ctx, "length"))
         self.ambient = self.graph.call_function(torch.is_grad_enabled)
+        self.sizing = _Sizing(part.dims, {part.token: (self.offset, self.length)}, part.batch)
         for node in part.graph.nodes:
             if node in self.env or (node not in needed and not is_grad_mode_switch(node)):
                 continue
@@ -293,6 +362,27 @@ class _StepBuilder:
             self.env[node] = value
         self.graph.output(tuple(self.env[o] for o in outputs))
         return StepGraph(_module(self.graph, f"LongStraw{self.kind.title()}Step"), externals)
+
+
+def _tree_copy(node: fx.Node, sequence: set[fx.Node]) -> tuple[fx.Graph, fx.Node, dict[fx.Node, fx.Node]]:
+    """Copy the sequence ancestors of `node` into a new graph, one copy per
+    use. Inputs outside the sequence domain become placeholders (`leaves`:
+    tree placeholder -> original node)."""
+    tree = fx.Graph()
+    leaves: dict[fx.Node, fx.Node] = {}
+
+    def visit(n: fx.Node) -> fx.Node:
+        if n not in sequence:
+            leaf = tree.placeholder(n.name)
+            leaf.meta = dict(n.meta)
+            leaves[leaf] = n
+            return leaf
+        new = tree.node_copy(n, visit)
+        new.meta = dict(n.meta)
+        return new
+
+    root = visit(node)
+    return tree, root, leaves
 
 
 def build_step(part: Partition, kind: str) -> StepGraph:

@@ -1,16 +1,18 @@
-"""Full causal attention: SDPA with `is_causal=True`, with or without GQA.
+"""Full causal attention: SDPA with `is_causal=True` or an explicit mask
+computed from positions, with or without GQA.
 
 State per layer: K and V at prompt positions, captured after RoPE and before
 any head repetition (`repeat_kv`), which the step folds into SDPA's
 `enable_gqa`. A step with queries at positions `[o, o+n)` attends to the
 buffer view `[0, o+n)` with a lower-right causal bias, so no
-`n x (o+n)` mask is materialised on backends that support the bias.
+`n x (o+n)` mask is materialised on backends that support the bias. An
+explicit mask is rebuilt by the step for its rows and visible columns (see
+`StepEmitter.query_key_block`); that block is materialised.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -20,7 +22,7 @@ from torch.nn.attention.bias import causal_lower_right
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
-from .base import ArchitecturePass, Candidate, SiteState
+from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 
 
 class CausalAttentionPass(ArchitecturePass):
@@ -36,10 +38,21 @@ class CausalAttentionPass(ArchitecturePass):
     def state_inputs(self, node: fx.Node) -> list[fx.Node]:
         return [node.args[1], node.args[2]]
 
+    def positional_inputs(self, node: fx.Node) -> list[fx.Node]:
+        mask = arg(node, 3, "attn_mask")
+        return [mask] if isinstance(mask, fx.Node) else []
+
     def unsupported_reason(self, node: fx.Node) -> str | None:
-        if arg(node, 3, "attn_mask") is not None:
-            return "SDPA with an explicit attn_mask is not supported yet; use is_causal=True"
-        if not arg(node, 5, "is_causal", False):
+        mask = arg(node, 3, "attn_mask")
+        if mask is not None:
+            if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
+                return "attn_mask must be a tensor of at least [queries, keys]"
+            if _reads_inputs(mask):
+                return (
+                    "the attn_mask depends on inputs (e.g. a padding mask); only masks computed from "
+                    "positions are supported: pad responses at the end and mask the loss instead"
+                )
+        elif not arg(node, 5, "is_causal", False):
             return "non-causal SDPA lets earlier positions see later ones, so the prompt cannot be captured once"
         dropout = arg(node, 4, "dropout_p", 0.0)
         if dropout != 0.0:
@@ -60,25 +73,19 @@ class CausalAttentionPass(ArchitecturePass):
             current, repeat = parent, repeat * factor
             out.append(Candidate(current, repeat))
 
-    def emit_step(
-        self,
-        graph: fx.Graph,
-        node: fx.Node,
-        ctx: fx.Node,
-        mapped: Callable[[Any], Any],
-        sites: list[SiteState],
-    ) -> fx.Node:
+    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
         k_site, v_site = sites
         q = node.args[0]
+        mask = arg(node, 3, "attn_mask")
         kwargs = dict(
+            mask=emitter.query_key_block(mask) if mask is not None else None,
             k_slot=k_site.slot,
             v_slot=v_site.slot,
             scale=arg(node, 6, "scale"),
             enable_gqa=bool(arg(node, 7, "enable_gqa", False)) or k_site.transform > 1 or v_site.transform > 1,
         )
-        return graph.call_function(
-            attention_step, (ctx, mapped(q), mapped(k_site.cut), mapped(v_site.cut)), kwargs
-        )
+        args = (emitter.ctx, *emitter.mapped((q, k_site.cut, v_site.cut)))
+        return emitter.graph.call_function(attention_step, args, kwargs)
 
 
 def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
@@ -112,6 +119,19 @@ def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
     return None, 1
 
 
+def _reads_inputs(node: fx.Node) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _unsqueezed_from(node: fx.Node) -> fx.Node | None:
     """The 4-D tensor `x` if `node` is `x.unsqueeze(2)` or `x[:, :, None]`."""
     name = op_name(node)
@@ -131,20 +151,24 @@ def attention_step(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    mask: torch.Tensor | None,
     k_slot: int,
     v_slot: int,
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """Causal attention of the step's queries over all positions so far.
+    """Attention of the step's queries over all positions so far.
 
     q: [1, Hq, n, D]; k, v: [1, Hkv, n, D] (the step's own positions, already
-    written to the state buffers by `write_state`)."""
-    return _AttentionOverState.apply(ctx, q, k, v, k_slot, v_slot, scale, enable_gqa)
+    written to the state buffers by `write_state`); mask: None (causal) or
+    the mask block [..., n, o+n]."""
+    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, enable_gqa)
 
 
-def _attend(q, keys, values, scale, enable_gqa) -> torch.Tensor:
+def _attend(q, keys, values, mask, scale, enable_gqa) -> torch.Tensor:
     n, total = q.shape[-2], keys.shape[-2]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if n == total:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(
@@ -161,23 +185,23 @@ class _AttentionOverState(torch.autograd.Function):
     positions and adds the rest to d(state) (exact mode)."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, enable_gqa):
+    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, enable_gqa):
         ctx.step, ctx.slots, ctx.scale, ctx.enable_gqa = step, (k_slot, v_slot), scale, enable_gqa
-        ctx.save_for_backward(q, k, v)
-        return _attend(q, step.visible(k_slot), step.visible(v_slot), scale, enable_gqa)
+        ctx.save_for_backward(q, k, v, mask)
+        return _attend(q, step.visible(k_slot), step.visible(v_slot), mask, scale, enable_gqa)
 
     @staticmethod
     def backward(ctx, grad_out):
         step: StepContext = ctx.step
         k_slot, v_slot = ctx.slots
-        q, k, v = ctx.saved_tensors
+        q, k, v, mask = ctx.saved_tensors
         step.write(k_slot, k)
         step.write(v_slot, v)
         with torch.enable_grad():
             q_leaf = q.detach().requires_grad_(True)
             keys = step.visible(k_slot).detach().requires_grad_(True)
             values = keys if v_slot == k_slot else step.visible(v_slot).detach().requires_grad_(True)
-            out = _attend(q_leaf, keys, values, ctx.scale, ctx.enable_gqa)
+            out = _attend(q_leaf, keys, values, mask, ctx.scale, ctx.enable_gqa)
             leaves = (q_leaf, keys) if values is keys else (q_leaf, keys, values)
             grads = torch.autograd.grad(out, leaves, grad_out)
         grad_q, grad_keys = grads[0], grads[1]
@@ -190,5 +214,5 @@ class _AttentionOverState(torch.autograd.Function):
         grad_v = grad_values.narrow(-2, o, n)
         if v_slot == k_slot:
             grad_k = grad_v = grad_k  # the same tensor feeds both: its gradient already sums both uses
-            return None, grad_q, grad_k, None, None, None, None, None
-        return None, grad_q, grad_k, grad_v, None, None, None, None
+            return None, grad_q, grad_k, None, None, None, None, None, None
+        return None, grad_q, grad_k, grad_v, None, None, None, None, None

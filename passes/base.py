@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch.fx as fx
 
@@ -30,12 +30,27 @@ class SiteState:
     transform: Any
 
 
+class StepEmitter(Protocol):
+    """What the step builder offers a pass while it emits a claimed node."""
+
+    graph: fx.Graph
+    ctx: fx.Node  # the StepContext placeholder
+
+    def mapped(self, a: Any) -> Any:
+        """Translate original nodes (in any argument structure) into the step graph."""
+
+    def query_key_block(self, node: fx.Node) -> fx.Node:
+        """A `[..., L, L]` positions-only tensor (a mask), emitted for the
+        step's rows and all visible columns."""
+
+
 class ArchitecturePass:
     """Base class of architecture passes.
 
     Required: `claims`, `position_dims`, `state_inputs`, `emit_step`.
     Optional: `unsupported_reason` (default: everything claimed is supported),
-    `candidates` (default: capture the claimed input itself).
+    `candidates` (default: capture the claimed input itself),
+    `positional_inputs` (default: none).
     """
 
     name = "pass"
@@ -56,23 +71,20 @@ class ArchitecturePass:
         """Why this claimed node cannot be run incrementally, or None."""
         return None
 
+    def positional_inputs(self, node: fx.Node) -> list[fx.Node]:
+        """Inputs computed from positions only (masks), which the step rebuilds
+        for its own rows and columns instead of slicing."""
+        return []
+
     def candidates(self, node: fx.Node, state_input: fx.Node) -> list[Candidate]:
         """Tensors the state could be captured as, from `state_input` upwards;
         the core picks the cheapest per position."""
         return [Candidate(state_input, None)]
 
-    def emit_step(
-        self,
-        graph: fx.Graph,
-        node: fx.Node,
-        ctx: fx.Node,
-        mapped: Callable[[Any], Any],
-        sites: list[SiteState],
-    ) -> fx.Node:
-        """Emit into `graph` the incremental version of `node`.
+    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
+        """Emit the incremental version of `node` into `emitter.graph`.
 
-        `mapped` translates a node of the original graph into the step graph;
         `sites` gives, per `state_inputs` entry, the captured node and slot:
-        `mapped(site.cut)` holds the step's own positions, the slot's buffer
-        all earlier ones."""
+        `emitter.mapped(site.cut)` holds the step's own positions, the slot's
+        buffer all earlier ones."""
         raise NotImplementedError
