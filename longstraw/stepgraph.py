@@ -59,6 +59,36 @@ def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node]
     return needed
 
 
+class _GradMode:
+    """Replays the graph's `_set_grad_enabled` regions in a generated graph,
+    emitting a switch only where an emitted node needs another mode than
+    the last one. Modes are and-ed with the mode at entry, so a region that
+    re-enables grad (HF's rotary embedding does) cannot turn autograd on
+    inside a no-grad capture."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.ambient = graph.call_function(torch.is_grad_enabled)
+        self.wanted = self.emitted = True
+
+    def track(self, node: fx.Node) -> bool:
+        """Record a switch of the original graph; True if `node` is one."""
+        if is_grad_mode_switch(node):
+            self.wanted = bool(node.args[0])
+            return True
+        return False
+
+    def sync(self) -> None:
+        if self.wanted != self.emitted:
+            flag = self.graph.call_function(operator.and_, (self.wanted, self.ambient))
+            self.graph.call_function(torch._C._set_grad_enabled, (flag,))
+            self.emitted = self.wanted
+
+    def restore(self) -> None:
+        self.wanted = True
+        self.sync()
+
+
 def _module(graph: fx.Graph, name: str) -> fx.GraphModule:
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph, class_name=name)
@@ -99,14 +129,13 @@ def build_tail(part: Partition) -> StepGraph:
         env[out] = graph.placeholder(f"branch_{out.name}")
     output = next(iter(part.graph.find_nodes(op="output")))
     needed = _needed([output], set(env))
-    ambient = graph.call_function(torch.is_grad_enabled)
+    grad_mode = _GradMode(graph)
     for node in part.graph.nodes:
-        if node in env or node not in needed and not is_grad_mode_switch(node):
+        if grad_mode.track(node) or node in env or node not in needed:
             continue
-        if is_grad_mode_switch(node):
-            graph.call_function(torch._C._set_grad_enabled, (graph.call_function(operator.and_, (node.args[0], ambient)),))
-            continue
+        grad_mode.sync()
         env[node] = graph.node_copy(node, lambda a: env[a])
+    grad_mode.restore()
     return StepGraph(_module(graph, "LongStrawTail"), list(part.placeholders) + part.branch_outputs)
 
 
@@ -180,9 +209,6 @@ class _StepBuilder:
 
     def emit(self, node: fx.Node) -> Any:
         part, name = self.part, op_name(node)
-        if is_grad_mode_switch(node):
-            flag = self.graph.call_function(operator.and_, (node.args[0], self.ambient))
-            return self.graph.call_function(torch._C._set_grad_enabled, (flag,))
         if node in part.claims:
             return part.claims[node].emit_step(self, node, part.sites[node])
         if tensor_of(node) is None:
@@ -351,15 +377,17 @@ class _StepBuilder:
             self.env[n] = self.graph.placeholder(n.name)
         self.offset = self.graph.call_function(getattr, (self.ctx, "offset"))
         self.length = self.graph.call_function(getattr, (self.ctx, "length"))
-        self.ambient = self.graph.call_function(torch.is_grad_enabled)
+        grad_mode = _GradMode(self.graph)
         self.sizing = _Sizing(part.dims, {part.token: (self.offset, self.length)}, part.batch)
         for node in part.graph.nodes:
-            if node in self.env or (node not in needed and not is_grad_mode_switch(node)):
+            if grad_mode.track(node) or node in self.env or node not in needed:
                 continue
+            grad_mode.sync()
             value = self.emit(node)
             if node in slot_of:
                 value = self.graph.call_function(write_state, (self.ctx, slot_of[node], value))
             self.env[node] = value
+        grad_mode.restore()
         self.graph.output(tuple(self.env[o] for o in outputs))
         return StepGraph(_module(self.graph, f"LongStraw{self.kind.title()}Step"), externals)
 
