@@ -67,7 +67,7 @@ class GroupPlan:
             f"  prefix: {len(self.runner.prefix.module.graph.nodes)} nodes per chunk, "
             f"{self.prefix_len} prompt positions captured",
             f"  branch: {len(self.runner.branch.module.graph.nodes)} nodes per response, "
-            f"{part.seq_len - max(self.prefix_len, 0)} positions each",
+            f"{part.end - max(self.prefix_len, 0)} positions each",
             f"  tail:   {len(self.tail.module.graph.nodes)} nodes on {len(part.branch_outputs)} stacked branch output(s): "
             + ", ".join(f"{n.name}{list(n.meta['longstraw_value'].shape)}" for n in part.branch_outputs),
             f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position",

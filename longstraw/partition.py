@@ -74,6 +74,7 @@ class Partition:
     outer_data: set[fx.Node]
     branch_outputs: list[fx.Node]
     first_consumed: int
+    end: int  # one past the last position the loss reads; later ones are never run
 
     def batch_dim(self, node: fx.Node) -> int | None:
         return self.dims.dim_index(node, self.batch)
@@ -160,6 +161,7 @@ def partition(
         outer_data=outer_data,
         branch_outputs=branch_outputs,
         first_consumed=first_consumed,
+        end=max(e.restriction.stop for e in exits),
     )
     log.debug(
         "partition: %d sequence, %d branch, %d tail nodes; %d state slots; first consumed position %d",

@@ -117,11 +117,11 @@ class GroupRunner:
         prefix_len = self._prefix_len(values)
         self.last_prefix_len = prefix_len
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
-        state = PromptState(part.slots, capacity=part.seq_len, prefix_len=prefix_len, device=device)
+        state = PromptState(part.slots, capacity=part.end, prefix_len=prefix_len, device=device)
         for offset, length in self._chunks(prefix_len):
             ctx = StepContext(state, offset, length, grad_enabled=False)
             self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
-        branch_len = part.seq_len - prefix_len
+        branch_len = part.end - prefix_len
         per_branch = []
         for row in range(part.group_size):
             ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
@@ -147,7 +147,7 @@ class GroupRunner:
         exact = self.options.prompt_grad == "exact" and prefix_len > 0
         if exact:
             state.allocate_grads()
-        branch_len = part.seq_len - prefix_len
+        branch_len = part.end - prefix_len
         for row in range(part.group_size):
             slices = [
                 None if g is None else g.narrow(part.batch_dim(node), row, 1)
