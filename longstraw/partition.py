@@ -289,9 +289,10 @@ def _find_roots(
     roots = []
     for node in sequence:
         inputs = tensor_inputs(node)
-        if not inputs or any(i in sequence for i in inputs):
-            continue
-        if not any(_depends_on_data(i, params) for i in inputs):
+        if node.op == "placeholder":
+            if node in params:
+                continue
+        elif not inputs or any(i in sequence for i in inputs) or not any(_depends_on_data(i, params) for i in inputs):
             continue
         token_dim = an.dim_index(node, token)
         structural = None

@@ -98,22 +98,12 @@ class GroupRunner:
             prefix_len = min(prefix_len, shared)
         return prefix_len
 
-    def _check_group(self, values: dict) -> None:
-        group = self.part.group_size
-        for node, value in values.items():
-            batch_dim = self.part.batch_dim(node)
-            if isinstance(value, torch.Tensor) and batch_dim is not None and value.shape[batch_dim] != group:
-                raise InputError(
-                    f"`{node.name}` has {value.shape[batch_dim]} rows along the group axis, expected {group}"
-                )
-
     # forward ------------------------------------------------------------
 
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
         part = self.part
         values = dict(zip(self.imports, self.outer.module(*inputs)))
-        self._check_group(values)
         prefix_len = self._prefix_len(values)
         self.last_prefix_len = prefix_len
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
