@@ -167,13 +167,20 @@ def attention_step(
 
 def _attend(q, keys, values, mask, scale, enable_gqa) -> torch.Tensor:
     n, total = q.shape[-2], keys.shape[-2]
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    if n == total:
+    if mask is None and n == total:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=causal_lower_right(n, total), scale=scale, enable_gqa=enable_gqa
-    )
+    if mask is None:
+        mask = _lower_right_causal(n, total, q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _lower_right_causal(n: int, total: int, device: torch.device):
+    """Queries at the last n of `total` positions. On CUDA the bias object
+    selects kernels that apply it without materialising a mask; elsewhere
+    SDPA would materialise it anyway, so build the boolean block directly."""
+    if device.type == "cuda":
+        return causal_lower_right(n, total)
+    return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
 
 
 class _AttentionOverState(torch.autograd.Function):
