@@ -8,7 +8,7 @@ is a Tensor method name. `op_name` folds both into one vocabulary.
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -87,5 +87,13 @@ def size_args(node: fx.Node) -> list[Any]:
     return list(rest)
 
 
-def walk_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
-    yield from graph.nodes
+def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """`nodes` and everything they are computed from."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen

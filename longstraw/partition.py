@@ -28,7 +28,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claimi
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
 from .errors import InputError, UnsupportedGraphError, describe_node
-from .nodes import is_call, is_side_effect, op_name, tensor_inputs, tensor_of
+from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
 
 log = logging.getLogger("longstraw.partition")
@@ -340,16 +340,9 @@ def _split_branch_tail(
 
 
 def _depends_on_data(node: fx.Node, params: set[fx.Node]) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and n not in params and isinstance(tensor_of(n), torch.Tensor):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
+    return any(
+        n.op == "placeholder" and n not in params and isinstance(tensor_of(n), torch.Tensor) for n in ancestors([node])
+    )
 
 
 def _group_size(roots: list[Root]) -> int:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import InputError
+from .nodes import ancestors
 from .options import Options
 from .partition import Partition
 from .state import PromptState, StepContext
@@ -52,6 +53,9 @@ class GroupRunner:
         self.roots = {r.node: r for r in part.roots}
         self.position = {p: i for i, p in enumerate(part.placeholders)}
         self.imports = step_imports(part)
+        self.state_ancestors = {
+            self.position[n] for n in ancestors(s.node for s in part.slots) if n.op == "placeholder"
+        }
         self.last_prefix_len: int | None = None
 
     # inputs of the steps ------------------------------------------------
@@ -134,7 +138,10 @@ class GroupRunner:
         part, state, prefix_len = self.part, call.state, call.prefix_len
         wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         grads: list[torch.Tensor | None] = [None] * len(inputs)
-        exact = self.options.prompt_grad == "exact" and prefix_len > 0
+        # d(state) matters only if some trainable input feeds the captured state
+        exact = (
+            self.options.prompt_grad == "exact" and prefix_len > 0 and any(i in self.state_ancestors for i in wanted)
+        )
         if exact:
             state.allocate_grads()
         branch_len = part.end - prefix_len

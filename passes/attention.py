@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
+from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
@@ -47,7 +47,7 @@ class CausalAttentionPass(ArchitecturePass):
         if mask is not None:
             if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
                 return "attn_mask must be a tensor of at least [queries, keys]"
-            if _reads_inputs(mask):
+            if any(n.op == "placeholder" for n in ancestors([mask])):
                 return (
                     "the attn_mask depends on inputs (e.g. a padding mask); only masks computed from "
                     "positions are supported: pad responses at the end and mask the loss instead"
@@ -117,19 +117,6 @@ def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
             return None, 1
         return base, r
     return None, 1
-
-
-def _reads_inputs(node: fx.Node) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _unsqueezed_from(node: fx.Node) -> fx.Node | None:
