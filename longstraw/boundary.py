@@ -53,7 +53,7 @@ def choose_state(
     claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis, token: int, batch: int
 ) -> tuple[list[StateSlot], dict[fx.Node, list[SiteState]]]:
     """Slots to capture and, per claimed node, which slot serves each state input."""
-    slots: dict[fx.Node, StateSlot] = {}
+    slots: dict[object, StateSlot] = {}
     sites: dict[fx.Node, list[SiteState]] = {}
     for node, pass_ in claims.items():
         resolved = []
@@ -64,6 +64,13 @@ def choose_state(
             if chosen.node not in slots:
                 slots[chosen.node] = _slot(len(slots), chosen.node, an, token, batch, f"{pass_.name}:{node.name}")
             resolved.append(SiteState(chosen.node, slots[chosen.node].index, chosen.transform))
+        for shape, dtype in pass_.carries(node):
+            index = len(slots)
+            slots[(node, len(resolved))] = StateSlot(
+                index=index, kind="carry", node=node, token_dim=None, batch_dim=None,
+                shape=tuple(shape), dtype=dtype, reason=f"{pass_.name}:{node.name}",
+            )
+            resolved.append(SiteState(node, index, None))
         sites[node] = resolved
     return list(slots.values()), sites
 
@@ -76,6 +83,7 @@ def _slot(index: int, node: fx.Node, an: DimAnalysis, token: int, batch: int, re
         shape[batch_dim] = 1
     return StateSlot(
         index=index,
+        kind="sequence",
         node=node,
         token_dim=an.dim_index(node, token),
         batch_dim=batch_dim,

@@ -19,8 +19,6 @@ that does not follow their factors (`splits`), and operators without a rule
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -59,39 +57,7 @@ class Restriction:
     out_dim: int | None  # None: the dimension was indexed away
     start: int
     stop: int
-
-
-def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Pair runs of input and output dimensions with equal products (size-1
-    dimensions stand alone), the correspondence a `view` establishes."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(in_shape) or j < len(out_shape):
-        if i < len(in_shape) and in_shape[i] == 1 and (j >= len(out_shape) or out_shape[j] != 1):
-            groups.append(([i], []))
-            i += 1
-            continue
-        if j < len(out_shape) and out_shape[j] == 1 and (i >= len(in_shape) or in_shape[i] != 1):
-            groups.append(([], [j]))
-            j += 1
-            continue
-        if i >= len(in_shape) or j >= len(out_shape):
-            raise ValueError(f"view from {list(in_shape)} to {list(out_shape)} has mismatched sizes")
-        gi, gj = [i], [j]
-        pi, pj = in_shape[i], out_shape[j]
-        i += 1
-        j += 1
-        while pi != pj:
-            if pi < pj:
-                pi *= in_shape[i]
-                gi.append(i)
-                i += 1
-            else:
-                pj *= out_shape[j]
-                gj.append(j)
-                j += 1
-        groups.append((gi, gj))
-    return groups
+    step: int = 1
 
 
 def _normalize_dims(dims: Any, rank: int) -> list[int]:
@@ -105,7 +71,8 @@ def _normalize_dims(dims: Any, rank: int) -> list[int]:
 class DimAnalysis:
     """Union-find over dimension factors for one graph (see module docstring)."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, claimed_rule: Callable[["DimAnalysis", fx.Node], Any] | None = None) -> None:
+        self._claimed_rule = claimed_rule
         self._parent: list[int] = []
         self._size: list[int] = []
         self.dims: dict[fx.Node, Any] = {}
@@ -170,7 +137,14 @@ class DimAnalysis:
         if not is_call(node):
             return
         name = op_name(node)
+        if name == "setitem":
+            _setitem(self, node)
+            return
         if name in _NO_VALUE or value is None:
+            return
+        out = self._claimed_rule(self, node) if self._claimed_rule is not None else None
+        if out is not None:
+            self.dims[node] = out
             return
         rule = _RULES.get(name)
         if rule is None:
@@ -246,34 +220,45 @@ def _embedding(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     return dims + [an.fresh(an._out_shape(node)[-1])]
 
 
-def _view(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
-    src = node.args[0]
-    in_dims, in_shape = an._in(src)
+def _view(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    """Map the input's factors, in order, onto the output sizes: whole
+    factors are kept, merged into products, or split where a size requires
+    it (the split factor is recorded; splitting the token axis is an error
+    later). Size-1 dimensions stay aligned where both sides have one."""
+    in_dims, _ = an._in(node.args[0])
     out_shape = an._out_shape(node)
-    out: list[Dim | None] = [None] * len(out_shape)
-    for gi, gj in view_groups(in_shape, out_shape):
-        if len(gi) == 1 and len(gj) == 1:
-            out[gj[0]] = in_dims[gi[0]]
-        elif len(gj) == 1:
-            merged = tuple(f for i in gi for f in in_dims[i])
-            out[gj[0]] = merged if gi else an.fresh(out_shape[gj[0]])
-        elif len(gi) == 1 and gj:
-            factors = in_dims[gi[0]]
-            sizes = [out_shape[j] for j in gj]
-            if len(factors) == len(gj) and [an.factor_size(f) for f in factors] == sizes:
-                for j, f in zip(gj, factors):
-                    out[j] = (f,)
-            else:
-                an.splits.setdefault(node, []).append(factors)
-                for j in gj:
-                    out[j] = an.fresh(out_shape[j])
-        else:
-            for i in gi:
-                if gj:
-                    an.splits.setdefault(node, []).append(in_dims[i])
-            for j in gj:
-                out[j] = an.fresh(out_shape[j])
-    return [d if d is not None else an.fresh(s) for d, s in zip(out, out_shape)]
+    queue = [(f, an.factor_size(f)) for dim in in_dims for f in dim]
+    out: list[Dim] = []
+    for size in out_shape:
+        if size == 1:
+            out.append((queue.pop(0)[0],) if queue and queue[0][1] == 1 else an.fresh(1))
+            continue
+        taken: list[int] = []
+        product = 1
+        while product < size and queue:
+            factor, factor_size = queue.pop(0)
+            if factor_size == 1:
+                continue
+            if size % (product * factor_size) == 0:
+                taken.append(factor)
+                product *= factor_size
+                continue
+            need = size // product
+            if factor_size % need:
+                return _view_fallback(an, node, in_dims, out_shape)
+            an.splits.setdefault(node, []).append((factor,))
+            taken.append(an.fresh(need)[0])
+            queue.insert(0, (an.fresh(factor_size // need)[0], factor_size // need))
+            product *= need
+        if product != size:
+            return _view_fallback(an, node, in_dims, out_shape)
+        out.append(tuple(taken))
+    return out
+
+
+def _view_fallback(an: DimAnalysis, node: fx.Node, in_dims: list[Dim], out_shape: tuple[int, ...]) -> list[Dim]:
+    an.splits.setdefault(node, []).extend(in_dims)
+    return an._fresh_dims(out_shape)
 
 
 def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
@@ -351,10 +336,36 @@ def _getitem(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
         if isinstance(src_dims, list) and isinstance(index, int) and src_dims and isinstance(src_dims[0], list):
             return src_dims[index]
         return None
+    indexed = _index(an, src, index)
+    if indexed is None:
+        return None
+    out, restrictions, read_at_indices = indexed
+    if read_at_indices:
+        an.mixes[node] = read_at_indices
+    if restrictions:
+        an.restricts[node] = restrictions
+    return out
+
+
+def _setitem(an: DimAnalysis, node: fx.Node) -> None:
+    """`x[index] = value` mutates x: record which ranges of which dimensions it writes."""
+    target = node.args[0]
+    indexed = _index(an, target, node.args[1]) if tensor_of(target) is not None else None
+    if indexed is None or indexed[2]:
+        an.unknown.add(node)
+    elif indexed[1]:
+        an.restricts[node] = indexed[1]
+
+
+def _index(an: DimAnalysis, src: fx.Node, index: Any) -> tuple[list[Dim], list[Restriction], list[Dim]] | None:
+    """Dimensions of `src[index]`, the restrictions the index applies, and
+    the dimensions read at positions given by index tensors."""
     dims, shape = an._in(src)
     items = list(index) if isinstance(index, tuple) else [index]
-    if any(isinstance(i, (fx.Node, torch.Tensor, list)) for i in items):
+    if any(isinstance(i, (torch.Tensor, list)) for i in items):
         return None
+    if any(isinstance(i, fx.Node) for i in items):
+        return _advanced_index(an, src, items)
     consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
     if Ellipsis in items:
         k = items.index(Ellipsis)
@@ -374,19 +385,33 @@ def _getitem(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
             restrictions.append(Restriction(d, None, pos, pos + 1))
         elif isinstance(item, slice):
             start, stop, step = item.indices(size)
-            if step != 1:
+            if step < 1:
                 return None
-            if start == 0 and stop == size:
+            if start == 0 and stop == size and step == 1:
                 out.append(dims[d])
             else:
-                restrictions.append(Restriction(d, len(out), start, max(start, stop)))
-                out.append(an.fresh(max(0, stop - start)))
+                restrictions.append(Restriction(d, len(out), start, max(start, stop), step))
+                out.append(an.fresh(len(range(start, stop, step))))
         else:
             return None
         d += 1
-    if restrictions:
-        an.restricts[node] = restrictions
-    return out
+    return out, restrictions, []
+
+
+def _advanced_index(
+    an: DimAnalysis, src: fx.Node, items: list[Any]
+) -> tuple[list[Dim], list[Restriction], list[Dim]] | None:
+    """`x[i0, i1, ...]` with index tensors leading (`packed[(batch_idx, q_idx)]`):
+    the output is the broadcast of the index tensors, then x's other dims.
+    The indexed dims of x are read at arbitrary positions: recorded as mixed."""
+    indices = [i for i in items if isinstance(i, fx.Node)]
+    if items[: len(indices)] != indices or any(i != slice(None) for i in items[len(indices):]):
+        return None
+    if any(tensor_of(i) is None or tensor_of(i).dtype in (torch.bool, torch.uint8) for i in indices):
+        return None
+    dims, shape = an._in(src)
+    index_shape = tuple(torch.broadcast_shapes(*(tuple(tensor_of(i).shape) for i in indices)))
+    return an._broadcast_dims(indices, index_shape) + dims[len(indices):], [], dims[: len(indices)]
 
 
 def _narrow(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -486,6 +511,16 @@ def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     return out if len(out) == len(an._out_shape(node)) else None
 
 
+def _diff(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 2, "dim", -1) % len(shape)
+    an.mixes[node] = [dims[d]]
+    out = list(dims)
+    if an._out_shape(node)[d] != shape[d]:
+        out[d] = an.fresh(an._out_shape(node)[d])
+    return out
+
+
 def _along_dim(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     dims, shape = an._in(node.args[0])
     d = arg(node, 1, "dim")
@@ -550,7 +585,7 @@ def _sdpa(an: DimAnalysis, node: fx.Node) -> list[Dim]:
             an.unify(dm[-1], dk[-2])
         if len(sm) >= 2 and sm[-2] == sq[-2]:
             an.unify(dm[-2], dq[-2])
-        for i in range(1, len(sm) - 1):
+        for i in range(2, len(sm)):  # leading mask dims against [batch, heads]
             j = len(sq) - 1 - i
             if j >= 0 and sm[-1 - i] == sq[j] and sm[-1 - i] != 1:
                 an.unify(dm[-1 - i], dq[j])
@@ -581,11 +616,12 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "unsqueeze": _unsqueeze, "squeeze": _squeeze,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
     "repeat": _repeat, "repeat_interleave": _repeat_interleave,
-    "getitem": _getitem, "narrow": _narrow, "select": _select,
+    "getitem": _getitem, "narrow": _narrow, "select": _select, "setitem": _setitem,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "split": _split, "chunk": _split, "unbind": _split,
     "matmul": _matmul, "bmm": _matmul, "mm": _matmul,
     "gather": _gather,
+    "diff": _diff,
     "scaled_dot_product_attention": _sdpa,
     "rms_norm": _norm, "layer_norm": _norm,
     "tril": _triangular, "triu": _triangular,
@@ -594,6 +630,3 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     **{name: _factory for name in _FACTORY},
     **{name: _like for name in _LIKE},
 }
-
-# `operator.matmul` shows up as "matmul"; keep a reference so linters see it used.
-_ = (operator.matmul, math.prod)

@@ -87,6 +87,15 @@ def size_args(node: fx.Node) -> list[Any]:
     return list(rest)
 
 
+def mutated_input(node: fx.Node) -> fx.Node | None:
+    """The tensor an in-place node writes to (`x[idx] = v`, `x.copy_(y)`), or None."""
+    if node.op == "call_function" and node.target is operator.setitem:
+        return node.args[0]
+    if node.op == "call_method" and str(node.target).endswith("_") and node.target != "requires_grad_":
+        return node.args[0]
+    return None
+
+
 def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     """`nodes` and everything they are computed from."""
     seen: set[fx.Node] = set()

@@ -28,7 +28,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claimi
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
 from .errors import InputError, UnsupportedGraphError, describe_node
-from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
+from .nodes import ancestors, is_call, mutated_input, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
 
 log = logging.getLogger("longstraw.partition")
@@ -95,7 +95,7 @@ def partition(
     gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
 ) -> Partition:
     graph = gm.graph
-    an = DimAnalysis(graph)
+    an = DimAnalysis(graph, lambda an, n: p.dim_rule(an, n) if (p := claiming_pass(n, passes)) else None)
     claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
     if not claims:
         raise UnsupportedGraphError(
@@ -110,8 +110,8 @@ def partition(
     token, batch = _seed_axes(claims, an)
     sequence = {n for n in graph.nodes if _has_class(an, n, token)}
     positional = _positional(graph, claims, sequence)
-    _check_sequence_ops(graph, an, token, sequence - positional, claims)
-    exits = _find_exits(graph, an, token, sequence)
+    _check_sequence_ops(graph, an, token, sequence - positional, claims, positional)
+    exits = _find_exits(graph, an, token, sequence, positional)
     roots = _find_roots(an, token, batch, sequence, params)
     seq_len = an.factor_size(token)
     first_consumed = min(e.restriction.start for e in exits)
@@ -122,7 +122,7 @@ def partition(
                 "responses must have at least one token"
             )
     post = _descendants(graph, {e.node for e in exits}) - sequence
-    for node in sequence:
+    for node in sequence - positional:
         for arg in node.all_input_nodes:
             if arg in post:
                 raise _unsupported(node, "combines a restricted range of positions with the full sequence (a shift)")
@@ -201,13 +201,13 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
 
 
 def _positional(graph: fx.Graph, claims: dict[fx.Node, ArchitecturePass], sequence: set[fx.Node]) -> set[fx.Node]:
-    """Sequence nodes used only to build claimed nodes' positional inputs
-    (masks): the step rebuilds those per block instead of running them."""
+    """Nodes used only to build claimed nodes' positional inputs (masks):
+    the step rebuilds those per block instead of running them."""
     roots = {m for node, p in claims.items() for m in p.positional_inputs(node) if m in sequence}
     consumers = {node: set(p.positional_inputs(node)) for node, p in claims.items()}
     out: set[fx.Node] = set()
     for node in reversed(graph.nodes):
-        if node not in sequence or not (node in roots or node.users):
+        if node.op == "placeholder" or not (node in roots or node.users) or is_side_effect(node):
             continue
         if all(u in out or (u in consumers and not _used_outside(u, node, consumers[u])) for u in node.users):
             out.add(node)
@@ -222,16 +222,20 @@ def _used_outside(user: fx.Node, node: fx.Node, positional_inputs: set[fx.Node])
 
 
 def _check_sequence_ops(
-    graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], claims: dict
+    graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], claims: dict, positional: set[fx.Node]
 ) -> None:
     for node in graph.nodes:
-        if not is_call(node) or is_side_effect(node) or node in claims:
+        if not is_call(node) or is_side_effect(node) or node in claims or node in positional:
             continue
         seq_inputs = [a for a in node.all_input_nodes if a in sequence]
         for dim in an.splits.get(node, []):
             if token in an.classes(dim):
                 raise _unsupported(node, "splits the sequence axis (e.g. into fixed-size chunks)")
         if not seq_inputs and node not in sequence:
+            continue
+        if mutated_input(node) is not None and node not in an.unknown:
+            if _restricts_token(an, node, token):
+                raise _unsupported(node, "writes a range of sequence positions in place")
             continue
         if node in an.unknown:
             raise _unsupported(node, "has no dimension rule and touches the sequence axis")
@@ -252,13 +256,17 @@ def _restricts_token(an: DimAnalysis, node: fx.Node, token: int) -> Restriction 
     return None
 
 
-def _find_exits(graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node]) -> list[Exit]:
+def _find_exits(
+    graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], positional: set[fx.Node]
+) -> list[Exit]:
     exits = []
     for node in graph.nodes:
-        if node in sequence or not is_call(node):
+        if node in sequence or node in positional or not is_call(node):
             continue
         r = _restricts_token(an, node, token)
-        if r is not None and node.args[0] in sequence:
+        if r is not None and node.args[0] in sequence and mutated_input(node) is None:
+            if r.step != 1:
+                raise _unsupported(node, "reads every k-th position of the sequence")
             exits.append(Exit(node, r))
     if not exits:
         raise UnsupportedGraphError(

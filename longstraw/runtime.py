@@ -159,9 +159,7 @@ class GroupRunner:
                 with torch.enable_grad():
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
-                    seeds = [
-                        g.narrow(slot.token_dim, offset, length) for g, slot in zip(state.grads, part.slots)
-                    ]
+                    seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(grads, wanted, inputs, outs, seeds)
         state.release()
         return grads

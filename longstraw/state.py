@@ -1,17 +1,24 @@
 """Captured prompt state: what later tokens need, where it lives at run time.
 
-A `StateSlot` is decided at compile time: one tensor in the graph (the cut
-chosen by `boundary.py`) whose values at prompt positions every branch
-reads. At run time each slot gets one buffer holding the prompt positions
-`[0, s)` followed by scratch room for the positions of the step being run,
-so a step attends to `buffer[:o + n]` without copying the prompt state. The
-prompt region is written once, during capture, and never mutated after:
-branch replays only write the scratch region.
+Two kinds of `StateSlot` are decided at compile time:
+
+- `sequence`: one tensor per position (attention K/V), the cut chosen by
+  `boundary.py`. At run time it gets one buffer holding the prompt
+  positions `[0, s)` followed by scratch room for the positions of the step
+  being run, so a step attends to `buffer[:o + n]` without copying. The
+  prompt region is written once, during capture; branch replays only write
+  the scratch region.
+- `carry`: a fixed-size state carried from one position range to the next
+  (a recurrent matrix, a convolution's last inputs), produced by a claimed
+  operator. At run time it is kept at every chunk boundary of the prompt
+  (the reverse pass restarts each chunk from its boundary); branches read
+  the one at `s` and never write it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -19,46 +26,70 @@ import torch.fx as fx
 
 @dataclasses.dataclass(frozen=True)
 class StateSlot:
-    """One captured tensor: a graph node and the layout of its buffer."""
+    """One captured tensor: a graph node and the layout of its state."""
 
     index: int
-    node: fx.Node
-    token_dim: int
+    kind: Literal["sequence", "carry"]
+    node: fx.Node  # sequence: the captured node; carry: the claimed operator
+    token_dim: int | None  # sequence slots only
     batch_dim: int | None
-    shape: tuple[int, ...]  # with batch 1; the token dim holds the traced length
+    shape: tuple[int, ...]  # with batch 1; a sequence slot's token dim holds the traced length
     dtype: torch.dtype
-    reason: str  # which operator needs it, for explain/summary
+    reason: str  # which operator needs it, for summaries and reports
 
     def bytes_per_position(self) -> int:
+        if self.kind != "sequence":
+            return 0
         numel = 1
         for i, size in enumerate(self.shape):
             if i != self.token_dim:
                 numel *= size
         return numel * self.dtype.itemsize
 
+    def fixed_bytes(self) -> int:
+        if self.kind != "carry":
+            return 0
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
 
 class PromptState:
-    """Buffers for all slots of one call, and (exact mode) their gradients."""
+    """Buffers and carries for all slots of one call, and (exact mode) their gradients."""
 
     def __init__(self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device) -> None:
         self.slots = slots
         self.prefix_len = prefix_len
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
-            shape = list(slot.shape)
-            shape[slot.token_dim] = capacity
-            self.buffers.append(torch.empty(shape, dtype=slot.dtype, device=device))
-        self.grads: list[torch.Tensor] | None = None
+            if slot.kind == "sequence":
+                shape = list(slot.shape)
+                shape[slot.token_dim] = capacity
+                self.buffers[slot.index] = torch.empty(shape, dtype=slot.dtype, device=device)
+            else:
+                self.carries[slot.index] = {0: torch.zeros(slot.shape, dtype=slot.dtype, device=device)}
+        self.grads: dict[int, torch.Tensor] | None = None
+        self.carry_grads: dict[int, dict[int, torch.Tensor]] | None = None
 
     def allocate_grads(self) -> None:
-        """d(state) for the prompt region, accumulated by replays in backward."""
-        self.grads = []
-        for slot, buf in zip(self.slots, self.buffers):
-            self.grads.append(torch.zeros_like(buf.narrow(slot.token_dim, 0, self.prefix_len)))
+        """d(state) of the prompt, accumulated by replays in backward."""
+        self.grads = {
+            i: torch.zeros_like(buf.narrow(self.slots[i].token_dim, 0, self.prefix_len))
+            for i, buf in self.buffers.items()
+        }
+        self.carry_grads = {i: {} for i in self.carries}
+
+    def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
+        """The accumulated gradient of what a prompt chunk `[offset, offset+length)` produced."""
+        if slot.kind == "sequence":
+            return self.grads[slot.index].narrow(slot.token_dim, offset, length)
+        return self.carry_grads[slot.index].get(offset + length)
 
     def release(self) -> None:
-        self.buffers = []
-        self.grads = None
+        self.buffers, self.carries = {}, {}
+        self.grads = self.carry_grads = None
 
 
 @dataclasses.dataclass
@@ -70,6 +101,8 @@ class StepContext:
     offset: int
     length: int
     grad_enabled: bool
+
+    # sequence slots
 
     def write(self, slot: int, value: torch.Tensor) -> torch.Tensor:
         """Store the step's new positions of a slot; returns `value` unchanged."""
@@ -89,6 +122,25 @@ class StepContext:
             return
         token_dim = self.state.slots[slot].token_dim
         grads[slot].narrow(token_dim, 0, self.offset).add_(grad_visible.narrow(token_dim, 0, self.offset))
+
+    # carry slots
+
+    def carry_in(self, slot: int) -> torch.Tensor:
+        """The carry at the start of this step (the prompt's, for a branch)."""
+        return self.state.carries[slot][min(self.offset, self.state.prefix_len)]
+
+    def carry_out(self, slot: int, value: torch.Tensor) -> None:
+        """Keep the carry at the end of a prompt chunk; branches keep nothing."""
+        end = self.offset + self.length
+        if end <= self.state.prefix_len:
+            self.state.carries[slot][end] = value.detach()
+
+    def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
+        grads = self.state.carry_grads
+        if grads is None or grad is None or self.offset == 0:
+            return
+        at = grads[slot]
+        at[self.offset] = grad if self.offset not in at else at[self.offset] + grad
 
 
 def write_state(ctx: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedGraphError, describe_node
-from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
+from .nodes import arg, is_grad_mode_switch, mutated_input, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .partition import Partition
 from .state import write_state
@@ -43,19 +43,23 @@ class StepGraph:
 
 
 def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
-    """Ancestors of `outputs`, not looking past `stop`. Nodes in `positional`
-    are emitted as query x key blocks, not as themselves: only the inputs
-    they read from outside are needed."""
+    """Ancestors of `outputs`, not looking past `stop`, with the in-place
+    writes to any of them. Nodes in `positional` are emitted as query x key
+    blocks, not as themselves: only the inputs they read from outside are needed."""
     needed: set[fx.Node] = set()
+    visited: set[fx.Node] = set()
     stack = list(outputs)
     while stack:
         n = stack.pop()
-        if n in needed:
+        if n in visited:
             continue
+        visited.add(n)
         if n not in positional:
             needed.add(n)
-        if n not in stop:
-            stack.extend(n.all_input_nodes)
+        if n in stop:
+            continue
+        stack.extend(n.all_input_nodes)
+        stack.extend(u for u in n.users if mutated_input(u) is n)
     return needed
 
 
@@ -147,6 +151,8 @@ class _Sizing:
     dims: DimAnalysis
     ranges: dict[int, tuple[Any, Any]]
     batch: int | None
+    group_dims: dict[fx.Node, set[int]] = dataclasses.field(default_factory=dict)
+    """Dimensions known to be the group axis by other means (mask trees)."""
 
     def range_of(self, node: fx.Node, dim: int) -> tuple[Any, Any] | None:
         factors = self.dims.dims_of(node)[dim]
@@ -154,8 +160,13 @@ class _Sizing:
             return self.ranges.get(self.dims.find(factors[0]))
         return None
 
+    def is_group(self, node: fx.Node, dim: int) -> bool:
+        return dim in self.group_dims.get(node, ())
+
     def labelled(self, node: fx.Node, dim: int) -> bool:
-        return any(self.dims.find(f) in self.ranges or self.dims.find(f) == self.batch for f in self.dims.dims_of(node)[dim])
+        return self.is_group(node, dim) or any(
+            self.dims.find(f) in self.ranges or self.dims.find(f) == self.batch for f in self.dims.dims_of(node)[dim]
+        )
 
 
 class _StepBuilder:
@@ -167,6 +178,10 @@ class _StepBuilder:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.blocks: dict[fx.Node, fx.Node] = {}
+        self.carries: dict[int, fx.Node] = {}
+
+    def carry_output(self, slot: int, node: fx.Node) -> None:
+        self.carries[slot] = node
 
     # sizes ---------------------------------------------------------------
 
@@ -174,6 +189,8 @@ class _StepBuilder:
         """The size of `node`'s dimension `dim` in the step: sequence factors
         become their range's length, group factors 1, others keep their size."""
         an = self.sizing.dims
+        if self.sizing.is_group(node, dim):
+            return 1
         const, lengths = 1, []
         for f in an.dims_of(node)[dim]:
             cls = an.find(f)
@@ -335,17 +352,19 @@ class _StepBuilder:
     # attention masks and other query x key blocks --------------------------
 
     def query_key_block(self, node: fx.Node) -> fx.Node:
-        """Emit `node` (e.g. an attention mask `[..., L, L]` computed from
-        positions only) for the step's rows `[o, o+n)` and the visible
-        columns `[0, o+n)`.
+        """Emit `node` (an attention mask `[..., L, L]` computed from positions
+        only) for the step's rows `[o, o+n)` and the visible columns `[0, o+n)`.
 
         The subgraph is copied as a tree, so a position tensor used for both
         rows and columns gets one copy per role, and dimension propagation on
-        the tree tells rows from columns; the tree is then emitted with rows
-        and columns resized separately."""
+        the tree tells rows from columns. Nodes over rows or columns alone
+        (position vectors, even a cumsum over them) are computed in full, as
+        traced, which costs O(L); nodes over both are computed for the block
+        only, from the vectors narrowed to the block's rows and columns."""
         if node in self.blocks:
             return self.blocks[node]
-        tree, root, leaves = _tree_copy(node, self.part.sequence)
+        part = self.part
+        tree, root, leaves, origin = _tree_copy(node, part.sequence | part.positional)
         an = DimAnalysis(tree)
         rank = tensor_of(root).dim()
         row_cls = an.find(an.dims_of(root)[rank - 2][0])
@@ -353,22 +372,55 @@ class _StepBuilder:
         if row_cls == col_cls:
             raise UnsupportedGraphError(f"{describe_node(node)}: cannot tell the rows of this mask from its columns")
         visible = self.graph.call_function(operator.add, (self.offset, self.length))
+        spans = {row_cls: (self.offset, self.length), col_cls: (0, visible)}
+        group_dims = {
+            t: {d for d in range(len(an.dims_of(t))) if part.dims.dim_index(o, part.batch) == d}
+            for t, o in origin.items()
+        }
+        block_sizing = _Sizing(an, spans, None, group_dims)
+        full_sizing = _Sizing(an, {}, None)
+        blocks: set[fx.Node] = set()
         saved = self.sizing, self.env
-        self.sizing = _Sizing(an, {row_cls: (self.offset, self.length), col_cls: (0, visible)}, None)
-        self.env = {leaf: saved[1][original] for leaf, original in leaves.items()}
+        full_env = {leaf: saved[1][original] for leaf, original in leaves.items()}
+        block_env = dict(full_env)
         try:
-            for tree_node in tree.nodes:
-                if tree_node not in self.env:
-                    self.env[tree_node] = self.emit(tree_node)
-            block = self.env[root]
+            for t in tree.nodes:
+                if t in leaves:
+                    continue
+                classes = {c for d in an.dims_of(t) for c in an.classes(d)}
+                if {row_cls, col_cls} <= classes or any(i in blocks for i in t.all_input_nodes):
+                    blocks.add(t)
+                    for i in t.all_input_nodes:
+                        if i not in blocks and i not in leaves and i not in block_env:
+                            block_env[i] = self.narrowed(full_env[i], i, an, spans, group_dims.get(i, set()))
+                    self.sizing, self.env = block_sizing, block_env
+                    block_env[t] = self.emit(t)
+                else:
+                    self.sizing, self.env = full_sizing, full_env
+                    full_env[t] = self.emit(t)
+            block = block_env[root] if root in blocks else full_env[root]
         finally:
             self.sizing, self.env = saved
         self.blocks[node] = block
         return block
 
+    def narrowed(self, value: fx.Node, node: fx.Node, an: DimAnalysis, spans: dict, group: set[int]) -> fx.Node:
+        """A full position vector cut to the block's rows, columns and one group row."""
+        if tensor_of(node) is None:
+            return value
+        for d, dim in enumerate(an.dims_of(node)):
+            span = spans.get(an.find(dim[0])) if len(dim) == 1 else None
+            if d in group and tensor_of(node).shape[d] != 1:
+                span = (0, 1)
+            if span is not None:
+                value = self.graph.call_function(torch.narrow, (value, d, span[0], span[1]))
+        return value
+
     def build(self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool]) -> StepGraph:
+        """`outputs`: original nodes to return; for the prefix kind, the
+        captured state of every slot in slot order instead."""
         part = self.part
-        slot_of = {s.node: s.index for s in part.slots}
+        slot_of = {s.node: s.index for s in part.slots if s.kind == "sequence"}
         stop = {n for n in part.graph.nodes if importer(n)}
         needed = _needed(outputs, stop, part.positional)
         self.ctx = self.graph.placeholder("ctx")
@@ -388,29 +440,38 @@ class _StepBuilder:
                 value = self.graph.call_function(write_state, (self.ctx, slot_of[node], value))
             self.env[node] = value
         grad_mode.restore()
-        self.graph.output(tuple(self.env[o] for o in outputs))
+        if self.kind == "prefix":
+            results = [self.env[s.node] if s.kind == "sequence" else self.carries[s.index] for s in part.slots]
+        else:
+            results = [self.env[o] for o in outputs]
+        self.graph.output(tuple(results))
+        self.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
         return StepGraph(_module(self.graph, f"LongStraw{self.kind.title()}Step"), externals)
 
 
-def _tree_copy(node: fx.Node, sequence: set[fx.Node]) -> tuple[fx.Graph, fx.Node, dict[fx.Node, fx.Node]]:
-    """Copy the sequence ancestors of `node` into a new graph, one copy per
-    use. Inputs outside the sequence domain become placeholders (`leaves`:
-    tree placeholder -> original node)."""
+def _tree_copy(
+    node: fx.Node, inside: set[fx.Node]
+) -> tuple[fx.Graph, fx.Node, dict[fx.Node, fx.Node], dict[fx.Node, fx.Node]]:
+    """Copy the ancestors of `node` that are `inside` into a new graph, one
+    copy per use. Other inputs become placeholders. Returns the tree, its
+    root, `leaves` (placeholder -> original) and `origin` (copy -> original)."""
     tree = fx.Graph()
     leaves: dict[fx.Node, fx.Node] = {}
+    origin: dict[fx.Node, fx.Node] = {}
 
     def visit(n: fx.Node) -> fx.Node:
-        if n not in sequence:
+        if n not in inside:
             leaf = tree.placeholder(n.name)
             leaf.meta = dict(n.meta)
             leaves[leaf] = n
             return leaf
         new = tree.node_copy(n, visit)
         new.meta = dict(n.meta)
+        origin[new] = n
         return new
 
     root = visit(node)
-    return tree, root, leaves
+    return tree, root, leaves, origin
 
 
 def build_step(part: Partition, kind: str) -> StepGraph:
@@ -418,4 +479,5 @@ def build_step(part: Partition, kind: str) -> StepGraph:
     prompt row. `branch`: outputs the branch outputs of one response."""
     imports = set(step_imports(part))
     outputs = [s.node for s in part.slots] if kind == "prefix" else list(part.branch_outputs)
+    outputs = list(dict.fromkeys(outputs))
     return _StepBuilder(part, kind).build(outputs, lambda n: n in imports)

@@ -14,8 +14,10 @@ import torch.fx as fx
 
 from .attention import CausalAttentionPass
 from .base import ArchitecturePass, SiteState
+from .causal_conv import CausalConvPass
+from .gated_delta import GatedDeltaPass
 
-DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(),)
+DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(), GatedDeltaPass(), CausalConvPass())
 
 
 def claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES) -> ArchitecturePass | None:
@@ -25,4 +27,12 @@ def claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...] = DEFAULT_
     return None
 
 
-__all__ = ["ArchitecturePass", "CausalAttentionPass", "DEFAULT_PASSES", "SiteState", "claiming_pass"]
+__all__ = [
+    "ArchitecturePass",
+    "CausalAttentionPass",
+    "CausalConvPass",
+    "DEFAULT_PASSES",
+    "GatedDeltaPass",
+    "SiteState",
+    "claiming_pass",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import torch
 import torch.fx as fx
 
 
@@ -43,6 +44,9 @@ class StepEmitter(Protocol):
         """A `[..., L, L]` positions-only tensor (a mask), emitted for the
         step's rows and all visible columns."""
 
+    def carry_output(self, slot: int, node: fx.Node) -> None:
+        """Declare the step-graph node holding a carry slot's state after the step."""
+
 
 class ArchitecturePass:
     """Base class of architecture passes.
@@ -50,7 +54,8 @@ class ArchitecturePass:
     Required: `claims`, `position_dims`, `state_inputs`, `emit_step`.
     Optional: `unsupported_reason` (default: everything claimed is supported),
     `candidates` (default: capture the claimed input itself),
-    `positional_inputs` (default: none).
+    `positional_inputs` (default: none), `carries` (default: none),
+    `dim_rule` (default: the built-in rules of `longstraw.dims`).
     """
 
     name = "pass"
@@ -66,6 +71,17 @@ class ArchitecturePass:
     def state_inputs(self, node: fx.Node) -> list[fx.Node]:
         """Inputs whose values at earlier positions later positions read."""
         raise NotImplementedError
+
+    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Fixed-size states (shape with batch 1, dtype) carried from one
+        position range to the next; the step reads and writes them through
+        `StepContext.carry_in` / `carry_out` (see `longstraw.carry.CarryStep`)."""
+        return []
+
+    def dim_rule(self, dims: Any, node: fx.Node) -> Any:
+        """Dimensions of a claimed operator's output for `longstraw.dims`
+        (a list per output tensor), or None to use the built-in rules."""
+        return None
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
         """Why this claimed node cannot be run incrementally, or None."""

@@ -1,0 +1,100 @@
+"""Causal depthwise convolution over positions (Qwen3.5's short conv) as one operator.
+
+`longstraw::causal_conv1d(x, weight, bias, activation)`: x [B, C, L],
+weight [C, K]; position t sees inputs t-K+1..t (zeros before the start),
+then the activation. `CausalConvPass` runs it chunk by chunk: the state
+carried between position ranges is the last K-1 inputs `[C, K-1]`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from longstraw.carry import CarryStep, recompute_grads
+
+from .base import ArchitecturePass, SiteState, StepEmitter
+
+_ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None, tail: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activation(conv over [tail; x]), the last K-1 inputs of [tail; x])."""
+    channels, width = weight.shape
+    x_work = x.to(weight.dtype)
+    if tail is None:
+        tail = x_work.new_zeros(x.shape[0], channels, width - 1)
+    full = torch.cat([tail.to(weight.dtype), x_work], dim=-1)  # [B, C, K-1+L]
+    out = F.conv1d(full, weight.unsqueeze(1), bias, groups=channels)
+    return _ACTIVATIONS[activation](out).to(x.dtype), full[..., full.shape[-1] - (width - 1):]
+
+
+@torch.library.custom_op("longstraw::causal_conv1d", mutates_args=())
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    return causal_conv1d_reference(x, weight, bias, activation, None)[0]
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, activation):
+    return torch.empty_like(x)
+
+
+def _setup(ctx, inputs, output):
+    ctx.activation = inputs[3]
+    ctx.save_for_backward(*inputs[:3])
+
+
+def _backward(ctx, grad_out):
+    grads = recompute_grads(
+        lambda x, w, b: causal_conv1d_reference(x, w, b, ctx.activation, None)[:1],
+        ctx.saved_tensors,
+        [grad_out],
+        ctx.needs_input_grad[:3],
+    )
+    return (*grads, None)
+
+
+causal_conv1d.register_autograd(_backward, setup_context=_setup)
+
+
+def causal_conv_step(ctx, slot: int, x, weight, bias, *, activation: str | None):
+    """The step version: the tail is the carry at the step's start. Returns (out, new tail)."""
+    fn = lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail)  # noqa: E731
+    return CarryStep.apply(ctx, slot, fn, x, weight, bias)
+
+
+class CausalConvPass(ArchitecturePass):
+    name = "causal_conv"
+
+    def claims(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is torch.ops.longstraw.causal_conv1d.default
+
+    def dim_rule(self, an, node: fx.Node):
+        dims = an.dims_of(node.args[0])
+        an.mixes[node] = [dims[2]]
+        return list(dims)
+
+    def position_dims(self, node: fx.Node):
+        x = node.args[0]
+        return (x, 2), (x, 0)
+
+    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
+        return []
+
+    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        weight = node.args[1].meta["longstraw_value"]
+        return [((1, weight.shape[0], weight.shape[1] - 1), weight.dtype)]
+
+    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
+        (site,) = sites
+        x, weight, bias = emitter.mapped(tuple(node.args[:3]))
+        step = emitter.graph.call_function(
+            causal_conv_step, (emitter.ctx, site.slot, x, weight, bias), {"activation": node.args[3]}
+        )
+        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
+        return emitter.graph.call_function(operator.getitem, (step, 0))

@@ -1,0 +1,181 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3.6 linear attention) as one operator.
+
+`longstraw::gated_delta_rule(q, k, v, g, beta, initial_state)` computes the
+gated delta rule over a whole sequence from an initial recurrent state and
+returns `(out, final_state)`. Model bindings route their implementation to
+it, so Dynamo records one node per layer instead of a loop unrolled over
+64-token chunks, and `GatedDeltaPass` can run it chunk by chunk: the state
+carried between position ranges is the recurrent matrix `[Hv, Dk, Dv]`.
+
+Shapes: q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g, beta [B, L, Hv];
+state [B, Hv, Dk, Dv] (float32 or wider). Value heads share key heads in
+groups of Hv // Hk.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from longstraw.carry import CarryStep, recompute_grads
+from longstraw.nodes import arg
+
+from .base import ArchitecturePass, SiteState, StepEmitter
+
+CHUNK = 64
+
+
+def gated_delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule in PyTorch (the WY form of the DeltaNet papers).
+
+    Per head, with state S [Dk, Dv], decay a_t = exp(g_t):
+        S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T,  o_t = S_t^T q_t
+    computed 64 positions at a time: within a chunk the updates are solved
+    as one unit-lower-triangular system. Computes in float32 or wider."""
+    out_dtype = q.dtype
+    work = torch.promote_types(q.dtype, torch.float32)
+    batch, length, heads_k, dim_k = k.shape
+    heads_v, dim_v = v.shape[-2:]
+    if heads_v != heads_k:
+        q = q.repeat_interleave(heads_v // heads_k, dim=2)
+        k = k.repeat_interleave(heads_v // heads_k, dim=2)
+    # [B, H, L, D] in the working dtype
+    q, k, v = (x.transpose(1, 2).to(work) for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).to(work) for x in (g, beta))
+    if use_qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * dim_k**-0.5
+    pad = (-length) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    chunks = (length + pad) // CHUNK
+    # [B, H, N, C, D]
+    q, k, v = (x.reshape(batch, heads_v, chunks, CHUNK, -1) for x in (q, k, v))
+    g, beta = (x.reshape(batch, heads_v, chunks, CHUNK) for x in (g, beta))
+    decay = g.cumsum(-1)  # log of the decay from the chunk start to each position
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # between[i, j] = exp(decay_i - decay_j) for j <= i, else 0
+    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = ((k_beta @ k.transpose(-1, -2)) * between).tril(-1)  # I + system is unit lower triangular
+    eye = torch.eye(CHUNK, dtype=work, device=q.device)
+    values = torch.linalg.solve_triangular(eye + system, v * beta[..., None], upper=False, unitriangular=True)
+    keys_in = torch.linalg.solve_triangular(eye + system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * between
+    q_decayed = q * decay.exp()[..., None]
+    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
+    state = (
+        torch.zeros(batch, heads_v, dim_k, dim_v, dtype=work, device=q.device)
+        if initial_state is None
+        else initial_state.to(work)
+    )
+    outs = []
+    for n in range(chunks):
+        fresh = values[:, :, n] - keys_in[:, :, n] @ state  # the part the state does not already predict
+        outs.append(q_decayed[:, :, n] @ state + inner[:, :, n] @ fresh)
+        state = state * decay[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ fresh
+    out = torch.stack(outs, 2).reshape(batch, heads_v, -1, dim_v)[:, :, :length]
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state
+
+
+@torch.library.custom_op("longstraw::gated_delta_rule", mutates_args=())
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, state = gated_delta_rule_reference(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    return out, state
+
+
+@gated_delta_rule.register_fake
+def _(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    batch, length, _, dim_k = k.shape
+    heads_v, dim_v = v.shape[-2:]
+    work = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty(batch, length, heads_v, dim_v), q.new_empty(batch, heads_v, dim_k, dim_v, dtype=work)
+
+
+def _setup(ctx, inputs, output):
+    ctx.use_qk_l2norm = inputs[-1]
+    initial_state = inputs[5]
+    # HF caches update their recurrent state in place after the call: keep our own copy
+    ctx.save_for_backward(*inputs[:5], None if initial_state is None else initial_state.clone())
+
+
+def _backward(ctx, grad_out, grad_state):
+    inputs = ctx.saved_tensors
+    grads = recompute_grads(
+        lambda *x: gated_delta_rule_reference(*x, ctx.use_qk_l2norm),
+        inputs,
+        [grad_out, grad_state],
+        ctx.needs_input_grad[:6],
+    )
+    return (*grads, None)
+
+
+gated_delta_rule.register_autograd(_backward, setup_context=_setup)
+
+
+def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
+    """The step version: the initial state is the carry at the step's start."""
+    fn = lambda state, *x: gated_delta_rule_reference(*x, state, use_qk_l2norm)  # noqa: E731
+    return CarryStep.apply(ctx, slot, fn, q, k, v, g, beta)
+
+
+class GatedDeltaPass(ArchitecturePass):
+    name = "gated_delta"
+
+    def claims(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is torch.ops.longstraw.gated_delta_rule.default
+
+    def dim_rule(self, an, node: fx.Node):
+        q, k, v, g, beta = node.args[:5]
+        dq, dv = an.dims_of(q), an.dims_of(v)
+        for other in (k, v, g, beta):
+            for a, b in zip(dq[:2], an.dims_of(other)[:2]):
+                an.unify(a, b)
+        an.mixes[node] = [dq[1]]
+        state = node.meta["longstraw_value"][1]
+        return [dq[:2] + dv[2:], [dq[0]] + an._fresh_dims(state.shape[1:])]
+
+    def position_dims(self, node: fx.Node):
+        q = node.args[0]
+        return (q, 1), (q, 0)
+
+    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
+        return []
+
+    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        state = node.meta["longstraw_value"][1]
+        return [((1, *state.shape[1:]), state.dtype)]
+
+    def unsupported_reason(self, node: fx.Node) -> str | None:
+        if arg(node, 5, "initial_state") is not None:
+            return "a loss that passes its own initial recurrent state is not supported"
+        return None
+
+    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
+        (site,) = sites
+        q, k, v, g, beta = emitter.mapped(tuple(node.args[:5]))
+        step = emitter.graph.call_function(
+            gated_delta_step, (emitter.ctx, site.slot, q, k, v, g, beta), {"use_qk_l2norm": bool(node.args[6])}
+        )
+        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
+        return step

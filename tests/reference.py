@@ -1,0 +1,105 @@
+"""Eager references the compiled losses are compared against.
+
+- `eager_loss_and_grads`: the exact-mode reference, plain eager PyTorch.
+- `detached_reference`: the detached-mode contract (DESIGN.md section 2):
+  the state at prompt positions 0..P-2 (K and V after RoPE) is computed under
+  `no_grad` and is a constant; the last prompt token opens every branch, so a
+  branch has exactly R input positions P-1..P+R-2 and runs with grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from losses import grpo_tail
+from plain_transformer import PlainTransformer
+
+
+def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """name -> clone of .grad (None stays None) for every trainable parameter."""
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in trainable(model).items()}
+
+
+def with_fresh_grads(model: nn.Module, run: Callable[[], torch.Tensor]):
+    """Run `run()` (which calls backward) from empty .grad, return (loss,
+    grads) and put the model's previous .grad back."""
+    params = trainable(model)
+    saved = {n: p.grad for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    try:
+        loss = run()
+        return loss.detach(), grads_of(model)
+    finally:
+        for n, p in params.items():
+            p.grad = saved[n]
+
+
+def eager_loss_and_grads(loss_fn, model, *args):
+    """Plain eager loss and name -> grad clone for trainable parameters.
+
+    The model's .grad is left as it was found.
+    """
+
+    def run():
+        loss = loss_fn(model, *args)
+        loss.backward()
+        return loss
+
+    return with_fresh_grads(model, run)
+
+
+def branch_inputs(prompt, responses):
+    """[prompt[-1], responses[:, :-1]] -> [G, R]: the R input positions of a
+    branch (positions P-1..P+R-2)."""
+    g = responses.shape[0]
+    return torch.cat([prompt[-1:].expand(g, 1), responses[:, :-1]], dim=1)
+
+
+def detached_logits(model, prompt, responses):
+    """Logits [G, R, V] at positions P-1..P+R-2, with the prompt state
+    (positions 0..P-2) computed under no_grad and shared by all branches.
+
+    HF models: `past_key_values` of `prompt[:-1]` (a DynamicCache), repeated
+    G times along the batch; positions continue from P-1 because HF derives
+    them from the cache length. `PlainTransformer`: its `past_kv` path.
+    P == 1 means no past at all.
+    """
+    g, p = responses.shape[0], prompt.shape[0]
+    ids = branch_inputs(prompt, responses)  # [G, R]
+    if isinstance(model, PlainTransformer):
+        past = None
+        if p > 1:
+            with torch.no_grad():
+                _, kv = model.forward_with_kv(prompt[None, :-1])
+            past = [(k.expand(g, -1, -1, -1), v.expand(g, -1, -1, -1)) for k, v in kv]
+        return model(ids, past_kv=past)
+    if p == 1:
+        return model(input_ids=ids).logits
+    with torch.no_grad():
+        cache = model(input_ids=prompt[None, :-1], use_cache=True).past_key_values
+    # DynamicCache.batch_repeat_interleave is in place (per layer
+    # repeat_interleave on dim 0); the cache is fresh, nothing else sees it.
+    cache.batch_repeat_interleave(g)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+
+def detached_reference(model, prompt, responses, advantages, mask, tail=grpo_tail):
+    """Detached-mode reference: (loss, name -> grad) for `tail` applied to
+    `detached_logits`. `tail(logits, responses, advantages, mask)` is the
+    loss after the model (see `losses.TAILS`).
+    """
+
+    def run():
+        loss = tail(detached_logits(model, prompt, responses), responses, advantages, mask)
+        loss.backward()
+        return loss
+
+    return with_fresh_grads(model, run)
