@@ -57,7 +57,13 @@ class GroupPlan:
 
     @property
     def state_bytes_per_position(self) -> int:
+        """Captured bytes per prompt position of one group (K/V and the like)."""
         return sum(s.bytes_per_position() for s in self.partition.slots)
+
+    @property
+    def state_fixed_bytes(self) -> int:
+        """Captured bytes that do not grow with the prompt (recurrent and conv state)."""
+        return sum(s.fixed_bytes() for s in self.partition.slots)
 
     def summary(self) -> str:
         part = self.partition
@@ -70,12 +76,16 @@ class GroupPlan:
             f"{part.end - max(self.prefix_len, 0)} positions each",
             f"  tail:   {len(self.tail.module.graph.nodes)} nodes on {len(part.branch_outputs)} stacked branch output(s): "
             + ", ".join(f"{n.name}{list(n.meta['longstraw_value'].shape)}" for n in part.branch_outputs),
-            f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position",
+            f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position, "
+            f"{self.state_fixed_bytes} bytes fixed",
         ]
         for slot in part.slots:
+            size = (
+                f"{slot.bytes_per_position()} B/position" if slot.kind == "sequence" else f"{slot.fixed_bytes()} B carried"
+            )
             lines.append(
                 f"    [{slot.index}] {slot.node.name} {list(slot.shape)} {str(slot.dtype).replace('torch.', '')} "
-                f"({slot.bytes_per_position()} B/position) for {slot.reason}"
+                f"({size}) for {slot.reason}"
             )
         return "\n".join(lines)
 
