@@ -293,6 +293,7 @@ def _squeeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 
 def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    """expand, broadcast_to, repeat: aligned dims of unchanged size are kept."""
     dims, shape = an._in(node.args[0])
     out_shape = an._out_shape(node)
     out = []
@@ -303,16 +304,6 @@ def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
         other, _ = an._in(node.args[1])
         for o, d in zip(other, out):
             an.unify(o, d)
-    return out
-
-
-def _repeat(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
-    out_shape = an._out_shape(node)
-    out = []
-    for i, size in enumerate(out_shape):
-        j = i - (len(out_shape) - len(shape))
-        out.append(dims[j] if j >= 0 and shape[j] == size else an.fresh(size))
     return out
 
 
@@ -615,7 +606,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "permute": _permute,
     "unsqueeze": _unsqueeze, "squeeze": _squeeze,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
-    "repeat": _repeat, "repeat_interleave": _repeat_interleave,
+    "repeat": _expand, "repeat_interleave": _repeat_interleave,
     "getitem": _getitem, "narrow": _narrow, "select": _select, "setitem": _setitem,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "split": _split, "chunk": _split, "unbind": _split,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longstraw.models.tiny import tiny_causal_lm
 from plain_transformer import make_plain
 
 VOCAB = 64
@@ -34,37 +35,18 @@ def parity_tol(kind: str) -> float:
     return 1e-6 if is_hf(kind) else 1e-9
 
 
-def _hf_common(vocab_size: int) -> dict:
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=1024,
-        # larger than the 0.02 default so attention is far from uniform and
-        # the prompt-side gradient term is clearly visible
-        initializer_range=0.2,
-        attn_implementation="sdpa",
-    )
+# Smaller than longstraw.models.tiny's defaults so the parity sweeps stay fast.
+_HF_SHAPES = dict(hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=1024)
 
 
 def make_qwen3(seed: int = 0, vocab_size: int = VOCAB) -> nn.Module:
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**_hf_common(vocab_size))
-    return transformers.Qwen3ForCausalLM(cfg).double()
+    return tiny_causal_lm("qwen3", seed=seed, vocab_size=vocab_size, **_HF_SHAPES)
 
 
 def make_llama(seed: int = 0, vocab_size: int = VOCAB, tie_word_embeddings: bool = False) -> nn.Module:
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**_hf_common(vocab_size), tie_word_embeddings=tie_word_embeddings)
-    return transformers.LlamaForCausalLM(cfg).double()
+    return tiny_causal_lm(
+        "llama", seed=seed, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings, **_HF_SHAPES
+    )
 
 
 def make_model(kind: str, seed: int = 0, vocab_size: int = VOCAB) -> nn.Module:
