@@ -14,6 +14,7 @@ groups of Hv // Hk.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -133,9 +134,38 @@ def _backward(ctx, grad_out, grad_state):
 gated_delta_rule.register_autograd(_backward, setup_context=_setup)
 
 
+@functools.cache
+def _fla_kernel():
+    """fla's fused chunked kernel, when installed (GPUs with Triton)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def _fla_forward(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    """Forward only: fla's backward is not used (it refuses Hopper with older Triton)."""
+    out, state = _fla_kernel()(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
+    )
+    return out, state
+
+
 def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
-    """The step version: the initial state is the carry at the step's start."""
-    fn = lambda state, *x: gated_delta_rule_reference(*x, state, use_qk_l2norm)  # noqa: E731
+    """The step version: the initial state is the carry at the step's start.
+
+    Prompt capture on a GPU with fla installed runs fla's fused forward; its
+    values only seed later chunks and branches. Everything that is
+    differentiated (replays, the reverse pass) runs the PyTorch kernel."""
+    capture = (
+        q.is_cuda
+        and not torch.is_grad_enabled()
+        and ctx.offset + ctx.length <= ctx.state.prefix_len
+        and _fla_kernel() is not None
+    )
+    kernel = _fla_forward if capture else gated_delta_rule_reference
+    fn = lambda state, *x: kernel(*x, state, use_qk_l2norm)  # noqa: E731
     return CarryStep.apply(ctx, slot, fn, q, k, v, g, beta)
 
 

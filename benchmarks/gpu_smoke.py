@@ -1,0 +1,167 @@
+"""GPU smoke run: correctness of the CUDA paths and first scale numbers.
+
+1. Dense (tiny Qwen3, float32 on CUDA): compiled exact mode against eager,
+   detached mode against the HF-cache reference (exercises the CUDA
+   lower-right causal bias path).
+2. Hybrid (tiny Qwen3.5, float32 on CUDA, bound): compiled exact mode
+   against bound eager; fla's forward (if importable) against LongStraw's
+   chunked kernel, and used for prompt capture.
+3. Scale: the 4-layer slice with Qwen3-8B layer shapes (bf16, G=8,
+   R=1024): peak allocated memory and step time of longstraw exact and
+   detached at a few prompt lengths.
+
+    python benchmarks/gpu_smoke.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import transformers
+
+import longstraw
+from longstraw.models import qwen3_5
+from longstraw.models.tiny import tiny_causal_lm
+from longstraw.passes import gated_delta
+
+
+def grpo_loss(model, prompt, responses, advantages, mask):
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    logits = model(input_ids=ids).logits[:, prompt.shape[0] - 1 : -1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    return -((ratio * advantages[:, None]) * mask).sum() / mask.sum()
+
+
+def detached_loss(model, prompt, responses, advantages, mask):
+    G = responses.shape[0]
+    with torch.no_grad():
+        cache = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True).past_key_values
+    ids = torch.cat([prompt[-1:].expand(G, 1), responses[:, :-1]], 1)
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits.float()
+    logp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    return -((ratio * advantages[:, None]) * mask).sum() / mask.sum()
+
+
+def group(G, P, R, vocab, device, dtype=torch.float32, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    prompt = torch.randint(0, vocab, (P,), generator=gen).to(device)
+    responses = torch.randint(0, vocab, (G, R), generator=gen).to(device)
+    advantages = torch.randn(G, generator=gen).to(device, dtype)
+    mask = torch.ones(G, R, device=device, dtype=dtype)
+    return prompt, responses, advantages, mask
+
+
+def grads(model, fn, *args):
+    model.zero_grad(set_to_none=True)
+    loss = fn(model, *args)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(got, want):
+    (lg, g), (lw, w) = got, want
+    rel = max(((g[n] - w[n]).norm() / w[n].norm().clamp_min(1e-30)).item() for n in w)
+    cos = min(torch.nn.functional.cosine_similarity(g[n].flatten(), w[n].flatten(), dim=0).item() for n in w)
+    return {"loss_got": lg.item(), "loss_want": lw.item(), "max_rel_l2": rel, "min_cosine": cos}
+
+
+def parity(model, args, reference, mode, chunk):
+    torch._dynamo.reset()
+    step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk))
+    return compare(grads(model, step, *args), grads(model, reference, *args))
+
+
+def dense_parity(device):
+    model = tiny_causal_lm("qwen3", dtype=torch.float32, hidden_size=256, head_dim=64, intermediate_size=512).to(device)
+    args = group(4, 700, 33, model.config.vocab_size, device)
+    return {
+        "exact": parity(model, args, grpo_loss, "exact", 96),
+        "detached": parity(model, args, detached_loss, "detached", 96),
+    }
+
+
+def hybrid_parity(device):
+    out = {"fla_available": gated_delta._fla_kernel() is not None}
+    with qwen3_5.bound():
+        torch.manual_seed(0)
+        cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
+        model = transformers.Qwen3_5ForCausalLM(cfg).to(device)
+        args = group(3, 600, 17, cfg.vocab_size, device)
+        out["exact"] = parity(model, args, grpo_loss, "exact", 100)
+    if out["fla_available"]:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        B, L, Hk, Hv, D = 1, 1000, 4, 8, 64
+        q, k = (torch.randn(B, L, Hk, D, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+        v = torch.randn(B, L, Hv, D, generator=gen).to(device, torch.bfloat16)
+        g = -torch.rand(B, L, Hv, generator=gen).to(device)
+        beta = torch.rand(B, L, Hv, generator=gen).to(device, torch.bfloat16)
+        state0 = torch.randn(B, Hv, D, D, generator=gen).to(device)
+        o1, s1 = gated_delta._fla_forward(q, k, v, g, beta, state0, True)
+        o2, s2 = gated_delta.gated_delta_rule_reference(q, k, v, g, beta, state0, True)
+        out["fla_vs_reference_bf16"] = {
+            "out_rel_l2": ((o1.float() - o2.float()).norm() / o2.float().norm()).item(),
+            "state_rel_l2": ((s1 - s2).norm() / s2.norm()).item(),
+        }
+    return out
+
+
+def scale_runs(device, budget_s):
+    cfg = transformers.Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=1 << 21,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows, start = [], time.perf_counter()
+    for mode, P in [("detached", 32768), ("exact", 32768), ("detached", 131072), ("exact", 131072), ("detached", 262144)]:
+        if time.perf_counter() - start > budget_s:
+            rows.append({"mode": mode, "P": P, "skipped": "time budget"})
+            continue
+        torch._dynamo.reset()
+        args = group(8, P, 1024, cfg.vocab_size, device, torch.bfloat16)
+        step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad=mode))
+        model.zero_grad(set_to_none=True)
+        step(model, *args).backward()  # warm-up: compile and plan
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        step(model, *args).backward()
+        torch.cuda.synchronize()
+        rows.append({
+            "mode": mode, "P": P, "G": 8, "R": 1024, "seconds": time.perf_counter() - t0,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "weights_gb": weights / 1e9,
+        })
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scale-budget-s", type=float, default=240)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
+    result["dense_parity_fp32"] = dense_parity(device)
+    print("dense", result["dense_parity_fp32"], flush=True)
+    result["hybrid_parity_fp32"] = hybrid_parity(device)
+    print("hybrid", result["hybrid_parity_fp32"], flush=True)
+    result["scale_qwen3_8b_slice"] = scale_runs(device, args.scale_budget_s)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{'mode':>9} {'P':>8} {'s/step':>8} {'peak GB':>8}")
+    for row in result["scale_qwen3_8b_slice"]:
+        if "seconds" in row:
+            print(f"{row['mode']:>9} {row['P']:>8} {row['seconds']:>8.2f} {row['peak_gb']:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
