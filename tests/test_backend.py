@@ -1,0 +1,70 @@
+"""The backend object: fallback to eager, records, and the README's loss."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import longstraw
+from compare import assert_close, assert_grads_close
+from harness import compile_loss, compiled_loss_and_grads
+from losses import grpo_loss_f64
+from plain_transformer import make_plain
+from reference import eager_loss_and_grads
+from tiny_models import make_group, make_model
+
+
+def test_on_unsupported_eager_runs_the_graph_unchanged():
+    """A position-mixing operator no pass claims: warn once, run the graph
+    as traced (same loss and gradients as eager), record no plan."""
+    model = make_plain(mixer="cumsum")
+    backend = longstraw.Backend(on_unsupported="eager")
+    compiled = compile_loss(grpo_loss_f64, backend)
+    args = make_group(3, 9, 5, pad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got_loss, got = compiled_loss_and_grads(compiled, model, *args)
+        compiled_loss_and_grads(compiled, model, *args)
+    ours = [w for w in caught if "longstraw" in str(w.message)]
+    assert len(ours) == 1 and "cumsum" in str(ours[0].message)
+    want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *args)
+    assert_close(got_loss, want_loss, 1e-12, "loss")
+    assert_grads_close(got, want, 1e-12)
+    assert backend.plans == []
+
+
+def test_summary_names_regions_and_state():
+    model = make_model("plain")
+    backend = longstraw.Backend(prefix_chunk_size=5)
+    compile_loss(grpo_loss_f64, backend)(model, *make_group(2, 12, 4)).backward()
+    plan = backend.plans[-1]
+    text = plan.summary()
+    assert "G=2 sequences of 16 positions" in text
+    assert "11 prompt positions captured" in text and "4 positions each" in text
+    assert text.count("causal_attention") == len(plan.partition.slots) == 4
+    assert plan.state_bytes_per_position == 2 * 2 * 2 * 8 * 8  # layers x (K, V) x heads x head_dim x float64
+    assert plan.state_fixed_bytes == 0
+
+
+def readme_loss(model, prompt_ids, response_ids, advantages, completion_mask):
+    """The loss shown in README.md (logits_to_keep, float32 log-softmax)."""
+    G, R = response_ids.shape
+    input_ids = torch.cat([prompt_ids.expand(G, -1), response_ids], dim=1)
+    logits = model(input_ids, logits_to_keep=R + 1).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    per_token = -advantages[:, None] * torch.exp(logp - logp.detach())
+    return (per_token * completion_mask).sum() / completion_mask.sum()
+
+
+def test_readme_loss():
+    model = make_model("qwen3")
+    prompt, responses, advantages, mask = make_group(3, 20, 6, pad=True)
+    args = (prompt[None], responses, advantages, mask)
+    backend = longstraw.Backend(prefix_chunk_size=7)
+    got_loss, got = compiled_loss_and_grads(compile_loss(readme_loss, backend), model, *args)
+    want_loss, want = eager_loss_and_grads(readme_loss, model, *args)
+    assert_close(got_loss, want_loss, 1e-5, "loss")
+    assert_grads_close(got, want, 1e-5)
+    assert backend.plans[-1].prefix_len == 19
