@@ -564,7 +564,7 @@ def _gather(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 def _sdpa(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     q, k, v = node.args[0], node.args[1], node.args[2]
-    (dq, sq), (dk, sk), (dv, sv) = an._in(q), an._in(k), an._in(v)
+    (dq, sq), (dk, sk), (dv, _) = an._in(q), an._in(k), an._in(v)
     for i in range(len(sq) - 2):
         if sk[i] == sq[i]:
             an.unify(dq[i], dk[i])

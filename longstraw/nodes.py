@@ -44,15 +44,6 @@ def is_side_effect(node: fx.Node) -> bool:
     )
 
 
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
-
-
-def value_of(node: fx.Node) -> Any:
-    """The example value (a FakeTensor, a tuple of them, an int...) recorded for a node."""
-    return node.meta["longstraw_value"]
-
-
 def tensor_of(node: fx.Node) -> torch.Tensor | None:
     value = node.meta.get("longstraw_value")
     return value if isinstance(value, torch.Tensor) else None

@@ -94,7 +94,7 @@ def test_mismatched_group_sizes():
     model.zero_grad(set_to_none=True)
     before = seed_grads(model)
     compiled = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=5))
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match=r"broadcast a dimension of length 2"):
         run_and_backward(compiled, model, prompt, responses, advantages, mask)
     assert grads_equal(grads_of(model), before)
 
