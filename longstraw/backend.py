@@ -53,7 +53,9 @@ class GroupPlan:
         """Prompt positions captured as state (the last call's, when it depends on values)."""
         if self.runner.last_prefix_len is not None:
             return self.runner.last_prefix_len
-        return self.runner._prefix_len({}) if all(r.structural_prefix is not None for r in self.partition.roots) else -1
+        if all(r.structural_prefix is not None for r in self.partition.roots):
+            return self.runner.prefix_len({})
+        return -1
 
     @property
     def state_bytes_per_position(self) -> int:
@@ -104,7 +106,7 @@ class Backend:
         **option_fields: Any,
     ) -> None:
         if option_fields:
-            options = {**dict(Options.from_any(options).__dict__), **option_fields}
+            options = {**dataclasses.asdict(Options.from_any(options)), **option_fields}
         self.options = Options.from_any(options)
         self.passes = passes
         self.plans: list[GroupPlan] = []

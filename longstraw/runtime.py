@@ -85,7 +85,7 @@ class GroupRunner:
         size = self.options.prefix_chunk_size
         return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
 
-    def _prefix_len(self, values: dict) -> int:
+    def prefix_len(self, values: dict) -> int:
         """Positions captured as state: before the first position the loss
         reads, and shared by every row (proved by the graph, else checked)."""
         prefix_len = self.part.first_consumed
@@ -108,7 +108,7 @@ class GroupRunner:
     def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
         part = self.part
         values = dict(zip(self.imports, self.outer.module(*inputs)))
-        prefix_len = self._prefix_len(values)
+        prefix_len = self.prefix_len(values)
         self.last_prefix_len = prefix_len
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         state = PromptState(part.slots, capacity=part.end, prefix_len=prefix_len, device=device)
