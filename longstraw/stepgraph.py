@@ -103,8 +103,9 @@ def build_outer(part: Partition) -> StepGraph:
     imports = step_imports(part)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
+    needed = _needed(imports, set(part.placeholders))
     for node in part.graph.nodes:
-        if node in _needed(imports, set(part.placeholders)) and node.op != "placeholder":
+        if node in needed and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in imports))
     return StepGraph(_module(graph, "LongStrawOuter"), list(part.placeholders))
