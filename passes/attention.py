@@ -52,6 +52,11 @@ class CausalAttentionPass(ArchitecturePass):
                     "the attn_mask depends on inputs (e.g. a padding mask); only masks computed from "
                     "positions are supported: pad responses at the end and mask the loss instead"
                 )
+            if _sees_the_future(mask):
+                return (
+                    "the attn_mask lets a position attend to later positions (e.g. a prefix-LM mask), "
+                    "so earlier positions cannot be computed before later ones"
+                )
         elif not arg(node, 5, "is_causal", False):
             return "non-causal SDPA lets earlier positions see later ones, so the prompt cannot be captured once"
         dropout = arg(node, 4, "dropout_p", 0.0)
@@ -117,6 +122,31 @@ def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
             return None, 1
         return base, r
     return None, 1
+
+
+MASK_CHECK_MAX_POSITIONS = 4096
+
+
+def _sees_the_future(mask: fx.Node) -> bool:
+    """Evaluate a positions-only mask (it reads no input) and check that no
+    query attends to a later key. Masks over more positions than
+    MASK_CHECK_MAX_POSITIONS are not evaluated (the check would cost L^2)."""
+    value = tensor_of(mask)
+    rows, cols = value.shape[-2], value.shape[-1]
+    if max(rows, cols) > MASK_CHECK_MAX_POSITIONS or value.device.type == "meta":
+        return False
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    needed = ancestors([mask])
+    for node in mask.graph.nodes:
+        if node in needed:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[mask])
+    with torch.no_grad():
+        block = fx.GraphModule(torch.nn.Module(), graph)()
+    later = torch.ones(rows, cols, dtype=torch.bool, device=block.device).triu(cols - rows + 1)
+    allowed = block if block.dtype == torch.bool else block > float("-inf")
+    return bool((allowed & later).any())
 
 
 def _unsqueezed_from(node: fx.Node) -> fx.Node | None:

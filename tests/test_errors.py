@@ -157,3 +157,34 @@ def test_raises_longstraw_helper_checks_the_chain():
     with pytest.raises(pytest.fail.Exception):
         with raises_longstraw("x"):
             pass
+
+
+class PrefixLM(torch.nn.Module):
+    """One attention layer whose mask lets every position see the whole prompt."""
+
+    def __init__(self, prefix: int) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.embed = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids):
+        q, k, v = self.qkv(self.embed(input_ids)).unsqueeze(1).chunk(3, dim=-1)  # [B, 1, L, 16] each
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = (pos[None, :] <= pos[:, None]) | (pos[None, :] < self.prefix)  # [L, L]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(out.squeeze(1))
+
+
+def test_mask_that_sees_later_positions():
+    """A prefix-LM mask: prompt positions attend to later prompt positions,
+    so the prompt cannot be captured chunk by chunk."""
+    torch.manual_seed(0)
+    model = PrefixLM(prefix=6).double()
+    args = make_group(2, 6, 4)
+    before = seed_grads(model)
+    compiled = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=5))
+    with raises_longstraw(r"attend to later positions"):
+        run_and_backward(compiled, model, *args)
+    assert grads_equal(grads_of(model), before)
