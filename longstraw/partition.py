@@ -95,8 +95,8 @@ def partition(
     gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
 ) -> Partition:
     graph = gm.graph
-    an = DimAnalysis(graph, lambda an, n: p.dim_rule(an, n) if (p := claiming_pass(n, passes)) else None)
     claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
+    an = DimAnalysis(graph, lambda an, n: claims[n].dim_rule(an, n) if n in claims else None)
     if not claims:
         raise UnsupportedGraphError(
             "no attention (or other position-mixing operator claimed by a pass) found in the loss graph: "
@@ -110,7 +110,7 @@ def partition(
     token, batch = _seed_axes(claims, an)
     sequence = {n for n in graph.nodes if _has_class(an, n, token)}
     positional = _positional(graph, claims, sequence)
-    _check_sequence_ops(graph, an, token, sequence - positional, claims, positional)
+    _check_sequence_ops(graph, an, token, sequence, claims, positional)
     exits = _find_exits(graph, an, token, sequence, positional)
     roots = _find_roots(an, token, batch, sequence, params)
     seq_len = an.factor_size(token)
