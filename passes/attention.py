@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
@@ -196,7 +197,10 @@ def _lower_right_causal(n: int, total: int, device: torch.device):
     selects kernels that apply it without materialising a mask; elsewhere
     SDPA would materialise it anyway, so build the boolean block directly."""
     if device.type == "cuda":
-        return causal_lower_right(n, total)
+        # the bias is a tensor subclass, which cannot be created under a
+        # dispatch mode (memory or FLOP counters); SDPA itself still runs under it
+        with _disable_current_modes():
+            return causal_lower_right(n, total)
     return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
 
 
