@@ -18,6 +18,7 @@ Two kinds of `StateSlot` are decided at compile time:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
@@ -40,19 +41,12 @@ class StateSlot:
     def bytes_per_position(self) -> int:
         if self.kind != "sequence":
             return 0
-        numel = 1
-        for i, size in enumerate(self.shape):
-            if i != self.token_dim:
-                numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(s for i, s in enumerate(self.shape) if i != self.token_dim) * self.dtype.itemsize
 
     def fixed_bytes(self) -> int:
         if self.kind != "carry":
             return 0
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class PromptState:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
+from longstraw.carry import recompute_grads
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
@@ -225,22 +226,14 @@ class _AttentionOverState(torch.autograd.Function):
         q, k, v, mask = ctx.saved_tensors
         step.write(k_slot, k)
         step.write(v_slot, v)
-        with torch.enable_grad():
-            q_leaf = q.detach().requires_grad_(True)
-            keys = step.visible(k_slot).detach().requires_grad_(True)
-            values = keys if v_slot == k_slot else step.visible(v_slot).detach().requires_grad_(True)
-            out = _attend(q_leaf, keys, values, mask, ctx.scale, ctx.enable_gqa)
-            leaves = (q_leaf, keys) if values is keys else (q_leaf, keys, values)
-            grads = torch.autograd.grad(out, leaves, grad_out)
-        grad_q, grad_keys = grads[0], grads[1]
-        grad_values = grads[1] if values is keys else grads[2]
+        grad_q, grad_keys, grad_values = recompute_grads(
+            lambda q, keys, values: (_attend(q, keys, values, mask, ctx.scale, ctx.enable_gqa),),
+            [q, step.visible(k_slot), step.visible(v_slot)],
+            [grad_out],
+            [True, True, True],
+        )
+        # when k and v are one slot, both land in the same d(state) and sum there
         step.accumulate_grad(k_slot, grad_keys)
-        if v_slot != k_slot:
-            step.accumulate_grad(v_slot, grad_values)
+        step.accumulate_grad(v_slot, grad_values)
         o, n = step.offset, step.length
-        grad_k = grad_keys.narrow(-2, o, n)
-        grad_v = grad_values.narrow(-2, o, n)
-        if v_slot == k_slot:
-            grad_k = grad_v = grad_k  # the same tensor feeds both: its gradient already sums both uses
-            return None, grad_q, grad_k, None, None, None, None, None, None
-        return None, grad_q, grad_k, grad_v, None, None, None, None, None
+        return None, grad_q, grad_keys.narrow(-2, o, n), grad_values.narrow(-2, o, n), None, None, None, None, None
