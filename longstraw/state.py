@@ -109,13 +109,15 @@ class StepContext:
         token_dim = self.state.slots[slot].token_dim
         return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
 
-    def accumulate_grad(self, slot: int, grad_visible: torch.Tensor) -> None:
-        """Add the gradient of the positions before this step into d(state)."""
+    def accumulate_grad(self, slot: int, grad: torch.Tensor, start: int = 0) -> None:
+        """Add the gradient of positions `[start, start + len)` into d(state);
+        the part at or after this step's own positions is not state."""
         grads = self.state.grads
-        if grads is None or self.offset == 0:
-            return
         token_dim = self.state.slots[slot].token_dim
-        grads[slot].narrow(token_dim, 0, self.offset).add_(grad_visible.narrow(token_dim, 0, self.offset))
+        length = min(grad.shape[token_dim], self.offset - start)
+        if grads is None or length <= 0:
+            return
+        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
 
     # carry slots
 

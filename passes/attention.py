@@ -4,10 +4,11 @@ computed from positions, with or without GQA.
 State per layer: K and V at prompt positions, captured after RoPE and before
 any head repetition (`repeat_kv`), which the step folds into SDPA's
 `enable_gqa`. A step with queries at positions `[o, o+n)` attends to the
-buffer view `[0, o+n)` with a lower-right causal bias, so no
-`n x (o+n)` mask is materialised on backends that support the bias. An
-explicit mask is rebuilt by the step for its rows and visible columns (see
-`StepEmitter.query_key_block`); that block is materialised.
+buffer view `[0, o+n)` (lower-right causal) without copying it. On CUDA in
+fp16/bf16 this is PyTorch's flash attention with native GQA; elsewhere, and
+with an explicit mask (rebuilt by the step for its rows and visible
+columns, see `StepEmitter.query_key_block`), an explicit softmax over key
+blocks. Both keep the log-sum-exp, so backward runs block by block.
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from torch.utils._python_dispatch import _disable_current_modes
-
-from longstraw.carry import recompute_grads
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
@@ -180,60 +176,184 @@ def attention_step(
 
     q: [1, Hq, n, D]; k, v: [1, Hkv, n, D] (the step's own positions, already
     written to the state buffers by `write_state`); mask: None (causal) or
-    the mask block [..., n, o+n]."""
-    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, enable_gqa)
-
-
-def _attend(q, keys, values, mask, scale, enable_gqa) -> torch.Tensor:
-    n, total = q.shape[-2], keys.shape[-2]
-    if mask is None and n == total:
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    if mask is None:
-        mask = _lower_right_causal(n, total, q.device)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-
-
-def _lower_right_causal(n: int, total: int, device: torch.device):
-    """Queries at the last n of `total` positions. On CUDA the bias object
-    selects kernels that apply it without materialising a mask; elsewhere
-    SDPA would materialise it anyway, so build the boolean block directly."""
-    if device.type == "cuda":
-        # the bias is a tensor subclass, which cannot be created under a
-        # dispatch mode (memory or FLOP counters); SDPA itself still runs under it
-        with _disable_current_modes():
-            return causal_lower_right(n, total)
-    return torch.ones(n, total, dtype=torch.bool, device=device).tril(total - n)
+    the mask block [..., n, o+n]. Hq is a multiple of Hkv whether or not the
+    graph asked for `enable_gqa` (without it the two are equal)."""
+    del enable_gqa
+    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
 
 
 class _AttentionOverState(torch.autograd.Function):
     """Attention whose keys/values before the step live in the state buffers.
 
-    Only q and the step's own k/v are saved; the buffers are read by
-    reference, so replaying a branch never copies the prompt state. Backward
-    recomputes attention over `[0, o+n)`, returns the gradient of the step's
-    positions and adds the rest to d(state) (exact mode)."""
+    Forward saves q, the step's own k/v, the output and its log-sum-exp; the
+    buffers are read by reference, so a branch never copies the prompt state.
+    Backward walks the keys in blocks (`_AttentionKernel.blocks`): with the
+    output and log-sum-exp of the whole row each block's gradients are
+    exact, so dQ is their sum, the step's dK/dV come from the blocks over
+    its own positions and the earlier blocks' dK/dV go to d(state) (exact
+    mode). Peak memory is one key block, not the whole visible range (flash
+    attention's GQA backward expands dK/dV to all query heads)."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, enable_gqa):
-        ctx.step, ctx.slots, ctx.scale, ctx.enable_gqa = step, (k_slot, v_slot), scale, enable_gqa
-        ctx.save_for_backward(q, k, v, mask)
-        return _attend(q, step.visible(k_slot), step.visible(v_slot), mask, scale, enable_gqa)
+    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
+        kernel = _kernel_for(q, mask)
+        out, lse = kernel.forward(q, step.visible(k_slot), step.visible(v_slot), mask, scale, step.offset)
+        ctx.step, ctx.slots, ctx.scale, ctx.kernel = step, (k_slot, v_slot), scale, kernel
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         step: StepContext = ctx.step
+        kernel: _AttentionKernel = ctx.kernel
         k_slot, v_slot = ctx.slots
-        q, k, v, mask = ctx.saved_tensors
-        step.write(k_slot, k)
-        step.write(v_slot, v)
-        grad_q, grad_keys, grad_values = recompute_grads(
-            lambda q, keys, values: (_attend(q, keys, values, mask, ctx.scale, ctx.enable_gqa),),
-            [q, step.visible(k_slot), step.visible(v_slot)],
-            [grad_out],
-            [True, True, True],
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        o = step.offset
+        grad_out = grad_out.contiguous()
+        keys, values = step.visible(k_slot), step.visible(v_slot)
+        grad_q = torch.zeros(q.shape, dtype=_compute_dtype(q), device=q.device)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        for start, length in kernel.blocks(q, o):
+            own = start >= o
+            kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
+            vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
+            cols = None if mask is None else mask.narrow(-1, start, length)
+            gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, ctx.scale, o, start)
+            grad_q += gq
+            if own:
+                grad_k.narrow(-2, start - o, length).copy_(gk)
+                grad_v.narrow(-2, start - o, length).copy_(gv)
+            else:
+                # when k and v are one slot, both land in the same d(state) and sum there
+                step.accumulate_grad(k_slot, gk, start)
+                step.accumulate_grad(v_slot, gv, start)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+class _AttentionKernel:
+    """Attention of queries at positions `[o, o+n)` over keys `[0, o+n)`,
+    causal unless a mask is given: forward over all keys returning the
+    output and log-sum-exp, backward over one block of keys at a time."""
+
+    def forward(self, q, keys, values, mask, scale, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start: int, k_start: int):
+        """dQ (partial), dK, dV of the key block starting at position k_start."""
+        raise NotImplementedError
+
+    def blocks(self, q: torch.Tensor, q_start: int) -> list[tuple[int, int]]:
+        """(start, length) key blocks covering `[0, q_start)` and the step's own positions, never both."""
+        raise NotImplementedError
+
+
+def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(s, min(size, end - s)) for s in range(start, end, size)]
+
+
+class _FlashKernel(_AttentionKernel):
+    """PyTorch's flash attention (CUDA, fp16/bf16, no explicit mask): native
+    GQA, lower-right causal alignment when there are more keys than queries,
+    and the log-sum-exp the block backward needs."""
+
+    def forward(self, q, keys, values, mask, scale, q_start):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)
+        return out, lse
+
+    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+        unused = torch.empty((), dtype=torch.long, device=q.device)  # philox seed/offset: no dropout
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, keys, values, out, lse, None, None, q.shape[-2], keys.shape[-2],
+            0.0, k_start == q_start, unused, unused, scale=scale,
         )
-        # when k and v are one slot, both land in the same d(state) and sum there
-        step.accumulate_grad(k_slot, grad_keys)
-        step.accumulate_grad(v_slot, grad_values)
-        o, n = step.offset, step.length
-        return None, grad_q, grad_keys.narrow(-2, o, n), grad_values.narrow(-2, o, n), None, None, None, None, None
+
+    def blocks(self, q, q_start):
+        # the own positions are one causal square: flash aligns causal masks lower-right
+        return [(q_start, q.shape[-2]), *_split(0, q_start, FLASH_KEY_BLOCK)]
+
+
+class _MathKernel(_AttentionKernel):
+    """Explicit softmax over key blocks, in at least float32 (float64 stays
+    float64): every device, dtype and mask. It materialises one
+    [heads, n, block] score block at a time, `MATH_BLOCK_SCORES` elements."""
+
+    def forward(self, q, keys, values, mask, scale, q_start):
+        compute = _compute_dtype(q)
+        lse = torch.full(_grouped(q, keys).shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        out = torch.zeros(*lse.shape, values.shape[-1], dtype=compute, device=q.device)
+        for start, length in self.blocks(q, q_start):
+            cols = None if mask is None else mask.narrow(-1, start, length)
+            s = _scores(q, keys.narrow(-2, start, length), cols, scale, q_start, start)
+            new = torch.logaddexp(lse, s.logsumexp(-1))
+            finite = torch.where(new.isneginf(), 0.0, new)  # rows that see nothing yet
+            p = torch.exp(s - finite[..., None])
+            out = out * torch.exp(lse - finite)[..., None] + torch.einsum(
+                "bhgnm,bhme->bhgne", p, values.narrow(-2, start, length).to(compute)
+            )
+            lse = new
+        return _ungrouped(out).to(q.dtype), _ungrouped(lse)
+
+    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+        compute = _compute_dtype(q)
+        s = _scores(q, keys, mask, scale, q_start, k_start)
+        p = torch.exp(s - _grouped(q, keys, lse)[..., None])
+        do, o = _grouped(q, keys, grad_out).to(compute), _grouped(q, keys, out).to(compute)
+        kb, vb, qg = keys.to(compute), values.to(compute), _grouped(q, keys).to(compute)
+        grad_v = torch.einsum("bhgnm,bhgne->bhme", p, do)
+        ds = p * (torch.einsum("bhgne,bhme->bhgnm", do, vb) - (do * o).sum(-1, keepdim=True))
+        scale = _scale(q, scale)
+        grad_q = torch.einsum("bhgnm,bhmd->bhgnd", ds, kb) * scale
+        grad_k = torch.einsum("bhgnm,bhgnd->bhmd", ds, qg) * scale
+        return _ungrouped(grad_q), grad_k.to(keys.dtype), grad_v.to(values.dtype)
+
+    def blocks(self, q, q_start):
+        size = max(1, MATH_BLOCK_SCORES // (q.shape[-3] * q.shape[-2]))
+        n = q.shape[-2]
+        return [*_split(q_start, q_start + n, size), *_split(0, q_start, size)]
+
+
+FLASH_KEY_BLOCK = 65536
+MATH_BLOCK_SCORES = 1 << 24
+_FLASH, _MATH = _FlashKernel(), _MathKernel()
+
+
+def _kernel_for(q: torch.Tensor, mask: torch.Tensor | None) -> _AttentionKernel:
+    head_dim = q.shape[-1]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
+        return _FLASH
+    return _MATH
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _grouped(q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Hq, n, ...] -> [B, Hkv, Hq/Hkv, n, ...]: query head j reads key head j // (Hq/Hkv)."""
+    x = q if x is None else x
+    b, hq, hkv = q.shape[0], q.shape[1], keys.shape[1]
+    return x.reshape(b, hkv, hq // hkv, *x.shape[2:])
+
+
+def _ungrouped(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(1, 2)
+
+
+def _scores(q, keys, mask, scale, q_start: int, k_start: int) -> torch.Tensor:
+    """Scaled scores [B, Hkv, g, n, m] of queries at `q_start...` over keys at
+    `k_start...`, with the mask block applied (causal by position without one)."""
+    compute = _compute_dtype(q)
+    s = torch.einsum("bhgnd,bhmd->bhgnm", _grouped(q, keys).to(compute), keys.to(compute)) * _scale(q, scale)
+    n, m = s.shape[-2], s.shape[-1]
+    if mask is None:
+        if k_start + m - 1 > q_start:  # some key is later than the first query
+            later = torch.ones(n, m, dtype=torch.bool, device=s.device).triu(q_start - k_start + 1)
+            s = s.masked_fill(later, float("-inf"))
+    else:
+        mask = _grouped(q, keys, mask.expand(q.shape[0], q.shape[1], n, m))
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(compute)
+    return s

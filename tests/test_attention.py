@@ -1,0 +1,74 @@
+"""The attention step's block-wise kernel (passes/attention.py).
+
+Backward runs per key block with the whole row's log-sum-exp; these tests
+force blocks of a single key so every block boundary is exercised, on the
+kernel alone against SDPA's autograd and end to end against eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longstraw.passes import attention
+from test_parity_dense import check_parity
+
+
+def _blocked_grads(q, keys, values, grad_out, mask):
+    """dQ, dK, dV the way `_AttentionOverState.backward` assembles them."""
+    kernel = attention._MATH
+    o = keys.shape[-2] - q.shape[-2]
+    out, lse = kernel.forward(q, keys, values, mask, None, o)
+    grad_q = torch.zeros_like(q)
+    grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+    blocks = kernel.blocks(q, o)
+    assert all(start + length <= o or start >= o for start, length in blocks)
+    ends = [0] + [start + length for start, length in sorted(blocks)]
+    assert [start for start, _ in sorted(blocks)] == ends[:-1] and ends[-1] == keys.shape[-2]  # a partition
+    for start, length in blocks:
+        cols = None if mask is None else mask.narrow(-1, start, length)
+        kb, vb = keys.narrow(-2, start, length), values.narrow(-2, start, length)
+        gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, None, o, start)
+        grad_q += gq
+        grad_k.narrow(-2, start, length).add_(gk)
+        grad_v.narrow(-2, start, length).add_(gv)
+    return out, grad_q, grad_k, grad_v
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("explicit_mask", [False, True])
+@pytest.mark.parametrize("block_scores", [1, 3 * 5 * 6, 1 << 24])
+def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_scores, monkeypatch):
+    monkeypatch.setattr(attention, "MATH_BLOCK_SCORES", block_scores)
+    gen = torch.Generator().manual_seed(0)
+    n, total, d = 5, 12, 8
+    q = torch.randn(1, heads, n, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    keys = torch.randn(1, kv_heads, total, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    values = torch.randn(1, kv_heads, total, d + 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(1, heads, n, d + 2, generator=gen, dtype=torch.float64)
+    causal = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+    # an explicit mask that also hides some earlier keys (a sliding window)
+    mask = causal & ~torch.ones(n, total, dtype=torch.bool).tril(total - n - 4) if explicit_mask else None
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal if mask is None else mask, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, (q, keys, values), grad_out)
+    with torch.no_grad():
+        out, *grads = _blocked_grads(q, keys, values, grad_out, mask)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["plain", "plain_repeat", "plain_explicit_mask", "qwen3"])
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_single_key_blocks_end_to_end(kind, mode, monkeypatch):
+    """Every state position is its own backward block (d(state) is assembled
+    from one-position pieces) and the gradients still match eager."""
+    monkeypatch.setattr(attention, "MATH_BLOCK_SCORES", 1)
+    check_parity(kind, mode, G=2, P=11, R=5, chunk=4)
+
+
+def test_flash_is_chosen_only_where_it_applies():
+    q = torch.empty(1, 4, 3, 64, dtype=torch.bfloat16, device="meta")
+    assert attention._kernel_for(q, None) is attention._MATH  # not CUDA
+    assert attention._kernel_for(q.to(torch.float64), None) is attention._MATH
