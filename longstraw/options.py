@@ -15,7 +15,7 @@ class Options:
     `detached`: the state of prompt positions 0..P-2 is a constant (the
     reference system's objective); the last prompt token runs in every branch."""
 
-    prefix_chunk_size: int = 32768
+    prefix_chunk_size: int = 8192
     """Prompt positions evaluated per chunk during capture and the reverse pass."""
 
     on_unsupported: Literal["error", "eager"] = "error"

@@ -16,7 +16,8 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
+
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
@@ -80,13 +81,13 @@ class CausalAttentionPass(ArchitecturePass):
         k_site, v_site = sites
         q = node.args[0]
         mask = arg(node, 3, "attn_mask")
-        kwargs = dict(
-            mask=emitter.query_key_block(mask) if mask is not None else None,
-            k_slot=k_site.slot,
-            v_slot=v_site.slot,
-            scale=arg(node, 6, "scale"),
-            enable_gqa=bool(arg(node, 7, "enable_gqa", False)) or k_site.transform > 1 or v_site.transform > 1,
-        )
+        kwargs = {
+            "mask": emitter.query_key_block(mask) if mask is not None else None,
+            "k_slot": k_site.slot,
+            "v_slot": v_site.slot,
+            "scale": arg(node, 6, "scale"),
+            "enable_gqa": bool(arg(node, 7, "enable_gqa", False)) or k_site.transform > 1 or v_site.transform > 1,
+        }
         args = (emitter.ctx, *emitter.mapped((q, k_site.cut, v_site.cut)))
         return emitter.graph.call_function(attention_step, args, kwargs)
 

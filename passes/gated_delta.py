@@ -155,11 +155,13 @@ def _fla_forward(q, k, v, g, beta, initial_state, use_qk_l2norm):
 def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     """The step version: the initial state is the carry at the step's start.
 
-    Prompt capture on a GPU with fla installed runs fla's fused forward; its
+    Prompt capture on a GPU with fla installed runs fla's fused forward (for
+    fp16/bf16 inputs: fla rounds float32 matmuls to TF32); its
     values only seed later chunks and branches. Everything that is
     differentiated (replays, the reverse pass) runs the PyTorch kernel."""
     capture = (
         q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)  # fla computes float32 inputs in TF32
         and not torch.is_grad_enabled()
         and ctx.offset + ctx.length <= ctx.state.prefix_len
         and _fla_kernel() is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from longstraw.passes import attention
 from test_parity_dense import check_parity
 

@@ -1,0 +1,794 @@
+"""One GRPO step, LongStraw against the eager baselines, on the same inputs.
+
+Modes (same model, prompt, responses, advantages and loss in every one):
+
+  eager                the concatenated [prompt; response_g] batch under
+                       autograd, with `logits_to_keep` (what TRL/verl do)
+  eager_ckpt           the same with HF gradient checkpointing
+  eager_shared_prefix  the prompt once, the branches attend to it, one
+                       autograd graph (the PrefixGrouper idea). Dense: the
+                       packed sequence [prompt, r_1 .. r_G] under a flex
+                       attention block mask, so nothing is copied G times.
+                       Hybrid: the branches continue from the prompt's HF
+                       cache, repeated G times (flex packing cannot express
+                       recurrent layers).
+  longstraw_detached   torch.compile(loss, backend=longstraw, prompt_grad="detached")
+  longstraw_exact      the same with prompt_grad="exact"
+
+Models: `dense` is the 4-layer slice with Qwen3-8B layer shapes, `hybrid`
+3 Gated DeltaNet + 1 full attention layers at transformers' default
+Qwen3_5TextConfig shapes; bf16, random init. Eager hybrid modes run HF's
+PyTorch Gated DeltaNet (fla's backward does not run on this Triton).
+
+Parts (`--parts`), all in one process; every run is bounded by
+`--budget-s` so a command stays inside the 10-minute device limit:
+
+  sweep    per mode, P doubles from --p-min until it runs out of memory, would
+           exceed the time left, or reaches --p-max; then bisection between
+           the last success and the first failure. Every run's peak
+           allocated memory and step time are recorded (plot: peak vs P).
+  gdelta   peak(G=8) - peak(G=2) at --p-gdelta for the longstraw modes.
+  speed    warm step time of every mode at --p-speed (and MFU).
+  parity   longstraw exact against eager (checkpointed, same math) at
+           --p-parity, float32 (relative L2) and bf16 (cosine).
+  kernels  flash block backward against the explicit-softmax kernel.
+  trace    what is live at the peak of a longstraw step (allocator trace).
+
+MFU counts model FLOPs the mode's algorithm needs, without recomputation:
+2 per parameter-token in every linear (the LM head only on the kept
+positions), 4*H*D per visible key per query in attention, 4*H*Dk*Dv per
+token in Gated DeltaNet; backward is twice forward. Eager modes process G
+copies of the prompt, shared-prefix and exact one, detached one without
+backward. Against 790 TFLOP/s (H200 dense bf16, see the device notes).
+
+Each run writes `<out-dir>/grpo_bench_<model>.json`; `--report` turns result
+files into the plot and `summary.json` (on a machine with matplotlib):
+
+    python benchmarks/grpo_bench.py --model dense --out-dir $OUT
+    python benchmarks/grpo_bench.py --report benchmarks/results/grpo_bench_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from longstraw.models import qwen3_5
+
+import longstraw
+
+PEAK_FLOPS = 790e12
+MODES = ("eager", "eager_ckpt", "eager_shared_prefix", "longstraw_detached", "longstraw_exact")
+GiB = 1e9  # decimal GB, as nvidia-smi and the issue report memory
+
+
+# model --------------------------------------------------------------------
+
+
+def dense_config(tiny: bool) -> transformers.PretrainedConfig:
+    if tiny:
+        shapes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+    else:
+        shapes = {"hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+    return transformers.Qwen3Config(num_hidden_layers=4, max_position_embeddings=1 << 22, **shapes)
+
+
+def hybrid_config(tiny: bool) -> transformers.PretrainedConfig:
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    if tiny:
+        return qwen3_5.tiny_config(layer_types=layers, max_position_embeddings=1 << 22)
+    return transformers.Qwen3_5TextConfig(num_hidden_layers=4, layer_types=layers, max_position_embeddings=1 << 22)
+
+
+def build_model(kind: str, tiny: bool, dtype: torch.dtype, device: torch.device) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = dense_config(tiny) if kind == "dense" else hybrid_config(tiny)
+    cls = transformers.Qwen3ForCausalLM if kind == "dense" else transformers.Qwen3_5ForCausalLM
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    model.train()  # attention dropout is 0; train() is what checkpointing needs
+    return model
+
+
+# loss and inputs ------------------------------------------------------------
+
+
+def grpo_loss(model, input_ids, advantages, completion_mask, logits_to_keep: int):
+    """TRL's GRPO loss at one policy step (ratio 1, no KL), per-token mean."""
+    logits = model(input_ids=input_ids, logits_to_keep=logits_to_keep + 1).logits[:, :-1].float()
+    completion = input_ids[:, -logits_to_keep:]
+    logp = logits.gather(-1, completion.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return _policy_loss(logp, advantages, completion_mask)
+
+
+def _policy_loss(logp, advantages, completion_mask):
+    ratio = torch.exp(logp - logp.detach())
+    return -((ratio * advantages[:, None]) * completion_mask).sum() / completion_mask.sum()
+
+
+@dataclasses.dataclass
+class Group:
+    prompt: torch.Tensor  # [P]
+    responses: torch.Tensor  # [G, R]
+    advantages: torch.Tensor  # [G]
+    mask: torch.Tensor  # [G, R]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt.expand(self.responses.shape[0], -1), self.responses], 1)
+
+
+def make_group(G: int, P: int, R: int, vocab: int, device: torch.device) -> Group:
+    gen = torch.Generator().manual_seed(P * 1000 + G)
+    return Group(
+        prompt=torch.randint(0, vocab, (P,), generator=gen).to(device),
+        responses=torch.randint(0, vocab, (G, R), generator=gen).to(device),
+        advantages=torch.randn(G, generator=gen).to(device),
+        mask=torch.ones(G, R, device=device),
+    )
+
+
+# the modes --------------------------------------------------------------------
+
+
+def eager_step(model, group: Group) -> torch.Tensor:
+    return grpo_loss(model, group.input_ids, group.advantages, group.mask, group.responses.shape[1])
+
+
+def shared_prefix_dense(model, group: Group) -> torch.Tensor:
+    """Packed [prompt, r_1[:-1] .. r_G[:-1]]: each response token attends to
+    the prompt and its own response; the prompt's last logit is shared."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    (P,), (G, R) = group.prompt.shape, group.responses.shape
+    device = group.prompt.device
+    ids = torch.cat([group.prompt, group.responses[:, :-1].flatten()])[None]
+    positions = torch.cat([torch.arange(P, device=device), (P + torch.arange(R - 1, device=device)).repeat(G)])[None]
+    segment = torch.cat([torch.zeros(P, dtype=torch.long, device=device), torch.arange(1, G + 1, device=device).repeat_interleave(R - 1)])
+
+    def same_branch_or_prompt(b, h, q, kv):
+        return (kv <= q) & ((segment[kv] == 0) | (segment[kv] == segment[q]))
+
+    n = ids.shape[1]
+    block_mask = create_block_mask(same_branch_or_prompt, None, None, n, n, device=device, _compile=True)
+    logits = model(input_ids=ids, position_ids=positions, attention_mask=block_mask, logits_to_keep=G * (R - 1) + 1).logits[0]
+    first, rest = logits[:1].float(), logits[1:].float().view(G, R - 1, -1)
+    per_branch = torch.cat([first.expand(G, 1, -1), rest], 1)  # [G, R, V]
+    logp = per_branch.gather(-1, group.responses.unsqueeze(-1)).squeeze(-1) - per_branch.logsumexp(-1)
+    return _policy_loss(logp, group.advantages, group.mask)
+
+
+def shared_prefix_cached(model, group: Group) -> torch.Tensor:
+    """Prompt[:-1] once with a cache, then the G branches from that cache
+    (repeated along the batch), all under autograd."""
+    (P,), (G, R) = group.prompt.shape, group.responses.shape
+    cache = model(input_ids=group.prompt[None, :-1], use_cache=True).past_key_values
+    for layer in cache.layers:
+        _repeat_layer(layer, G)
+    ids = torch.cat([group.prompt[-1:].expand(G, 1), group.responses[:, :-1]], 1)
+    positions = torch.arange(P - 1, P - 1 + R, device=ids.device)[None].expand(G, -1)
+    logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits.float()
+    logp = logits.gather(-1, group.responses.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return _policy_loss(logp, group.advantages, group.mask)
+
+
+def _repeat_layer(layer, G: int) -> None:
+    """Repeat a cache layer G times along the batch, keeping autograd: HF's
+    linear-attention layers update their states in place, which would
+    overwrite tensors the prompt's backward needs, so the branch pass gets
+    functional updates instead."""
+    if hasattr(layer, "recurrent_states"):
+        conv = layer.conv_states[0].repeat_interleave(G, 0)
+        layer.recurrent_states[0] = layer.recurrent_states[0].repeat_interleave(G, 0)
+        layer.update_conv_state = lambda new, state_idx=0, **kw: torch.cat([conv, new], -1)
+        layer.update_recurrent_state = lambda state, state_idx=0, **kw: state
+    else:
+        layer.batch_repeat_interleave(G)
+
+
+class Runner:
+    """Builds the step of one mode for one model; `step(group)` runs loss + backward."""
+
+    def __init__(self, model, kind: str, mode: str) -> None:
+        self.model, self.kind, self.mode = model, kind, mode
+        self.compiled: Callable | None = None
+
+    def __enter__(self):
+        model = self.model
+        if self.kind == "hybrid":
+            if self.mode.startswith("longstraw"):
+                self._unbind = qwen3_5.bind()
+            else:
+                self._unbind = _torch_gated_delta()
+        if self.mode == "eager_ckpt":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.mode == "eager_shared_prefix" and self.kind == "dense":
+            model.set_attn_implementation("flex_attention")
+        if self.mode.startswith("longstraw"):
+            torch._dynamo.reset()
+            backend = longstraw.Backend(prompt_grad=self.mode.removeprefix("longstraw_"))
+            self.compiled = torch.compile(grpo_loss, backend=backend)
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode == "eager_ckpt":
+            self.model.gradient_checkpointing_disable()
+        if self.mode == "eager_shared_prefix" and self.kind == "dense":
+            self.model.set_attn_implementation("sdpa")
+        if self.kind == "hybrid":
+            qwen3_5.unbind(self._unbind)
+        self.compiled = None
+        torch._dynamo.reset()
+
+    def step(self, group: Group) -> torch.Tensor:
+        model = self.model
+        model.zero_grad(set_to_none=True)
+        if self.compiled is not None:
+            loss = self.compiled(model, group.input_ids, group.advantages, group.mask, group.responses.shape[1])
+        elif self.mode == "eager_shared_prefix":
+            loss = (shared_prefix_dense if self.kind == "dense" else shared_prefix_cached)(model, group)
+        else:
+            loss = eager_step(model, group)
+        loss.backward()
+        return loss.detach()
+
+
+def _torch_gated_delta():
+    """Eager hybrid runs HF's own PyTorch kernels, whatever HF resolved at import."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+
+    replaced = {}
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+        fn = getattr(hf, name)
+        replaced[(hf, name)] = fn
+        setattr(hf, name, getattr(fn, "__wrapped__", fn))
+    return replaced
+
+
+# measuring ----------------------------------------------------------------------
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def release(model) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(runner: Runner, group: Group, repeats: int = 1, warmup: bool = False) -> dict:
+    """One (or `repeats`) steps: peak allocated memory and seconds per step.
+    The first call at a new shape plans (and compiles); with `warmup` it is
+    run once untimed."""
+    model = runner.model
+    try:
+        if warmup:
+            runner.step(group)
+            release(model)
+        times = []
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            runner.step(group)
+            sync()
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        return {"ok": True, "seconds": min(times), "peak_gb": peak / GiB, "includes_planning": not warmup}
+    except Exception as error:  # noqa: BLE001 - every failure is recorded, the sweep goes on
+        if not is_oom(error):
+            return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:400]}"}
+        return {"ok": False, "oom": True}
+    finally:
+        release(model)
+
+
+# FLOPs --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FlopModel:
+    """Forward FLOPs per token and per (query, key) pair, from the config."""
+
+    linear_per_token: float  # all linears but the LM head, per token
+    head_per_token: float
+    attention_per_pair: float  # summed over full-attention layers
+    recurrent_per_token: float  # Gated DeltaNet state update and readout
+
+    @classmethod
+    def of(cls, model) -> FlopModel:
+        cfg = model.config
+        head = model.get_output_embeddings().weight.numel()
+        embed = model.get_input_embeddings().weight.numel()
+        linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2) - head - (0 if cfg.tie_word_embeddings else embed)
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        full = sum(t == "full_attention" for t in types)
+        linear_layers = len(types) - full
+        recurrent = 0.0
+        if linear_layers:
+            recurrent = linear_layers * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        return cls(2 * linear, 2 * head, full * 4 * cfg.num_attention_heads * cfg.head_dim, recurrent)
+
+    def forward(self, tokens: int, pairs: float, head_tokens: int) -> float:
+        return (self.linear_per_token + self.recurrent_per_token) * tokens + self.attention_per_pair * pairs + self.head_per_token * head_tokens
+
+    def prompt(self, P: int) -> float:
+        return self.forward(P, P * (P + 1) / 2, 0)
+
+    def branches(self, G: int, P: int, R: int) -> float:
+        return self.forward(G * R, G * (R * P + R * (R + 1) / 2), G * R)
+
+    def step(self, mode: str, G: int, P: int, R: int) -> float:
+        if mode in ("eager", "eager_ckpt"):
+            return 3 * (G * self.prompt(P) + self.branches(G, P, R))
+        if mode == "longstraw_detached":
+            return self.prompt(P) + 3 * self.branches(G, P, R)
+        return 3 * (self.prompt(P) + self.branches(G, P, R))
+
+
+# parts ----------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, budget_s: float) -> None:
+        self.end = time.perf_counter() + budget_s
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
+    """Peak memory vs P and the largest P per mode: doubling, then bisection."""
+    out = {}
+    vocab = model.config.vocab_size
+    for i, mode in enumerate(modes):
+        # share the time left among the modes still to run
+        mode_clock = Clock(clock.left() / (len(modes) - i))
+        runs, last_ok, first_bad, last_seconds = [], None, None, 0.0
+        stop = "p_max"
+        with Runner(model, kind, mode) as runner:
+
+            def attempt(P, runner=runner, mode=mode, runs=runs):
+                result = measure(runner, make_group(args.G, P, args.R, vocab, model.device))
+                result.update(P=P, G=args.G, R=args.R)
+                if result["ok"]:
+                    result["mfu"] = flops.step(mode, args.G, P, args.R) / result["seconds"] / PEAK_FLOPS
+                runs.append(result)
+                print(f"  {kind} {mode:20} P={P:>8} {_describe(result)}", flush=True)
+                return result
+
+            P = args.p_min
+            while P <= args.p_max:
+                # attention makes a step up to 4x longer when P doubles
+                if last_seconds * 4 > mode_clock.left():
+                    stop = "time"
+                    break
+                result = attempt(P)
+                if not result["ok"]:
+                    first_bad, stop = P, "oom" if result.get("oom") else "error"
+                    break
+                last_ok, last_seconds = P, result["seconds"]
+                P *= 2
+            if last_ok is not None and first_bad is not None and stop == "oom":
+                lo, hi = last_ok, first_bad
+                while hi - lo > max(args.bisect_resolution, lo // 16) and last_seconds * 2 < mode_clock.left():
+                    mid = (lo + hi) // 2 // 1024 * 1024
+                    result = attempt(mid)
+                    if result["ok"]:
+                        lo, last_seconds = mid, result["seconds"]
+                    elif result.get("oom"):
+                        hi = mid
+                    else:
+                        break
+                last_ok, first_bad = lo, hi
+        out[mode] = {"runs": runs, "max_prompt_tokens": last_ok, "first_failure": first_bad, "limited_by": stop}
+    return out
+
+
+def gdelta(model, kind, args, clock: Clock) -> dict:
+    out = {}
+    vocab = model.config.vocab_size
+    for mode in ("longstraw_detached", "longstraw_exact"):
+        with Runner(model, kind, mode) as runner:
+            peaks = {}
+            for G in (2, 8):
+                if clock.left() < 30:
+                    break
+                result = measure(runner, make_group(G, args.p_gdelta, args.R, vocab, model.device))
+                print(f"  {kind} {mode:20} P={args.p_gdelta:>8} G={G} {_describe(result)}", flush=True)
+                peaks[G] = result
+        if all(peaks.get(G, {}).get("ok") for G in (2, 8)):
+            out[mode] = {"P": args.p_gdelta, "peak_g2_gb": peaks[2]["peak_gb"], "peak_g8_gb": peaks[8]["peak_gb"],
+                         "delta_gb": peaks[8]["peak_gb"] - peaks[2]["peak_gb"]}
+        else:
+            out[mode] = {"P": args.p_gdelta, "runs": peaks}
+    return out
+
+
+def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
+    out = {}
+    vocab = model.config.vocab_size
+    group = make_group(args.G, args.p_speed, args.R, vocab, model.device)
+    for mode in modes:
+        if clock.left() < 30:
+            out[mode] = {"skipped": "time budget"}
+            continue
+        with Runner(model, kind, mode) as runner:
+            result = measure(runner, group, repeats=2, warmup=True)
+        if result["ok"]:
+            result["mfu"] = flops.step(mode, args.G, args.p_speed, args.R) / result["seconds"] / PEAK_FLOPS
+        print(f"  {kind} {mode:20} P={args.p_speed:>8} warm {_describe(result)}", flush=True)
+        out[mode] = result
+    return out
+
+
+def capture_mfu(model, kind, args, clock: Clock, flops: FlopModel) -> dict:
+    """Prompt capture alone: the detached forward (capture + G branch
+    forwards, so a lower bound on the capture's MFU) at --p-capture."""
+    vocab = model.config.vocab_size
+    group = make_group(args.G, args.p_capture, args.R, vocab, model.device)
+    with Runner(model, kind, "longstraw_detached") as runner:
+        try:
+            with torch.no_grad():
+                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
+            sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)
+            sync()
+            seconds = time.perf_counter() - t0
+        except Exception as error:  # noqa: BLE001
+            return {"P": args.p_capture, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        finally:
+            release(model)
+    mfu = flops.prompt(args.p_capture) / seconds / PEAK_FLOPS
+    print(f"  {kind} capture P={args.p_capture} {seconds:.2f}s MFU {mfu:.1%}", flush=True)
+    return {"P": args.p_capture, "forward_seconds": seconds, "prompt_flops": flops.prompt(args.p_capture), "mfu": mfu}
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(got: dict, want: dict) -> dict:
+    rel = {n: ((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want}
+    cos = {n: torch.nn.functional.cosine_similarity(got[n].flatten(), want[n].flatten(), dim=0).item() for n in want}
+    worst = max(rel, key=rel.get)
+    return {"max_rel_l2": rel[worst], "worst_parameter": worst, "min_cosine": min(cos.values()), "parameters": len(want)}
+
+
+def parity(kind, args, device) -> dict:
+    out = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(kind, args.tiny, dtype, device)
+        group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
+        result = {}
+        try:
+            with Runner(model, kind, "eager_ckpt") as runner:
+                runner.step(group)
+            want = grads_of(model)
+            with Runner(model, kind, "longstraw_exact") as runner:
+                runner.step(group)
+            result = compare(grads_of(model), want)
+        except Exception as error:  # noqa: BLE001
+            result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        out[str(dtype).removeprefix("torch.")] = result
+        print(f"  {kind} parity {dtype} P={args.p_parity}: {result}", flush=True)
+        del model
+        release_all()
+    return out
+
+
+def release_all():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kernels(device) -> dict:
+    """The flash path of the attention step against the explicit-softmax
+    kernel: forward, and the block-wise backward assembled as the step does."""
+    from longstraw.passes import attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, o, hq, hkv, d = 1024, 3 * 65536 + 100, 32, 8, 128
+    q = torch.randn(1, hq, n, d, generator=gen).to(device, torch.bfloat16)
+    keys = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
+    values = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
+    grad_out = torch.randn(1, hq, n, d, generator=gen).to(device, torch.bfloat16)
+    out = {}
+    results = {}
+    for name, kernel in (("flash", attention._FLASH), ("math", attention._MATH)):
+        y, lse = kernel.forward(q, keys, values, None, None, o)
+        gq = torch.zeros(q.shape, dtype=torch.float32, device=device)
+        gk = torch.zeros(keys.shape, dtype=torch.float32, device=device)
+        gv = torch.zeros(values.shape, dtype=torch.float32, device=device)
+        for start, length in kernel.blocks(q, o):
+            a, b, c = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length), y, lse, None, None, o, start)
+            gq += a.float()
+            gk.narrow(-2, start, length).add_(b.float())
+            gv.narrow(-2, start, length).add_(c.float())
+        results[name] = (y.float(), lse.float(), gq, gk, gv)
+    for i, what in enumerate(("out", "lse", "grad_q", "grad_k", "grad_v")):
+        f, m = results["flash"][i], results["math"][i]
+        out[what] = {"rel_l2": ((f - m).norm() / m.norm()).item(),
+                     "cosine": torch.nn.functional.cosine_similarity(f.flatten(), m.flatten(), dim=0).item()}
+    print(f"  kernels flash vs math: {out}", flush=True)
+    return out
+
+
+def _describe(result: dict) -> str:
+    if result.get("ok"):
+        mfu = f" MFU {result['mfu']:.1%}" if "mfu" in result else ""
+        return f"{result['seconds']:.2f}s {result['peak_gb']:.1f}GB{mfu}"
+    return "OOM" if result.get("oom") else result.get("error", "failed")
+
+
+def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
+    """What is live at the peak of one step: the allocator's trace replayed
+    to its maximum, live blocks grouped by the innermost frame in this
+    project or transformers."""
+    group = make_group(args.G, args.p_trace, args.R, model.config.vocab_size, model.device)
+    with Runner(model, kind, mode) as runner:
+        runner.step(group)  # plan outside the trace
+        release(model)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        try:
+            runner.step(group)
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            release(model)
+    events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_requested")]
+    current = peak = peak_at = 0
+    for i, e in enumerate(events):
+        current += e["size"] if e["action"] == "alloc" else -e["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    live: dict[int, dict] = {}
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    groups: dict[str, int] = {}
+    for e in live.values():
+        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in ("longstraw", "passes", "transformers", "grpo_bench"))]
+        where = f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no python frame)"
+        groups[where] = groups.get(where, 0) + e["size"]
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    out = {"mode": mode, "P": args.p_trace, "traced_growth_gb": peak / GiB,
+           "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
+    print(f"  {kind} {mode} P={args.p_trace} live at peak (growth during the step {peak / GiB:.1f} GB):", flush=True)
+    for w, b in ranked:
+        print(f"    {b / GiB:7.2f} GB  {w}", flush=True)
+    return out
+
+
+# memory floor ---------------------------------------------------------------------
+
+
+def memory_floor(model, kind, args, sweep_out: dict) -> dict:
+    """weights + grads + state(P) (+ d(state) in exact mode) + one branch + one chunk,
+    per longstraw run. The state comes from the plan of a small run; one
+    branch and one chunk are the activations of eager fwd+bwd over R and
+    over one chunk of a single sequence (detached: the chunk without grad)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = model.config.vocab_size
+    backend = longstraw.Backend(prompt_grad="exact")
+    group = make_group(2, 4096, 64, vocab, model.device)
+    with Runner(model, kind, "longstraw_exact") as runner:
+        runner.compiled = torch.compile(grpo_loss, backend=backend)
+        runner.step(group)
+    plan = backend.plans[-1]
+    release(model)
+    chunk = longstraw.Options().prefix_chunk_size
+    activations = {}
+    with Runner(model, kind, "eager") as runner:
+        for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
+            g = make_group(1, P, R, vocab, model.device)
+            release(model)
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.set_grad_enabled(grad):
+                if grad:
+                    runner.step(g)
+                else:
+                    model(input_ids=g.input_ids, logits_to_keep=1)
+            activations[name] = torch.cuda.max_memory_allocated() - base
+            release(model)
+    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "state_bytes_per_position": plan.state_bytes_per_position,
+           "state_fixed_bytes": plan.state_fixed_bytes, "activations_gb": {k: v / GiB for k, v in activations.items()},
+           "prefix_chunk_size": chunk, "runs": []}
+    for mode in ("longstraw_detached", "longstraw_exact"):
+        for run in sweep_out.get(mode, {}).get("runs", []):
+            if not run["ok"]:
+                continue
+            P = run["P"]
+            chunks = math.ceil((P - 1) / chunk)
+            state = plan.state_bytes_per_position * (P - 1 + args.R) + plan.state_fixed_bytes * (chunks + 1)
+            exact = mode == "longstraw_exact"
+            floor = 2 * weights + state * (2 if exact else 1) + activations["branch"] + activations["chunk_grad" if exact else "chunk_nograd"]
+            out["runs"].append({"mode": mode, "P": P, "peak_gb": run["peak_gb"], "floor_gb": floor / GiB,
+                                "over_floor": run["peak_gb"] * GiB / floor - 1})
+    return out
+
+
+# output -----------------------------------------------------------------------------
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in results if "sweep" in results[m]]
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
+    for ax, kind in zip(axes[0], models):
+        for mode, data in results[kind]["sweep"].items():
+            ok = [r for r in data["runs"] if r["ok"]]
+            if ok:
+                ok.sort(key=lambda r: r["P"])
+                ax.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=mode)
+        ax.axhline(141, color="gray", linestyle=":", label="H200 (141 GB)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens P")
+        ax.set_ylabel("peak allocated GB")
+        ax.set_title(f"{kind}: one GRPO step, G={results[kind]['G']}, R={results[kind]['R']}, bf16")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summarize(kind: str, result: dict, command: str, commit: str) -> dict:
+    sweep_out, speed_out = result.get("sweep", {}), result.get("speed", {})
+    summary = {
+        "max_prompt_tokens": {m: d["max_prompt_tokens"] for m, d in sweep_out.items()},
+        "max_prompt_limited_by": {m: d["limited_by"] for m, d in sweep_out.items()},
+        "command": command,
+        "git_commit": commit,
+    }
+    gd = result.get("gdelta", {})
+    summary["peak_delta_g2_to_g8_gb"] = {m: d.get("delta_gb") for m, d in gd.items()}
+    exact, ckpt = speed_out.get("longstraw_exact", {}), speed_out.get("eager_ckpt", {})
+    if exact.get("ok") and ckpt.get("ok"):
+        summary["speedup_vs_eager_ckpt_at_32k"] = ckpt["seconds"] / exact["seconds"]
+    elif speed_out:
+        summary["speedup_vs_eager_ckpt_at_32k"] = None
+    if "capture" in result:
+        summary["prefix_capture_mfu"] = result["capture"].get("mfu")
+    par = result.get("parity", {})
+    if par:
+        summary["parity_fp32_max_rel_l2"] = par.get("float32", {}).get("max_rel_l2")
+        summary["parity_bf16_min_cosine"] = par.get("bfloat16", {}).get("min_cosine")
+    return summary
+
+
+def print_table(kind: str, result: dict) -> None:
+    print(f"\n== {kind} (G={result['G']}, R={result['R']})")
+    if "sweep" in result:
+        print(f"{'mode':22} {'max P':>9} {'limit':>6}   peak GB by P")
+        for mode, data in result["sweep"].items():
+            peaks = " ".join(f"{r['P'] // 1024}K:{r['peak_gb']:.0f}" for r in data["runs"] if r["ok"])
+            print(f"{mode:22} {data['max_prompt_tokens'] or 0:>9} {data['limited_by']:>6}   {peaks}")
+    if "speed" in result:
+        print(f"{'mode':22} {'s/step @' + str(result['p_speed']):>14} {'MFU':>6}")
+        for mode, r in result["speed"].items():
+            if r.get("ok"):
+                print(f"{mode:22} {r['seconds']:>14.2f} {r['mfu']:>6.1%}")
+            else:
+                print(f"{mode:22} {_describe(r):>14}")
+    for key in ("gdelta", "capture", "parity"):
+        if key in result:
+            print(f"{key}: {json.dumps(result[key])}")
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("LONGSTRAW_COMMIT", "unknown")
+
+
+def report(paths: list[str], out_dir: str) -> None:
+    """The plot and summary.json from result files (run where matplotlib is)."""
+    results = {}
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        results[result["model"]] = result
+    plot(results, os.path.join(out_dir, "grpo_bench_peak_memory.png"))
+    summary = {kind: summarize(kind, r, r["command"], r["git_commit"]) for kind, r in results.items()}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    for kind, result in results.items():
+        print_table(kind, result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("dense", "hybrid"), default="dense")
+    parser.add_argument("--parts", default="kernels,parity,speed,capture,gdelta,sweep")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--R", type=int, default=1024)
+    parser.add_argument("--p-min", type=int, default=8192)
+    parser.add_argument("--p-max", type=int, default=1 << 20)
+    parser.add_argument("--bisect-resolution", type=int, default=8192)
+    parser.add_argument("--p-gdelta", type=int, default=262144)
+    parser.add_argument("--p-speed", type=int, default=32768)
+    parser.add_argument("--p-capture", type=int, default=262144)
+    parser.add_argument("--p-parity", type=int, default=8192)
+    parser.add_argument("--p-trace", type=int, default=131072)
+    parser.add_argument("--budget-s", type=float, default=520, help="wall-clock budget of the whole command")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="result file stem (default grpo_bench_<model>)")
+    parser.add_argument("--command", default=None, help="the command line to record (default: argv)")
+    parser.add_argument("--report", nargs="+", metavar="RESULT_JSON", help="only write the plot and summary.json from these")
+    args = parser.parse_args()
+    if args.report:
+        report(args.report, args.out_dir)
+        return
+
+    clock = Clock(args.budget_s)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parts = args.parts.split(",")
+    modes = [m for m in args.modes.split(",") if m]
+    commit = git_commit()
+    command = args.command or "python " + " ".join(os.sys.argv)
+    result = {"model": args.model, "G": args.G, "R": args.R, "p_speed": args.p_speed, "dtype": "bfloat16",
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "command": command, "git_commit": commit, "peak_tflops": PEAK_FLOPS / 1e12}
+    if "kernels" in parts and device.type == "cuda":
+        result["kernels"] = kernels(device)
+    if "parity" in parts:
+        result["parity"] = parity(args.model, args, device)
+    model = build_model(args.model, args.tiny, torch.bfloat16, device)
+    flops = FlopModel.of(model)
+    if "trace" in parts and device.type == "cuda":
+        result["trace"] = [peak_breakdown(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
+    if "speed" in parts:
+        result["speed"] = speed(model, args.model, modes, args, clock, flops)
+    if "capture" in parts:
+        result["capture"] = capture_mfu(model, args.model, args, clock, flops)
+    if "gdelta" in parts:
+        result["gdelta"] = gdelta(model, args.model, args, clock)
+    if "sweep" in parts:
+        result["sweep"] = sweep(model, args.model, modes, args, clock, flops)
+        if device.type == "cuda":
+            result["memory_floor"] = memory_floor(model, args.model, args, result["sweep"])
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, (args.name or f"grpo_bench_{args.model}") + ".json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print_table(args.model, result)
+
+
+if __name__ == "__main__":
+    main()
