@@ -553,7 +553,7 @@ def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
     with Runner(model, kind, mode) as runner:
         runner.step(group)  # plan outside the trace
         release(model)
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         try:
             runner.step(group)
             snapshot = torch.cuda.memory._snapshot()
@@ -765,28 +765,37 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
               "command": command, "git_commit": commit, "peak_tflops": PEAK_FLOPS / 1e12}
-    if "kernels" in parts and device.type == "cuda":
-        result["kernels"] = kernels(device)
-    if "parity" in parts:
-        result["parity"] = parity(args.model, args, device)
-    model = build_model(args.model, args.tiny, torch.bfloat16, device)
-    flops = FlopModel.of(model)
-    if "trace" in parts and device.type == "cuda":
-        result["trace"] = [peak_breakdown(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
-    if "speed" in parts:
-        result["speed"] = speed(model, args.model, modes, args, clock, flops)
-    if "capture" in parts:
-        result["capture"] = capture_mfu(model, args.model, args, clock, flops)
-    if "gdelta" in parts:
-        result["gdelta"] = gdelta(model, args.model, args, clock)
-    if "sweep" in parts:
-        result["sweep"] = sweep(model, args.model, modes, args, clock, flops)
-        if device.type == "cuda":
-            result["memory_floor"] = memory_floor(model, args.model, args, result["sweep"])
-
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, (args.name or f"grpo_bench_{args.model}") + ".json"), "w") as f:
-        json.dump(result, f, indent=2)
+    path = os.path.join(args.out_dir, (args.name or f"grpo_bench_{args.model}") + ".json")
+
+    def save():  # after every part: a command stopped at its limit keeps what it measured
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+    model = flops = None
+    for part in parts:
+        if part == "kernels" and device.type == "cuda":
+            result["kernels"] = kernels(device)
+        elif part == "parity":
+            result["parity"] = parity(args.model, args, device)
+        else:
+            if model is None:
+                model = build_model(args.model, args.tiny, torch.bfloat16, device)
+                flops = FlopModel.of(model)
+            if part == "trace" and device.type == "cuda":
+                if clock.left() > 60:
+                    result["trace"] = [peak_breakdown(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
+            elif part == "speed":
+                result["speed"] = speed(model, args.model, modes, args, clock, flops)
+            elif part == "capture":
+                result["capture"] = capture_mfu(model, args.model, args, clock, flops)
+            elif part == "gdelta":
+                result["gdelta"] = gdelta(model, args.model, args, clock)
+            elif part == "sweep":
+                result["sweep"] = sweep(model, args.model, modes, args, clock, flops)
+                if device.type == "cuda":
+                    result["memory_floor"] = memory_floor(model, args.model, args, result["sweep"])
+        save()
     print_table(args.model, result)
 
 
