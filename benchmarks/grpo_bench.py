@@ -33,6 +33,7 @@ Parts (`--parts`), all in one process; every run is bounded by
            --p-parity, float32 (relative L2) and bf16 (cosine).
   kernels  flash block backward against the explicit-softmax kernel.
   trace    what is live at the peak of a longstraw step (allocator trace).
+  profile  where a longstraw step's time goes (torch.profiler), at --p-speed.
 
 MFU counts model FLOPs the mode's algorithm needs, without recomputation:
 2 per parameter-token in every linear (the LM head only on the kept
@@ -446,18 +447,17 @@ def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
 
 
 def capture_mfu(model, kind, args, clock: Clock, flops: FlopModel) -> dict:
-    """Prompt capture alone: the detached forward (capture + G branch
+    """Prompt capture: the compiled loss's forward (capture + G branch
     forwards, so a lower bound on the capture's MFU) at --p-capture."""
     vocab = model.config.vocab_size
     group = make_group(args.G, args.p_capture, args.R, vocab, model.device)
     with Runner(model, kind, "longstraw_detached") as runner:
         try:
-            with torch.no_grad():
-                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
+            runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
+            release(model)
             sync()
             t0 = time.perf_counter()
-            with torch.no_grad():
-                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)
+            runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # no backward
             sync()
             seconds = time.perf_counter() - t0
         except Exception as error:  # noqa: BLE001
@@ -587,6 +587,50 @@ def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
     print(f"  {kind} {mode} P={args.p_trace} live at peak (growth during the step {peak / GiB:.1f} GB):", flush=True)
     for w, b in ranked:
         print(f"    {b / GiB:7.2f} GB  {w}", flush=True)
+    return out
+
+
+def profile_step(model, kind, mode, args, top: int = 12) -> dict:
+    """Where a warm step's time goes: the top operators by device and by host
+    time, and which attention kernel the steps chose."""
+    from longstraw.passes import attention
+
+    chosen: dict[str, int] = {}
+    select = attention._kernel_for
+
+    def counting(q, mask):
+        kernel = select(q, mask)
+        key = f"{type(kernel).__name__} mask={'none' if mask is None else tuple(mask.shape)} {q.dtype} n={q.shape[-2]}"
+        chosen[key] = chosen.get(key, 0) + 1
+        return kernel
+
+    group = make_group(args.G, args.p_speed, args.R, model.config.vocab_size, model.device)
+    attention._kernel_for = counting
+    try:
+        with Runner(model, kind, mode) as runner:
+            runner.step(group)
+            release(model)
+            chosen.clear()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                runner.step(group)
+                sync()
+            release(model)
+    finally:
+        attention._kernel_for = select
+    events = prof.key_averages()
+    by_device = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    out = {
+        "mode": mode, "P": args.p_speed, "kernels": chosen,
+        "device_ms": [{"op": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_device],
+        "host_ms": [{"op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in by_host],
+    }
+    print(f"  {kind} {mode} P={args.p_speed} profile: kernels {chosen}", flush=True)
+    for e in by_device:
+        print(f"    device {e.self_device_time_total / 1e3:9.1f} ms {e.count:6d}x {e.key[:90]}", flush=True)
+    for e in by_host:
+        print(f"    host   {e.self_cpu_time_total / 1e3:9.1f} ms {e.count:6d}x {e.key[:90]}", flush=True)
     return out
 
 
@@ -789,6 +833,8 @@ def main() -> None:
             if part == "trace" and device.type == "cuda":
                 if clock.left() > 60:
                     result["trace"] = [peak_breakdown(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
+            elif part == "profile" and device.type == "cuda":
+                result["profile"] = [profile_step(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
             elif part == "speed":
                 result["speed"] = speed(model, args.model, modes, args, clock, flops)
             elif part == "capture":

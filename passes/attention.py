@@ -180,7 +180,37 @@ def attention_step(
     the mask block [..., n, o+n]. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
+    if mask is not None and _is_causal_block(mask, ctx.offset):
+        mask = None
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
+
+
+CAUSAL_CHECK_ROWS = 1024
+
+
+def _is_causal_block(mask: torch.Tensor, offset: int) -> bool:
+    """Whether the mask block (rows `[o, o+n)`, columns `[0, o+n)`) is plain
+    lower-right causal: HF builds an explicit causal mask whenever it is
+    traced, and without one the step runs flash attention. A float mask
+    counts when it is 0 where causal allows and below half the dtype's
+    minimum elsewhere. Checked in row blocks, O(n * (o+n)) elementwise."""
+    if mask.dim() > 2 and any(s != 1 for s in mask.shape[:-2]):
+        mask = mask.flatten(0, -3)
+        if not bool((mask == mask[:1]).all()):
+            return False
+    mask = mask.reshape(-1, *mask.shape[-2:])[0]
+    n, total = mask.shape
+    cols = torch.arange(total, device=mask.device)
+    for start in range(0, n, CAUSAL_CHECK_ROWS):
+        rows = mask[start : start + CAUSAL_CHECK_ROWS]
+        causal = cols[None, :] <= (offset + start + torch.arange(rows.shape[0], device=mask.device))[:, None]
+        if rows.dtype == torch.bool:
+            same = torch.equal(rows, causal)
+        else:
+            same = torch.equal(rows == 0, causal) and bool((rows[~causal] <= torch.finfo(rows.dtype).min / 2).all())
+        if not same:
+            return False
+    return True
 
 
 class _AttentionOverState(torch.autograd.Function):

@@ -71,3 +71,21 @@ def test_flash_is_chosen_only_where_it_applies():
     q = torch.empty(1, 4, 3, 64, dtype=torch.bfloat16, device="meta")
     assert attention._kernel_for(q, None) is attention._MATH  # not CUDA
     assert attention._kernel_for(q.to(torch.float64), None) is attention._MATH
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_causal_block_is_recognised(dtype, monkeypatch):
+    monkeypatch.setattr(attention, "CAUSAL_CHECK_ROWS", 2)
+    n, o = 5, 7
+    allowed = torch.ones(n, o + n, dtype=torch.bool).tril(o)
+    as_mask = (lambda a: a) if dtype == torch.bool else (
+        lambda a: torch.zeros(a.shape).masked_fill(~a, torch.finfo(torch.float32).min)
+    )
+    assert attention._is_causal_block(as_mask(allowed)[None, None], o)
+    assert attention._is_causal_block(as_mask(allowed).expand(3, 1, n, o + n), o)
+    window = allowed & ~torch.ones(n, o + n, dtype=torch.bool).tril(o - 4)
+    assert not attention._is_causal_block(as_mask(window), o)
+    assert not attention._is_causal_block(as_mask(allowed), o - 1)
+    if dtype != torch.bool:
+        biased = as_mask(allowed).masked_fill(allowed, 0.5)
+        assert not attention._is_causal_block(biased, o)
