@@ -697,6 +697,9 @@ def plot(results: dict, path: str) -> None:
     for ax, kind in zip(axes[0], models):
         for mode, data in results[kind]["sweep"].items():
             ok = [r for r in data["runs"] if r["ok"]]
+            warm = results[kind].get("speed", {}).get(mode, {})
+            if warm.get("ok") and all(r["P"] != results[kind]["p_speed"] for r in ok):
+                ok.append({**warm, "P": results[kind]["p_speed"]})
             if ok:
                 ok.sort(key=lambda r: r["P"])
                 ax.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=mode)
@@ -712,13 +715,14 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def summarize(kind: str, result: dict, command: str, commit: str) -> dict:
+def summarize(result: dict) -> dict:
     sweep_out, speed_out = result.get("sweep", {}), result.get("speed", {})
     summary = {
         "max_prompt_tokens": {m: d["max_prompt_tokens"] for m, d in sweep_out.items()},
         "max_prompt_limited_by": {m: d["limited_by"] for m, d in sweep_out.items()},
-        "command": command,
-        "git_commit": commit,
+        "command": [s["command"] for s in result["sources"]],
+        "git_commit": [s["git_commit"] for s in result["sources"]],
+        "sources": result["sources"],
     }
     gd = result.get("gdelta", {})
     summary["peak_delta_g2_to_g8_gb"] = {m: d.get("delta_gb") for m, d in gd.items()}
@@ -729,6 +733,14 @@ def summarize(kind: str, result: dict, command: str, commit: str) -> dict:
         summary["speedup_vs_eager_ckpt_at_32k"] = None
     if "capture" in result:
         summary["prefix_capture_mfu"] = result["capture"].get("mfu")
+        summary["prefix_capture_at_p"] = result["capture"].get("P")
+    floor = result.get("memory_floor", {}).get("runs", [])
+    if floor:
+        summary["peak_over_floor"] = {
+            mode: {"max": max(r["over_floor"] for r in floor if r["mode"] == mode),
+                   "min": min(r["over_floor"] for r in floor if r["mode"] == mode)}
+            for mode in sorted({r["mode"] for r in floor})
+        }
     par = result.get("parity", {})
     if par:
         summary["parity_fp32_max_rel_l2"] = par.get("float32", {}).get("max_rel_l2")
@@ -756,21 +768,47 @@ def print_table(kind: str, result: dict) -> None:
 
 
 def git_commit() -> str:
+    """LONGSTRAW_COMMIT when set (a copied working tree may carry a stale .git), else git's HEAD."""
+    if os.environ.get("LONGSTRAW_COMMIT"):
+        return os.environ["LONGSTRAW_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("LONGSTRAW_COMMIT", "unknown")
+        return "unknown"
+
+
+MODE_KEYED_PARTS = ("sweep", "speed")
+
+
+def merge(results: list[dict]) -> dict:
+    """Results of one model from several commands (the device's 10-minute
+    limit): per mode, the sweep and speed entries of the last file that has
+    them; every other part from the last file that has it. `sources` says
+    which command measured what."""
+    merged: dict = {"sources": []}
+    for result in results:
+        parts = [k for k in result if k in (*MODE_KEYED_PARTS, "gdelta", "capture", "parity", "kernels", "memory_floor", "trace", "profile")]
+        merged["sources"].append({"command": result["command"], "git_commit": result["git_commit"], "parts": parts,
+                                  "modes": sorted({m for k in MODE_KEYED_PARTS for m in result.get(k, {})})})
+        for key, value in result.items():
+            if key in MODE_KEYED_PARTS:
+                merged.setdefault(key, {}).update(value)
+            elif key != "sources":
+                merged[key] = value
+    return merged
 
 
 def report(paths: list[str], out_dir: str) -> None:
-    """The plot and summary.json from result files (run where matplotlib is)."""
-    results = {}
+    """The plot and summary.json from result files (run where matplotlib is).
+    Files of the same model are merged in the order given."""
+    by_model: dict[str, list[dict]] = {}
     for path in paths:
         with open(path) as f:
             result = json.load(f)
-        results[result["model"]] = result
+        by_model.setdefault(result["model"], []).append(result)
+    results = {kind: merge(files) for kind, files in by_model.items()}
     plot(results, os.path.join(out_dir, "grpo_bench_peak_memory.png"))
-    summary = {kind: summarize(kind, r, r["command"], r["git_commit"]) for kind, r in results.items()}
+    summary = {kind: summarize(r) for kind, r in results.items()}
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     for kind, result in results.items():
@@ -843,6 +881,7 @@ def main() -> None:
                 result["gdelta"] = gdelta(model, args.model, args, clock, result.get("sweep", {}))
             elif part == "sweep":
                 result["sweep"] = sweep(model, args.model, modes, args, clock, flops)
+                save()
                 if device.type == "cuda":
                     result["memory_floor"] = memory_floor(model, args.model, args, result["sweep"])
         save()
