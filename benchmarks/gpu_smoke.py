@@ -1,4 +1,4 @@
-"""GPU smoke run: correctness of the CUDA paths and first scale numbers.
+"""GPU smoke run: correctness of the CUDA paths on tiny models.
 
 1. Dense (tiny Qwen3, float32 on CUDA): compiled exact mode against eager,
    detached mode against the HF-cache reference (exercises the CUDA
@@ -6,9 +6,8 @@
 2. Hybrid (tiny Qwen3.5, float32 on CUDA, bound): compiled exact mode
    against bound eager; fla's forward (if importable) against LongStraw's
    chunked kernel, and used for prompt capture.
-3. Scale: the 4-layer slice with Qwen3-8B layer shapes (bf16, G=8,
-   R=1024): peak allocated memory and step time of longstraw exact and
-   detached at a few prompt lengths.
+
+Scale and the baselines are `grpo_bench.py`'s.
 
     python benchmarks/gpu_smoke.py --out results.json
 """
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import transformers
@@ -110,67 +108,18 @@ def hybrid_parity(device):
     return out
 
 
-DEFAULT_RUNS = "detached:32768,exact:32768,detached:131072,exact:131072,detached:262144"
-
-
-def scale_runs(device, budget_s, runs: str, warmup: bool):
-    cfg = transformers.Qwen3Config(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=1 << 21,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows, start = [], time.perf_counter()
-    for mode, P in ((m, int(p)) for m, p in (r.split(":") for r in runs.split(","))):
-        if time.perf_counter() - start > budget_s:
-            rows.append({"mode": mode, "P": P, "skipped": "time budget"})
-            continue
-        torch._dynamo.reset()
-        args = group(8, P, 1024, cfg.vocab_size, device, torch.bfloat16)
-        step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad=mode))
-        model.zero_grad(set_to_none=True)
-        if warmup:
-            step(model, *args).backward()  # compile and plan outside the timed step
-            model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        step(model, *args).backward()
-        torch.cuda.synchronize()
-        rows.append({
-            "mode": mode, "P": P, "G": 8, "R": 1024, "seconds": time.perf_counter() - t0,
-            "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "weights_gb": weights / 1e9,
-            "includes_compile": not warmup,
-        })
-        del args
-        print(rows[-1], flush=True)
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scale-budget-s", type=float, default=240)
-    parser.add_argument("--runs", default=DEFAULT_RUNS, help="mode:P pairs for the scale part")
-    parser.add_argument("--scale-only", action="store_true", help="skip the parity checks")
-    parser.add_argument("--no-warmup", action="store_true", help="time the first call (compile included)")
     args = parser.parse_args()
     device = torch.device("cuda")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
-    if not args.scale_only:
-        result["dense_parity_fp32"] = dense_parity(device)
-        print("dense", result["dense_parity_fp32"], flush=True)
-        result["hybrid_parity_fp32"] = hybrid_parity(device)
-        print("hybrid", result["hybrid_parity_fp32"], flush=True)
-    result["scale_qwen3_8b_slice"] = scale_runs(device, args.scale_budget_s, args.runs, not args.no_warmup)
+    result["dense_parity_fp32"] = dense_parity(device)
+    print("dense", result["dense_parity_fp32"], flush=True)
+    result["hybrid_parity_fp32"] = hybrid_parity(device)
+    print("hybrid", result["hybrid_parity_fp32"], flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{'mode':>9} {'P':>8} {'s/step':>8} {'peak GB':>8}")
-    for row in result["scale_qwen3_8b_slice"]:
-        if "seconds" in row:
-            print(f"{row['mode']:>9} {row['P']:>8} {row['seconds']:>8.2f} {row['peak_gb']:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -470,10 +470,11 @@ def capture_mfu(model, kind, args, clock: Clock, flops: FlopModel) -> dict:
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def compare(got: dict, want: dict) -> dict:
+    got, want = ({n: g.double() for n, g in grads.items()} for grads in (got, want))
     rel = {n: ((got[n] - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item() for n in want}
     cos = {n: torch.nn.functional.cosine_similarity(got[n].flatten(), want[n].flatten(), dim=0).item() for n in want}
     worst = max(rel, key=rel.get)

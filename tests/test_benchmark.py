@@ -1,0 +1,111 @@
+"""benchmarks/grpo_bench.py on tiny models on the CPU: every mode computes
+the same loss and gradients, the FLOP model matches PyTorch's FLOP counter,
+and results of several commands merge into one summary."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import grpo_bench as bench  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def loss_and_grads(model, kind, mode, group):
+    with bench.Runner(model, kind, mode) as runner:
+        loss = runner.step(group)
+    return loss, bench.grads_of(model)
+
+
+# flex attention has no CPU backward, so the dense shared-prefix mode is GPU-only
+@pytest.mark.parametrize(
+    "kind,modes",
+    [
+        ("dense", ["eager_ckpt", "longstraw_exact"]),
+        ("hybrid", ["eager_ckpt", "eager_shared_prefix", "longstraw_exact"]),
+    ],
+)
+def test_modes_agree_with_eager(kind, modes):
+    model = bench.build_model(kind, True, torch.float64, CPU)
+    group = bench.make_group(3, 40, 7, model.config.vocab_size, CPU)
+    want_loss, want = loss_and_grads(model, kind, "eager", group)
+    for mode in modes:
+        loss, got = loss_and_grads(model, kind, mode, group)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
+        result = bench.compare(got, want)
+        # HF's RoPE and norms round through float32 (1e-6, as in the parity
+        # tests); its Gated DeltaNet computes in float32 and the shared-prefix
+        # mode splits its chunks at another position
+        assert result["max_rel_l2"] < (1e-3 if kind == "hybrid" else 1e-6), (mode, result)
+
+
+def test_detached_mode_differs_only_through_the_prompt():
+    model = bench.build_model("dense", True, torch.float64, CPU)
+    group = bench.make_group(2, 30, 5, model.config.vocab_size, CPU)
+    _, exact = loss_and_grads(model, "dense", "longstraw_exact", group)
+    _, detached = loss_and_grads(model, "dense", "longstraw_detached", group)
+    # the LM head sees only response positions: identical in both modes
+    head = "lm_head.weight"
+    torch.testing.assert_close(detached[head], exact[head], rtol=1e-9, atol=0)
+    assert bench.compare(detached, exact)["max_rel_l2"] > 1e-3
+
+
+def test_flop_model_matches_flop_counter():
+    """The FLOP model with every key counted (FlopCounterMode counts SDPA
+    as full attention) against PyTorch's count of one forward."""
+    model = bench.build_model("dense", True, torch.float32, CPU)
+    P = 50
+    ids = torch.randint(0, model.config.vocab_size, (1, P))
+    counter = FlopCounterMode(display=False)
+    # the math backend's matmuls are what the counter sees on the CPU
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(input_ids=ids, logits_to_keep=1)
+    flops = bench.FlopModel.of(model)
+    assert flops.forward(P, P * P, 1) == counter.get_total_flops()
+
+
+def test_step_flops_count_the_prompt_as_each_mode_does():
+    flops = bench.FlopModel(linear_per_token=10, head_per_token=3, attention_per_pair=2, recurrent_per_token=0)
+    G, P, R = 4, 100, 10
+    prompt, branches = flops.prompt(P), flops.branches(G, P, R)
+    assert flops.step("eager_ckpt", G, P, R) == 3 * (G * prompt + branches)
+    assert flops.step("longstraw_exact", G, P, R) == 3 * (prompt + branches)
+    assert flops.step("longstraw_detached", G, P, R) == prompt + 3 * branches
+
+
+def _result(command, sweep, speed, **parts):
+    return {"model": "dense", "G": 8, "R": 4, "p_speed": 64, "command": command, "git_commit": command[-1],
+            "sweep": sweep, "speed": speed, **parts}
+
+
+def test_merge_takes_each_mode_from_the_last_file_that_has_it():
+    run = lambda P, peak: {"ok": True, "P": P, "G": 8, "R": 4, "peak_gb": peak, "seconds": 1.0, "mfu": 0.1}  # noqa: E731
+    first = _result(
+        "cmd a",
+        {"eager": {"runs": [run(64, 9.0)], "max_prompt_tokens": 64, "limited_by": "oom"},
+         "longstraw_exact": {"runs": [run(64, 5.0)], "max_prompt_tokens": 64, "limited_by": "time"}},
+        {"eager_ckpt": {"ok": True, "seconds": 4.0, "peak_gb": 3.0, "mfu": 0.4},
+         "longstraw_exact": {"ok": True, "seconds": 9.0, "peak_gb": 2.0, "mfu": 0.1}},
+    )
+    second = _result(
+        "cmd b",
+        {"longstraw_exact": {"runs": [run(64, 2.0), run(128, 2.5)], "max_prompt_tokens": 128, "limited_by": "time"}},
+        {"longstraw_exact": {"ok": True, "seconds": 1.0, "peak_gb": 2.0, "mfu": 0.4}},
+        gdelta={"longstraw_exact": {"delta_gb": 0.01}},
+    )
+    merged = bench.merge([first, second])
+    assert merged["sweep"]["eager"]["max_prompt_tokens"] == 64
+    assert merged["sweep"]["longstraw_exact"]["max_prompt_tokens"] == 128
+    summary = bench.summarize(merged)
+    assert summary["speedup_vs_eager_ckpt_at_32k"] == 4.0
+    assert summary["max_prompt_tokens"] == {"eager": 64, "longstraw_exact": 128}
+    assert summary["peak_delta_g2_to_g8_gb"] == {"longstraw_exact": 0.01}
+    assert summary["command"] == ["cmd a", "cmd b"]
+    assert [s["modes"] for s in summary["sources"]] == [["eager", "eager_ckpt", "longstraw_exact"], ["longstraw_exact"]]
