@@ -6,14 +6,19 @@
 
 from .backend import Backend, GroupPlan, longstraw_backend
 from .errors import InputError, LongStrawError, UnsupportedGraphError
+from .explain import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
 
 __all__ = [
     "Backend",
+    "CapturedTensor",
+    "ExplainReport",
+    "MemoryPlan",
     "GroupPlan",
     "InputError",
     "LongStrawError",
     "Options",
     "UnsupportedGraphError",
+    "explain",
     "longstraw_backend",
 ]

@@ -92,11 +92,20 @@ class GroupPlan:
         return "\n".join(lines)
 
 
+class PlanningDone(Exception):  # noqa: N818 - control flow, not an error
+    """Raised instead of running the loss when a backend only plans (`longstraw.explain`)."""
+
+    def __init__(self, plan: GroupPlan) -> None:
+        super().__init__("planned; nothing was run")
+        self.plan = plan
+
+
 class Backend:
     """A `torch.compile` backend object; `backend="longstraw"` makes a fresh one.
 
     `plans` lists a `GroupPlan` per compiled graph and input signature, in
-    the order they were made."""
+    the order they were made. With `stop_after_planning`, the first call
+    raises `PlanningDone` instead of running (how `explain` plans)."""
 
     def __init__(
         self,
@@ -110,6 +119,7 @@ class Backend:
         self.options = Options.from_any(options)
         self.passes = passes
         self.plans: list[GroupPlan] = []
+        self.stop_after_planning = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
         opts = self.options if options is None else Options.from_any(options)
@@ -136,6 +146,8 @@ class CompiledGroupLoss:
         if key not in self.plans:
             self.plans[key] = self._plan(args)
         plan = self.plans[key]
+        if plan is not None and self.backend.stop_after_planning:
+            raise PlanningDone(plan)
         if plan is None:
             return self.gm(*args)
         outputs = GroupFunction.apply(plan.runner, *args)

@@ -21,14 +21,19 @@ def describe_node(node: fx.Node) -> str:
     """Operator, module path and user source line of a node, for error messages."""
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     parts = [f"operator `{target}` (node `{node.name}`)"]
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        parts.append(f"in module `{_clean_module_path(path)}`")
-    frame = _user_frame(node)
+    module = module_path(node)
+    if module:
+        parts.append(f"in module `{module}`")
+    frame = source_line(node)
     if frame:
         parts.append(f"at {frame}")
     return " ".join(parts)
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module the node was traced in (`model.layers.0.self_attn`)."""
+    stack = node.meta.get("nn_module_stack")
+    return _clean_module_path(list(stack.values())[-1][0]) if stack else None
 
 
 def _clean_module_path(path: str) -> str:
@@ -37,7 +42,7 @@ def _clean_module_path(path: str) -> str:
     return out.replace("[", ".").replace("]", "")
 
 
-def _user_frame(node: fx.Node) -> str | None:
+def source_line(node: fx.Node) -> str | None:
     """Last `File "...", line N` entry of the recorded user stack trace."""
     trace = node.meta.get("stack_trace")
     if not trace:

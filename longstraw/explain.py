@@ -1,0 +1,445 @@
+"""`longstraw.explain`: what the backend does with a loss, and whether a run fits.
+
+`explain(loss_fn, *example_args)` plans the loss on small example inputs
+and stops before running anything. The report holds the partitioned graph
+as a networkx graph (regions: the per-position model body that runs over
+prompt chunks and is replayed per branch, the per-branch region after the
+exits, the tail that reduces the branches), every captured state tensor
+with its layer, operator and source line, and a memory model:
+
+    peak = weights + grads + state(P) [+ d(state)(P), exact mode]
+           + one branch (R positions, under autograd) + one prompt chunk
+
+State sizes are exact (they are the planned buffers). Activations are
+estimated from the graph: the bytes per position of every computed (not
+view) value of the region, which is what autograd keeps for backward; a
+chunk without autograd keeps about two such values at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
+
+from .backend import Backend, GroupPlan, PlanningDone
+from .errors import LongStrawError, module_path, source_line
+from .nodes import op_name, tensor_of
+from .options import Options
+
+REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
+REGION_TITLES = {
+    "input": "inputs and parameters",
+    "outer": "outer (once per call)",
+    "prefix": "prefix: per position, over prompt chunks and replayed per branch",
+    "branch": "branch: per response, after the exits",
+    "tail": "tail: the loss over the stacked branches",
+    "state": "captured state",
+}
+_VIEWS = {
+    "view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "narrow", "slice", "select", "getitem", "split", "chunk", "contiguous", "alias", "detach",
+    "view_as", "expand_as", "unbind", "size", "dim", "type_as",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedTensor:
+    """One state slot, described for people."""
+
+    index: int
+    name: str
+    kind: str  # "sequence" (per position) or "carry" (fixed size)
+    layer: str | None
+    operator: str
+    source: str | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bytes_per_position: int
+    fixed_bytes: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted peak memory of one GRPO step (bytes)."""
+
+    P: int
+    G: int
+    R: int
+    prompt_grad: str
+    prefix_chunk_size: int
+    weights: int
+    grads: int
+    state: int
+    state_grad: int
+    branch: int
+    chunk: int
+    budget: int | None
+    largest_prompt: int | None
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.grads + self.state + self.state_grad + self.branch + self.chunk
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget is None else self.peak <= self.budget
+
+    def table(self) -> str:
+        gb = lambda b: f"{b / 1e9:10.3f} GB"  # noqa: E731
+        rows = [
+            ("weights", self.weights),
+            ("grads (trainable)", self.grads),
+            (f"state, {self.P - 1 + self.R} positions", self.state),
+            ("d(state)" + ("" if self.prompt_grad == "exact" else " (detached: none)"), self.state_grad),
+            (f"one branch, {self.R} positions with autograd", self.branch),
+            (f"one prompt chunk, {self.prefix_chunk_size} positions", self.chunk),
+        ]
+        lines = [f"P={self.P} G={self.G} R={self.R} prompt_grad={self.prompt_grad}"]
+        lines += [f"  {name:44} {gb(size)}" for name, size in rows]
+        lines.append(f"  {'predicted peak (independent of G)':44} {gb(self.peak)}")
+        if self.budget is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(f"  {'budget':44} {gb(self.budget)}  -> {verdict}")
+            lines.append(f"  {'largest P that fits':44} {self.largest_prompt if self.largest_prompt else 'none'}")
+        return "\n".join(lines)
+
+
+class ExplainReport:
+    """What `explain` found; see the module docstring for the memory model."""
+
+    def __init__(self, plan: GroupPlan) -> None:
+        self.group_plan = plan
+        self.options: Options = plan.options
+        part = plan.partition
+        self.graph = _graph_model(plan)
+        self.state = [_describe_slot(part, slot) for slot in part.slots]
+        values = [(p, tensor_of(p)) for p in part.placeholders]
+        self.weights_bytes = sum(_nbytes(v) for p, v in values if p in part.params and v is not None)
+        self.grads_bytes = sum(_nbytes(v) for p, v in values if p in part.params and v is not None and v.requires_grad)
+        self.traced_positions = part.seq_len
+        self.traced_group_size = part.group_size
+        self.traced_response_len = part.end - max(plan.prefix_len, 0)
+        per_position = {n: _bytes_per_position(part, n) for n in part.graph.nodes}
+        computed = lambda region: [per_position[n] for n in region if op_name(n) not in _VIEWS]  # noqa: E731
+        self.prefix_activation_bytes_per_position = sum(computed(part.sequence))
+        self.branch_activation_bytes_per_position = self.prefix_activation_bytes_per_position + sum(computed(part.branch))
+        self.nograd_bytes_per_position = 2 * max(computed(part.sequence), default=0)
+
+    @property
+    def state_bytes_per_position(self) -> int:
+        """All captured per-position state of one group's prompt."""
+        return sum(t.bytes_per_position for t in self.state)
+
+    @property
+    def state_fixed_bytes(self) -> int:
+        """Captured state whose size does not grow with P (kept at every chunk boundary)."""
+        return sum(t.fixed_bytes for t in self.state)
+
+    def plan(
+        self,
+        P: int,
+        G: int | None = None,
+        R: int | None = None,
+        budget_gb: float | None = None,
+        prompt_grad: str | None = None,
+        prefix_chunk_size: int | None = None,
+    ) -> MemoryPlan:
+        """Predicted peak for a group of G responses of R tokens over a P-token prompt."""
+        G = self.traced_group_size if G is None else G
+        R = self.traced_response_len if R is None else R
+        mode = prompt_grad or self.options.prompt_grad
+        chunk = min(prefix_chunk_size or self.options.prefix_chunk_size, max(P - 1, 1))
+        budget = None if budget_gb is None else int(budget_gb * 1e9)
+        parts = self._parts(P, R, mode, chunk)
+        largest = self._largest_prompt(budget, R, mode, chunk) if budget is not None else None
+        return MemoryPlan(P, G, R, mode, chunk, *parts, budget=budget, largest_prompt=largest)
+
+    def _parts(self, P: int, R: int, mode: str, chunk: int) -> tuple[int, int, int, int, int, int]:
+        chunks = math.ceil(max(P - 1, 0) / chunk)
+        state = self.state_bytes_per_position * (P - 1 + R) + self.state_fixed_bytes * (chunks + 1)
+        exact = mode == "exact"
+        state_grad = self.state_bytes_per_position * (P - 1) + self.state_fixed_bytes * 2 if exact else 0
+        branch = self.branch_activation_bytes_per_position * R
+        chunk_bytes = (self.prefix_activation_bytes_per_position if exact else self.nograd_bytes_per_position) * chunk
+        return self.weights_bytes, self.grads_bytes, state, state_grad, branch, chunk_bytes
+
+    def _largest_prompt(self, budget: int, R: int, mode: str, chunk: int) -> int | None:
+        fits = lambda P: sum(self._parts(P, R, mode, min(chunk, max(P - 1, 1)))) <= budget  # noqa: E731
+        if not fits(2):
+            return None
+        lo, hi = 2, 4
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 40:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    # views ---------------------------------------------------------------
+
+    def state_table(self) -> str:
+        lines = [f"{'#':>3} {'kind':8} {'dtype':9} {'B/position':>11} {'fixed B':>11}  layer / operator / source"]
+        for t in self.state:
+            lines.append(
+                f"{t.index:>3} {t.kind:8} {str(t.dtype).removeprefix('torch.'):9} {t.bytes_per_position:>11} "
+                f"{t.fixed_bytes:>11}  {t.layer or '-'} / {t.operator} / {t.source or '-'}"
+            )
+        lines.append(f"    total: {self.state_bytes_per_position} B per prompt position, {self.state_fixed_bytes} B fixed")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        counts = {r: sum(1 for _, d in self.graph.nodes(data=True) if d["region"] == r) for r in REGIONS}
+        head = ", ".join(f"{r} {counts[r]}" for r in REGIONS if counts[r])
+        return f"longstraw explain: graph nodes by region: {head}\n{self.state_table()}"
+
+    def to_dot(self) -> str:
+        """Graphviz DOT: one cluster per region, nested clusters per layer, state edges red."""
+        lines = ["digraph longstraw {", "  rankdir=TB; node [shape=box, fontsize=10];"]
+        for region in REGIONS:
+            members = [n for n, d in self.graph.nodes(data=True) if d["region"] == region]
+            if not members:
+                continue
+            lines.append(f'  subgraph cluster_{region} {{ label="{REGION_TITLES[region]}"; color="{_COLORS[region]}";')
+            by_layer: dict[str, list[str]] = {}
+            for n in members:
+                by_layer.setdefault(self.graph.nodes[n]["layer"] or "", []).append(n)
+            for i, (layer, nodes) in enumerate(by_layer.items()):
+                indent = "    "
+                if layer:
+                    lines.append(f'    subgraph cluster_{region}_{i} {{ label="{layer}"; style=dashed;')
+                    indent = "      "
+                for n in nodes:
+                    d = self.graph.nodes[n]
+                    label = f"{d['op']}\\n{d['shape']}"
+                    lines.append(f'{indent}"{n}" [label="{label}", color="{_COLORS[region]}"];')
+                if layer:
+                    lines.append("    }")
+            lines.append("  }")
+        for a, b, d in self.graph.edges(data=True):
+            style = ' [color="#d62728", penwidth=2]' if d.get("state") else ""
+            lines.append(f'  "{a}" -> "{b}"{style};')
+        lines.append("}")
+        return "\n".join(lines)
+
+    def to_html(self, path: str, P: int | None = None, G: int | None = None, R: int | None = None,
+                budget_gb: float | None = None) -> None:
+        """One self-contained page: regions side by side, layers collapsible,
+        state edges drawn over the page, details on hover; the plan table
+        for P, G, R when given."""
+        nodes = []
+        for n, d in self.graph.nodes(data=True):
+            nodes.append({"id": n, **{k: d[k] for k in ("region", "op", "layer", "shape", "dtype", "source", "detail")}})
+        edges = [{"from": a, "to": b} for a, b, d in self.graph.edges(data=True) if d.get("state")]
+        plan = self.plan(P, G, R, budget_gb).table() if P else ""
+        data = json.dumps({"nodes": nodes, "stateEdges": edges, "regions": [r for r in REGIONS],
+                           "titles": REGION_TITLES, "colors": _COLORS})
+        page = _PAGE.replace("__DATA__", data.replace("</", "<\\/"))
+        page = page.replace("__STATE__", html.escape(self.state_table())).replace("__PLAN__", html.escape(plan))
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+
+
+def explain(
+    loss_fn: Callable[..., Any],
+    *example_args: Any,
+    options: Options | dict | None = None,
+    passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES,
+    **example_kwargs: Any,
+) -> ExplainReport:
+    """Plan `loss_fn` on example inputs without running it and describe the plan.
+
+    The example can be small: state sizes per position do not depend on P,
+    and `report.plan(P=...)` extrapolates."""
+    opts = dataclasses.replace(Options.from_any(options), on_unsupported="error")
+    backend = Backend(opts, passes=passes)
+    backend.stop_after_planning = True
+    compiled = torch.compile(loss_fn, backend=backend)
+    try:
+        compiled(*example_args, **example_kwargs)
+    except PlanningDone as done:
+        return ExplainReport(done.plan)
+    raise LongStrawError(
+        "explain: the loss ran without a graph reaching the backend (was it compiled before with another "
+        "backend in a way Dynamo reuses, or does it contain no tensor operations?)"
+    )
+
+
+# graph model -------------------------------------------------------------------
+
+
+_COLORS = {"input": "#7f7f7f", "outer": "#bcbd22", "prefix": "#1f77b4", "branch": "#2ca02c", "tail": "#9467bd",
+           "state": "#d62728"}
+
+
+def _region(part, node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node in part.sequence or node in part.positional:
+        return "prefix"
+    if node in part.branch:
+        return "branch"
+    if node in part.tail or node.op == "output":
+        return "tail"
+    return "outer"
+
+
+def _graph_model(plan: GroupPlan) -> nx.DiGraph:
+    part = plan.partition
+    g = nx.DiGraph()
+    for node in part.graph.nodes:
+        value = tensor_of(node)
+        claimed = part.claims.get(node)
+        detail = f"claimed by {claimed.name}" if claimed is not None else ""
+        g.add_node(
+            node.name,
+            region=_region(part, node),
+            op=op_name(node),
+            layer=_layer(node),
+            shape=list(value.shape) if value is not None else None,
+            dtype=str(value.dtype).removeprefix("torch.") if value is not None else None,
+            source=source_line(node),
+            detail=detail,
+        )
+        for src in node.all_input_nodes:
+            g.add_edge(src.name, node.name)
+    for slot in part.slots:
+        state = f"state[{slot.index}]"
+        size = f"{slot.bytes_per_position()} B/position" if slot.kind == "sequence" else f"{slot.fixed_bytes()} B fixed"
+        g.add_node(state, region="state", op=f"{slot.kind} state", layer=_layer(slot.node), shape=list(slot.shape),
+                   dtype=str(slot.dtype).removeprefix("torch."), source=source_line(slot.node),
+                   detail=f"{size}; for {slot.reason}")
+        g.add_edge(slot.node.name, state, state=True)
+        for claimed, sites in part.sites.items():
+            if any(site.slot == slot.index for site in sites):
+                g.add_edge(state, claimed.name, state=True)
+    return g
+
+
+def _layer(node: fx.Node) -> str | None:
+    """The module path up to its first numbered component (`model.layers.3`)."""
+    path = module_path(node)
+    if not path:
+        return None
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return path
+
+
+def _describe_slot(part, slot) -> CapturedTensor:
+    reader = next((c for c, sites in part.sites.items() if any(s.slot == slot.index for s in sites)), slot.node)
+    return CapturedTensor(
+        index=slot.index, name=slot.node.name, kind=slot.kind, layer=module_path(reader), operator=op_name(reader),
+        source=source_line(reader), dtype=slot.dtype, shape=tuple(slot.shape),
+        bytes_per_position=slot.bytes_per_position(), fixed_bytes=slot.fixed_bytes(), reason=slot.reason,
+    )
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def _bytes_per_position(part, node: fx.Node) -> int:
+    """Bytes of one row's value at one position (0 for values without a token dimension)."""
+    value = tensor_of(node)
+    token = part.token_dim(node)
+    if value is None or token is None or value.shape[token] == 0:
+        return 0
+    rows = value.shape[part.batch_dim(node)] if part.batch_dim(node) is not None else 1
+    return _nbytes(value) // (value.shape[token] * max(rows, 1))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>longstraw explain</title>
+<style>
+body{font:13px system-ui,sans-serif;margin:12px;color:#222}
+#regions{display:flex;gap:14px;align-items:flex-start;position:relative}
+.region{flex:1;border:2px solid;border-radius:6px;padding:6px;min-width:160px}
+.region h2{font-size:14px;margin:2px 0 6px}
+details{margin:3px 0;border-left:3px solid #ddd;padding-left:5px}
+summary{cursor:pointer;font-weight:600}
+.node{display:inline-block;margin:2px;padding:2px 5px;border:1px solid;border-radius:3px;background:#fff;font-size:11px}
+.node.state{border-width:2px;font-weight:600}
+#tip{position:fixed;display:none;background:#222;color:#fff;padding:6px;border-radius:4px;font-size:11px;
+white-space:pre;pointer-events:none;z-index:10}
+#edges{position:absolute;left:0;top:0;pointer-events:none;overflow:visible}
+pre{background:#f6f6f6;padding:8px;overflow:auto}
+</style></head><body>
+<h1>LongStraw plan</h1>
+<pre id="plan">__PLAN__</pre>
+<pre id="statetable">__STATE__</pre>
+<div id="regions"><svg id="edges"></svg></div>
+<div id="tip"></div>
+<script>
+const DATA = __DATA__;
+const root = document.getElementById("regions");
+const svg = document.getElementById("edges");
+const tip = document.getElementById("tip");
+const box = {};
+for (const region of DATA.regions) {
+  const nodes = DATA.nodes.filter(n => n.region === region);
+  if (!nodes.length) continue;
+  const div = document.createElement("div");
+  div.className = "region"; div.id = "region-" + region; div.style.borderColor = DATA.colors[region];
+  div.innerHTML = "<h2></h2>"; div.firstChild.textContent = DATA.titles[region] + " (" + nodes.length + ")";
+  const groups = new Map();
+  for (const n of nodes) { const k = n.layer || "(top level)"; if (!groups.has(k)) groups.set(k, []); groups.get(k).push(n); }
+  for (const [layer, members] of groups) {
+    const det = document.createElement("details");
+    det.open = region === "state" || groups.size <= 3;
+    const sum = document.createElement("summary"); sum.textContent = layer + " (" + members.length + ")";
+    det.appendChild(sum);
+    for (const n of members) {
+      const el = document.createElement("span");
+      el.className = "node" + (region === "state" ? " state" : ""); el.style.borderColor = DATA.colors[region];
+      el.textContent = n.op; el.dataset.id = n.id;
+      el.addEventListener("mouseenter", e => {
+        tip.textContent = [n.id, "op: " + n.op, "region: " + n.region, "layer: " + (n.layer || "-"),
+          "shape: " + JSON.stringify(n.shape), "dtype: " + (n.dtype || "-"), "source: " + (n.source || "-"), n.detail || ""]
+          .filter(Boolean).join("\\n");
+        tip.style.display = "block";
+      });
+      el.addEventListener("mousemove", e => { tip.style.left = (e.clientX + 12) + "px"; tip.style.top = (e.clientY + 12) + "px"; });
+      el.addEventListener("mouseleave", () => { tip.style.display = "none"; });
+      det.appendChild(el); box[n.id] = {el, det};
+    }
+    det.addEventListener("toggle", draw);
+    div.appendChild(det);
+  }
+  root.appendChild(div);
+}
+function anchor(id) {
+  const b = box[id]; if (!b) return null;
+  const target = b.det.open ? b.el : b.det.querySelector("summary");
+  const r = target.getBoundingClientRect(), o = root.getBoundingClientRect();
+  return [r.left - o.left + r.width / 2, r.top - o.top + r.height / 2];
+}
+function draw() {
+  svg.setAttribute("width", root.scrollWidth); svg.setAttribute("height", root.scrollHeight);
+  svg.innerHTML = "";
+  for (const e of DATA.stateEdges) {
+    const a = anchor(e.from), b = anchor(e.to); if (!a || !b) continue;
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "line");
+    line.setAttribute("x1", a[0]); line.setAttribute("y1", a[1]); line.setAttribute("x2", b[0]); line.setAttribute("y2", b[1]);
+    line.setAttribute("stroke", DATA.colors.state); line.setAttribute("stroke-width", "2"); line.setAttribute("class", "state-edge");
+    svg.appendChild(line);
+  }
+}
+window.addEventListener("resize", draw);
+draw();
+</script></body></html>
+"""

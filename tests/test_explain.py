@@ -1,0 +1,117 @@
+"""longstraw.explain (longstraw/explain.py): the report's state sizes are
+the bytes the runtime captures, the memory plan adds up, and the graph
+views show the three regions and the state edges."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+import longstraw
+from harness import compile_loss
+from longstraw import state as state_module
+from longstraw.models import qwen3_5
+from conftest import raises_longstraw
+from losses import grpo_loss_f64, pg_tail
+from tiny_models import make_group, make_model
+
+
+def make_hybrid():
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config()).double()
+
+
+MODELS = {"qwen3": lambda: make_model("qwen3"), "llama_tied": lambda: make_model("llama_tied"), "qwen3_5": make_hybrid}
+
+
+def captured_bytes(model, args, monkeypatch):
+    """(bytes per position, fixed bytes) of the state the runtime allocates."""
+    made = []
+    init = state_module.PromptState.__init__
+
+    def recording(self, slots, capacity, prefix_len, device):
+        init(self, slots, capacity, prefix_len, device)
+        made.append((self, capacity))
+
+    monkeypatch.setattr(state_module.PromptState, "__init__", recording)
+    compile_loss(grpo_loss_f64, longstraw.Backend())(model, *args)
+    (state, capacity), = made
+    per_position = sum(b.numel() * b.element_size() for b in state.buffers.values()) // capacity
+    fixed = sum(c[0].numel() * c[0].element_size() for c in state.carries.values())
+    return per_position, fixed
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_planned_state_is_what_the_runtime_captures(kind, monkeypatch):
+    with qwen3_5.bound():
+        model = MODELS[kind]()
+        args = make_group(3, 40, 6)
+        report = longstraw.explain(grpo_loss_f64, model, *args)
+        per_position, fixed = captured_bytes(model, args, monkeypatch)
+    assert report.state_bytes_per_position == per_position > 0
+    assert report.state_fixed_bytes == fixed
+    assert (fixed > 0) == (kind == "qwen3_5")
+    assert sum(t.bytes_per_position for t in report.state) == per_position
+    assert all(t.layer and t.operator and t.source for t in report.state)
+
+
+def test_explain_runs_nothing():
+    model = make_model("qwen3")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    longstraw.explain(grpo_loss_f64, model, *make_group(2, 20, 4))
+    assert calls == []  # Dynamo traces without running hooks; planning stops before the first step
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_plan_adds_up_and_finds_the_largest_prompt():
+    report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
+    plan = report.plan(P=4096, G=8, R=64, budget_gb=0.05)
+    assert plan.peak == plan.weights + plan.grads + plan.state + plan.state_grad + plan.branch + plan.chunk
+    assert plan.state == report.state_bytes_per_position * (4096 - 1 + 64)  # no fixed state in a dense model
+    assert plan.state_grad == report.state_bytes_per_position * 4095
+    largest = plan.largest_prompt
+    assert largest is not None
+    assert report.plan(P=largest, R=64).peak <= plan.budget < report.plan(P=largest + 1, R=64).peak
+    detached = report.plan(P=4096, R=64, prompt_grad="detached")
+    assert detached.state_grad == 0 and detached.peak < plan.peak
+    # G does not change the prediction
+    assert report.plan(P=4096, G=2, R=64).peak == report.plan(P=4096, G=64, R=64).peak
+    table = plan.table()
+    assert "predicted peak" in table and "largest P that fits" in table
+
+
+def test_graph_views_show_regions_and_state_edges(tmp_path):
+    report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
+    regions = {d["region"] for _, d in report.graph.nodes(data=True)}
+    assert {"prefix", "branch", "tail", "state"} <= regions
+    state_edges = [(a, b) for a, b, d in report.graph.edges(data=True) if d.get("state")]
+    assert len(state_edges) >= 2 * len(report.state)  # captured node -> state -> reading operator
+    dot = report.to_dot()
+    assert "subgraph cluster_prefix" in dot and "subgraph cluster_branch" in dot and "subgraph cluster_tail" in dot
+    assert dot.count('color="#d62728", penwidth=2') == len(state_edges)
+    page = tmp_path / "plan.html"
+    report.to_html(str(page), P=1 << 20, G=8, R=1024, budget_gb=141)
+    text = page.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")  # self-contained
+    data = json.loads(re.search(r"const DATA = (.*);\n", text).group(1).replace("<\\/", "</"))
+    assert {n["region"] for n in data["nodes"]} >= {"prefix", "branch", "tail", "state"}
+    assert len(data["stateEdges"]) == len(state_edges)
+    assert "predicted peak" in text
+
+
+def mixing_loss(model, prompt, responses, advantages, mask):
+    """A running sum over positions before the model: no pass claims it."""
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    embeds = model.get_input_embeddings()(ids).cumsum(1)
+    logits = model(inputs_embeds=embeds).logits[:, prompt.shape[0] - 1 : -1]
+    return pg_tail(logits, responses, advantages, mask)
+
+
+def test_explain_reports_unsupported_graphs():
+    with raises_longstraw(r"cumsum.*on_unsupported"):
+        longstraw.explain(mixing_loss, make_model("qwen3"), *make_group(2, 20, 4), options={"on_unsupported": "eager"})
