@@ -60,6 +60,17 @@ def max_rel_error(model: torch.nn.Module, reference: dict[str, torch.Tensor]) ->
     return max(errors)
 
 
+def example_group():
+    """A random group for `longstraw explain examples/grpo_step.py:example_group --P ...`."""
+    torch.manual_seed(0)
+    model = tiny_causal_lm("qwen3", dtype=torch.float64)
+    prompt = torch.randint(1, model.config.vocab_size, (P,))
+    responses = torch.randint(1, model.config.vocab_size, (G, R))
+    old_logp = torch.zeros(G, R, dtype=torch.float64)
+    advantages = torch.randn(G, dtype=torch.float64)
+    return grpo_loss, (model, prompt, responses, old_logp, advantages, torch.ones(G, R, dtype=torch.float64))
+
+
 def main() -> None:
     torch.manual_seed(0)
     model = tiny_causal_lm("qwen3", dtype=torch.float64)

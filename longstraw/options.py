@@ -22,11 +22,18 @@ class Options:
     """`error`: raise, naming the operator, module and source line.
     `eager`: warn once and run the graph unchanged (no memory savings)."""
 
+    progress: bool | None = None
+    """Progress bars (tqdm, tokens/s) for the prompt capture and the reverse
+    pass. None: shown when stderr is a terminal and the prompt spans at
+    least four chunks."""
+
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if not isinstance(self.prefix_chunk_size, int) or self.prefix_chunk_size < 1:
             raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
+        if self.progress not in (None, True, False):
+            raise LongStrawError(f"progress must be None, True or False, got {self.progress!r}")
         if self.on_unsupported not in ("error", "eager"):
             raise LongStrawError(f"on_unsupported must be 'error' or 'eager', got {self.on_unsupported!r}")
 

@@ -16,9 +16,12 @@ accumulates them into `.grad` exactly as for any other function.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -85,6 +88,24 @@ class GroupRunner:
         size = self.options.prefix_chunk_size
         return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
 
+    def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
+        """The chunks, with a tqdm bar in tokens/s when `options.progress` asks for one."""
+        show = self.options.progress
+        if show is None:
+            show = sys.stderr.isatty() and len(chunks) >= 4
+        if not show:
+            yield from chunks
+            return
+        from tqdm.auto import tqdm
+
+        total = sum(length for _, length in chunks)
+        # one update per chunk: redraw on every one (mininterval=0)
+        bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"longstraw {what}", leave=False, mininterval=0)
+        with contextlib.closing(bar):
+            for chunk in chunks:
+                yield chunk
+                bar.update(chunk[1])
+
     def prefix_len(self, values: dict) -> int:
         """Positions captured as state: before the first position the loss
         reads, and shared by every row (proved by the graph, else checked)."""
@@ -112,7 +133,7 @@ class GroupRunner:
         self.last_prefix_len = prefix_len
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         state = PromptState(part.slots, capacity=part.end, prefix_len=prefix_len, device=device)
-        for offset, length in self._chunks(prefix_len):
+        for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             ctx = StepContext(state, offset, length, grad_enabled=False)
             self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
         branch_len = part.end - prefix_len
@@ -155,7 +176,7 @@ class GroupRunner:
                 outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, call.values, row, prefix_len, branch_len))
                 self._accumulate(grads, wanted, inputs, outs, slices)
         if exact:
-            for offset, length in reversed(self._chunks(prefix_len)):
+            for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 with torch.enable_grad():
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
