@@ -5,12 +5,15 @@ views show the three regions and the state edges."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import re
 
 import pytest
 import torch
 import transformers
 
+import browser
 import longstraw
 from harness import compile_loss
 from longstraw import state as state_module
@@ -115,3 +118,44 @@ def mixing_loss(model, prompt, responses, advantages, mask):
 def test_explain_reports_unsupported_graphs():
     with raises_longstraw(r"cumsum.*on_unsupported"):
         longstraw.explain(mixing_loss, make_model("qwen3"), *make_group(2, 20, 4), options={"on_unsupported": "eager"})
+
+
+ARTIFACTS = pathlib.Path(os.environ.get("LONGSTRAW_TEST_ARTIFACTS", pathlib.Path(__file__).resolve().parents[1] / "test-artifacts"))
+
+
+def test_html_in_a_headless_browser(tmp_path):
+    """The page loads in Chromium without console messages, draws the three
+    regions and the state edges; a screenshot is kept in test-artifacts/."""
+    try:
+        browser.chromium()
+    except browser.NoBrowser as err:
+        pytest.skip(str(err))
+    with qwen3_5.bound():
+        report = longstraw.explain(grpo_loss_f64, make_hybrid(), *make_group(3, 40, 6))
+    page = tmp_path / "plan.html"
+    report.to_html(str(page), P=1 << 20, G=8, R=2048, budget_gb=141)
+    url = page.as_uri()
+    dom = browser.run(url, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert browser.console_messages(dom.stderr) == []
+    for region in ("prefix", "branch", "tail", "state"):
+        assert f'id="region-{region}"' in dom.stdout
+    edges = dom.stdout.count('class="state-edge"')
+    assert edges == sum(1 for *_, d in report.graph.edges(data=True) if d.get("state")) > 0
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "explain_qwen3_5.png"
+    shot.unlink(missing_ok=True)
+    done = browser.run(url, f"--screenshot={shot}", "--window-size=1400,1000")
+    assert done.returncode == 0 and shot.stat().st_size > 10_000
+
+
+def test_console_errors_are_caught(tmp_path):
+    """The console check above can fail: a page with an error is reported."""
+    try:
+        browser.chromium()
+    except browser.NoBrowser as err:
+        pytest.skip(str(err))
+    page = tmp_path / "bad.html"
+    page.write_text("<html><body><script>undefinedFunction();</script></body></html>")
+    result = browser.run(page.as_uri(), "--dump-dom")
+    assert any("undefinedFunction" in line for line in browser.console_messages(result.stderr))
