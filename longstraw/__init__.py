@@ -6,7 +6,7 @@
 
 from .backend import Backend, GroupPlan, longstraw_backend
 from .errors import InputError, LongStrawError, UnsupportedGraphError
-from .explain import CapturedTensor, ExplainReport, MemoryPlan, explain
+from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
 
 __all__ = [

@@ -42,7 +42,7 @@ def load_target(target: str) -> Callable[[], Any]:
 
 
 def explain_command(args: argparse.Namespace) -> int:
-    from .explain import explain
+    from .report import explain
 
     made = load_target(args.target)()
     if not isinstance(made, tuple) or len(made) not in (2, 3):

@@ -42,6 +42,8 @@ class CallState:
     values: dict[Any, torch.Tensor]
     state: PromptState
     prefix_len: int
+    end: int
+    group_size: int
 
 
 class GroupRunner:
@@ -127,18 +129,26 @@ class GroupRunner:
 
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
-        part = self.part
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         prefix_len = self.prefix_len(values)
         self.last_prefix_len = prefix_len
+        return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size)
+
+    @torch.no_grad()
+    def run(
+        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int
+    ) -> tuple[list[torch.Tensor], CallState]:
+        """Capture and branches from the outer values; `end` and `group_size`
+        are the traced ones except when `longstraw.explain` simulates other sizes."""
+        part = self.part
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
-        state = PromptState(part.slots, capacity=part.end, prefix_len=prefix_len, device=device)
+        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device)
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             ctx = StepContext(state, offset, length, grad_enabled=False)
             self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
-        branch_len = part.end - prefix_len
+        branch_len = end - prefix_len
         per_branch = []
-        for row in range(part.group_size):
+        for row in range(group_size):
             ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
             per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
         outputs = [
@@ -147,9 +157,9 @@ class GroupRunner:
         ]
         log.info(
             "forward: G=%d, %d prompt positions captured in %d chunks, %d positions per branch",
-            part.group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
+            group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
         )
-        return outputs, CallState(values, state, prefix_len)
+        return outputs, CallState(values, state, prefix_len, end, group_size)
 
     # backward -----------------------------------------------------------
 
@@ -165,8 +175,8 @@ class GroupRunner:
         )
         if exact:
             state.allocate_grads()
-        branch_len = part.end - prefix_len
-        for row in range(part.group_size):
+        branch_len = call.end - prefix_len
+        for row in range(call.group_size):
             slices = [
                 None if g is None else g.narrow(part.batch_dim(node), row, 1)
                 for g, node in zip(grad_outputs, part.branch_outputs)

@@ -17,6 +17,7 @@ import operator
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
@@ -193,10 +194,11 @@ def _is_causal_block(mask: torch.Tensor, offset: int) -> bool:
     lower-right causal: HF builds an explicit causal mask whenever it is
     traced, and without one the step runs flash attention. A float mask
     counts when it is 0 where causal allows and below half the dtype's
-    minimum elsewhere. Checked in row blocks, O(n * (o+n)) elementwise;
-    meta tensors have no values to check."""
-    if mask.device.type == "meta":
-        return False
+    minimum elsewhere. Checked in row blocks, O(n * (o+n)) elementwise.
+    Meta and fake tensors (shape-only runs: `longstraw.explain`) have no
+    values; their mask is taken to be causal, as HF's is."""
+    if mask.device.type == "meta" or isinstance(mask, FakeTensor):
+        return True
     if mask.dim() > 2 and any(s != 1 for s in mask.shape[:-2]):
         mask = mask.flatten(0, -3)
         if not bool((mask == mask[:1]).all()):

@@ -1,4 +1,4 @@
-"""longstraw.explain (longstraw/explain.py): the report's state sizes are
+"""longstraw.explain (longstraw/report.py): the report's state sizes are
 the bytes the runtime captures, the memory plan adds up, and the graph
 views show the three regions and the state edges."""
 
@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 import torch
@@ -73,19 +74,46 @@ def test_explain_runs_nothing():
 
 def test_memory_plan_adds_up_and_finds_the_largest_prompt():
     report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
-    plan = report.plan(P=4096, G=8, R=64, budget_gb=0.05)
-    assert plan.peak == plan.weights + plan.grads + plan.state + plan.state_grad + plan.branch + plan.chunk
-    assert plan.state == report.state_bytes_per_position * (4096 - 1 + 64)  # no fixed state in a dense model
+    R = report.traced_response_len
+    plan = report.plan(P=4096, G=8, budget_gb=0.05)
+    assert plan.peak == plan.weights + plan.grads + plan.state + plan.state_grad + plan.activations
+    assert plan.state == report.state_bytes_per_position * (4096 - 1 + R)  # no fixed state in a dense model
     assert plan.state_grad == report.state_bytes_per_position * 4095
+    assert plan.activations > 0
     largest = plan.largest_prompt
     assert largest is not None
-    assert report.plan(P=largest, R=64).peak <= plan.budget < report.plan(P=largest + 1, R=64).peak
-    detached = report.plan(P=4096, R=64, prompt_grad="detached")
+    assert report.plan(P=largest).peak <= plan.budget < report.plan(P=largest + 1).peak
+    detached = report.plan(P=4096, prompt_grad="detached")
     assert detached.state_grad == 0 and detached.peak < plan.peak
     # G does not change the prediction
-    assert report.plan(P=4096, G=2, R=64).peak == report.plan(P=4096, G=64, R=64).peak
+    assert report.plan(P=4096, G=2).peak == report.plan(P=4096, G=64).peak
     table = plan.table()
     assert "predicted peak" in table and "largest P that fits" in table
+
+
+H200_RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "grpo_bench_dense_longstraw_h200.json"
+
+
+def test_predicted_peak_matches_the_h200_measurements():
+    """The benchmark's 4-layer Qwen3-8B-shaped slice, traced on the meta
+    device (no weights, no GPU), predicts every peak the H200 measured for
+    it within 10%."""
+    sys.path.insert(0, str(H200_RESULTS.parents[2] / "benchmarks"))
+    import grpo_bench as bench
+
+    measured = json.loads(H200_RESULTS.read_text())
+    meta = torch.device("meta")
+    model = bench.build_model("dense", False, torch.bfloat16, meta)
+    model.config.use_cache = False  # Dynamo cannot trace an empty cache tensor on the meta device
+    group = bench.make_group(8, 4 * 8192, measured["R"], model.config.vocab_size, meta)
+    report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, measured["R"])
+    checked = 0
+    for mode, data in measured["sweep"].items():
+        for run in (r for r in data["runs"] if r["ok"]):
+            plan = report.plan(P=run["P"], G=run["G"], prompt_grad=mode.removeprefix("longstraw_"), device="cuda")
+            assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], (mode, run["P"], plan.table())
+            checked += 1
+    assert checked >= 10
 
 
 def test_graph_views_show_regions_and_state_edges(tmp_path):

@@ -10,10 +10,16 @@ with its layer, operator and source line, and a memory model:
     peak = weights + grads + state(P) [+ d(state)(P), exact mode]
            + one branch (R positions, under autograd) + one prompt chunk
 
-State sizes are exact (they are the planned buffers). Activations are
-estimated from the graph: the bytes per position of every computed (not
-view) value of the region, which is what autograd keeps for backward; a
-chunk without autograd keeps about two such values at a time.
+State sizes are exact (they are the planned buffers). The activations of
+one branch and one chunk come from a simulation: the planned runtime runs a
+whole step (capture, branches, replays, reverse pass) on fake tensors of
+the requested sizes, and the bytes of live storages are sampled after every
+operator; flash attention's backward workspace (dK/dV expanded to the query
+heads, the float32 dQ accumulator), invisible to fake tensors, is added.
+The simulation runs at the example's sizes, and its activation share is
+reused for other P and G: trace the example at the real model shapes and
+response length (on the meta device this costs nothing) with a prompt of a
+few chunks, so one chunk and one flash key block are full size.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
@@ -35,6 +45,7 @@ from .backend import Backend, GroupPlan, PlanningDone
 from .errors import LongStrawError, module_path, source_line
 from .nodes import op_name, tensor_of
 from .options import Options
+from .runtime import GroupRunner
 
 REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
 REGION_TITLES = {
@@ -44,11 +55,6 @@ REGION_TITLES = {
     "branch": "branch: per response, after the exits",
     "tail": "tail: the loss over the stacked branches",
     "state": "captured state",
-}
-_VIEWS = {
-    "view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "narrow", "slice", "select", "getitem", "split", "chunk", "contiguous", "alias", "detach",
-    "view_as", "expand_as", "unbind", "size", "dim", "type_as",
 }
 
 
@@ -82,14 +88,14 @@ class MemoryPlan:
     grads: int
     state: int
     state_grad: int
-    branch: int
-    chunk: int
+    activations: int  # simulated: one branch replay or one reverse chunk, and kernel workspaces
     budget: int | None
     largest_prompt: int | None
+    simulated_at: tuple[int, int, int]  # (P, G, R) of the traced example the activations come from
 
     @property
     def peak(self) -> int:
-        return self.weights + self.grads + self.state + self.state_grad + self.branch + self.chunk
+        return self.weights + self.grads + self.state + self.state_grad + self.activations
 
     @property
     def fits(self) -> bool | None:
@@ -102,8 +108,7 @@ class MemoryPlan:
             ("grads (trainable)", self.grads),
             (f"state, {self.P - 1 + self.R} positions", self.state),
             ("d(state)" + ("" if self.prompt_grad == "exact" else " (detached: none)"), self.state_grad),
-            (f"one branch, {self.R} positions with autograd", self.branch),
-            (f"one prompt chunk, {self.prefix_chunk_size} positions", self.chunk),
+            ("activations (simulated at P={}, G={}, R={})".format(*self.simulated_at), self.activations),
         ]
         lines = [f"P={self.P} G={self.G} R={self.R} prompt_grad={self.prompt_grad}"]
         lines += [f"  {name:44} {gb(size)}" for name, size in rows]
@@ -130,11 +135,10 @@ class ExplainReport:
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size
         self.traced_response_len = part.end - max(plan.prefix_len, 0)
-        per_position = {n: _bytes_per_position(part, n) for n in part.graph.nodes}
-        computed = lambda region: [per_position[n] for n in region if op_name(n) not in _VIEWS]  # noqa: E731
-        self.prefix_activation_bytes_per_position = sum(computed(part.sequence))
-        self.branch_activation_bytes_per_position = self.prefix_activation_bytes_per_position + sum(computed(part.branch))
-        self.nograd_bytes_per_position = 2 * max(computed(part.sequence), default=0)
+        floats = [v for p, v in values if p in part.params and v is not None and v.is_floating_point()]
+        self.float_dtype = floats[0].dtype if floats else torch.float32
+        self.example_device = floats[0].device if floats else torch.device("cpu")
+        self._activations: dict[tuple, int] = {}
 
     @property
     def state_bytes_per_position(self) -> int:
@@ -154,39 +158,49 @@ class ExplainReport:
         budget_gb: float | None = None,
         prompt_grad: str | None = None,
         prefix_chunk_size: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> MemoryPlan:
-        """Predicted peak for a group of G responses of R tokens over a P-token prompt."""
+        """Predicted peak for a group of G branches of R positions after a
+        P-token prompt (R as in the plan summary: the positions one branch
+        runs). `device` (default: the example's) decides the attention
+        kernels; `dtype` recasts the example's floating parameters and
+        activations (state keeps its own dtype: float32 recurrent state)."""
         G = self.traced_group_size if G is None else G
         R = self.traced_response_len if R is None else R
         mode = prompt_grad or self.options.prompt_grad
-        chunk = min(prefix_chunk_size or self.options.prefix_chunk_size, max(P - 1, 1))
+        chunk = prefix_chunk_size or self.options.prefix_chunk_size
+        device = torch.device(device) if device is not None else self.example_device
+        scale = _scale(self.float_dtype, dtype)
         budget = None if budget_gb is None else int(budget_gb * 1e9)
-        parts = self._parts(P, R, mode, chunk)
-        largest = self._largest_prompt(budget, R, mode, chunk) if budget is not None else None
-        return MemoryPlan(P, G, R, mode, chunk, *parts, budget=budget, largest_prompt=largest)
+        activations = self._simulated_activations(mode, chunk, device, dtype)
+        fixed = (int(self.weights_bytes * scale), int(self.grads_bytes * scale))
+        parts = (*fixed, *self._state(P, R, mode, chunk, scale))
+        largest = None
+        if budget is not None:
+            fits = lambda p: sum(fixed) + sum(self._state(p, R, mode, chunk, scale)) + activations <= budget  # noqa: E731
+            largest = _largest(fits)
+        simulated = (self.traced_positions - self.traced_response_len + 1, self.traced_group_size, self.traced_response_len)
+        return MemoryPlan(P, G, R, mode, min(chunk, max(P - 1, 1)), *parts, activations, budget, largest, simulated)
 
-    def _parts(self, P: int, R: int, mode: str, chunk: int) -> tuple[int, int, int, int, int, int]:
+    def _state(self, P: int, R: int, mode: str, chunk: int, scale: float) -> tuple[int, int]:
         chunks = math.ceil(max(P - 1, 0) / chunk)
-        state = self.state_bytes_per_position * (P - 1 + R) + self.state_fixed_bytes * (chunks + 1)
-        exact = mode == "exact"
-        state_grad = self.state_bytes_per_position * (P - 1) + self.state_fixed_bytes * 2 if exact else 0
-        branch = self.branch_activation_bytes_per_position * R
-        chunk_bytes = (self.prefix_activation_bytes_per_position if exact else self.nograd_bytes_per_position) * chunk
-        return self.weights_bytes, self.grads_bytes, state, state_grad, branch, chunk_bytes
+        per_position = sum(t.bytes_per_position * (scale if t.dtype == self.float_dtype else 1) for t in self.state)
+        state = int(per_position * (P - 1 + R)) + self.state_fixed_bytes * (chunks + 1)
+        state_grad = int(per_position * (P - 1)) + 2 * self.state_fixed_bytes if mode == "exact" else 0
+        return state, state_grad
 
-    def _largest_prompt(self, budget: int, R: int, mode: str, chunk: int) -> int | None:
-        fits = lambda P: sum(self._parts(P, R, mode, min(chunk, max(P - 1, 1)))) <= budget  # noqa: E731
-        if not fits(2):
-            return None
-        lo, hi = 2, 4
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi > 1 << 40:
-                return lo
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+    def _simulated_activations(self, mode, chunk, device, dtype) -> int:
+        """Peak of a simulated step at the traced sizes, less what the
+        formula already counts there."""
+        key = (mode, chunk, str(device), dtype)
+        if key not in self._activations:
+            peak = simulate_step(self.group_plan, mode, chunk, device, dtype)
+            scale = _scale(self.float_dtype, dtype)
+            P, R = self.traced_positions - self.traced_response_len + 1, self.traced_response_len
+            known = int((self.weights_bytes + self.grads_bytes) * scale) + sum(self._state(P, R, mode, chunk, scale))
+            self._activations[key] = max(peak - known, 0)
+        return self._activations[key]
 
     # views ---------------------------------------------------------------
 
@@ -353,14 +367,109 @@ def _nbytes(value: torch.Tensor) -> int:
     return value.numel() * value.element_size()
 
 
-def _bytes_per_position(part, node: fx.Node) -> int:
-    """Bytes of one row's value at one position (0 for values without a token dimension)."""
-    value = tensor_of(node)
-    token = part.token_dim(node)
-    if value is None or token is None or value.shape[token] == 0:
-        return 0
-    rows = value.shape[part.batch_dim(node)] if part.batch_dim(node) is not None else 1
-    return _nbytes(value) // (value.shape[token] * max(rows, 1))
+def _scale(traced: torch.dtype, target: torch.dtype | None) -> float:
+    return 1.0 if target is None else target.itemsize / traced.itemsize
+
+
+def _largest(fits: Callable[[int], bool]) -> int | None:
+    """The largest P with fits(P), by doubling then bisection (fits is monotone)."""
+    if not fits(2):
+        return None
+    lo, hi = 2, 4
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages alive after every operator, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def add(self, tensor: torch.Tensor, extra: int = 0) -> None:
+        storage = tensor.untyped_storage()
+        ref = StorageWeakRef(storage)
+        self.live.setdefault(ref.cdata, (ref, storage.nbytes()))
+        self._sample(extra)
+
+    def _sample(self, extra: int = 0) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+        self.peak = max(self.peak, sum(n for _, n in self.live.values()) + extra)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.live.setdefault(StorageWeakRef(t.untyped_storage()).cdata,
+                                     (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        self._sample()
+        return out
+
+
+def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, dtype: torch.dtype | None) -> int:
+    """Peak bytes of one step (forward and backward of the group) at the
+    traced sizes, run on fake tensors of the example's device (the graph
+    names it) with the attention kernels `device` would choose."""
+    from longstraw.passes import attention
+
+    part = plan.partition
+    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False)
+    runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
+    prefix_len = plan.prefix_len if plan.prefix_len >= 0 else part.first_consumed
+    tracker = _LiveBytes()
+    cuda = torch.device(device).type == "cuda"
+    select = attention._kernel_for
+
+    class _FlashWithWorkspace(type(attention._FLASH)):
+        def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+            # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
+            hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
+            expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
+            tracker._sample(expanded + n * hq * d * 4)
+            return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
+
+    flash = _FlashWithWorkspace()
+
+    def kernel_for(q, mask):
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if cuda and half and mask is None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+            return flash
+        return select(q, mask)
+
+    floating = _float_dtype(part)
+
+    def fake(value: Any, requires_grad: bool = False) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        cast = dtype if dtype is not None and value.dtype == floating else value.dtype
+        return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
+
+    attention._kernel_for = kernel_for
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
+            values = dict(zip(runner.imports, runner.outer.module(*inputs)))
+            outputs, call = runner.run(inputs, values, prefix_len, part.end, part.group_size)
+            grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
+            grads = runner.backward(call, inputs, grad_outputs)
+            del call, outputs, grad_outputs, grads
+    finally:
+        attention._kernel_for = select
+    return tracker.peak
+
+
+def _float_dtype(part) -> torch.dtype:
+    floats = [tensor_of(p) for p in part.params if tensor_of(p) is not None and tensor_of(p).is_floating_point()]
+    return floats[0].dtype if floats else torch.float32
 
 
 _PAGE = """<!DOCTYPE html>
