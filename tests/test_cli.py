@@ -1,0 +1,40 @@
+"""`longstraw explain` on the command line (longstraw/cli.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+from longstraw.cli import main
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_step.py"
+
+
+def test_explain_prints_the_plan_and_writes_the_views(tmp_path, capsys):
+    html, dot = tmp_path / "plan.html", tmp_path / "plan.dot"
+    code = main([
+        "explain", f"{EXAMPLE}:example_group", "--P", "1048576", "--G", "8", "--budget-gb", "141",
+        "--html", str(html), "--dot", str(dot),
+    ])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "B per prompt position" in out and "predicted peak" in out and "largest P that fits" in out
+    assert "P=1048576 G=8" in out
+    assert html.read_text().startswith("<!DOCTYPE html>") and "cluster_prefix" in dot.read_text()
+
+
+def test_bad_targets_are_reported(capsys):
+    assert main(["explain", "no_colon_here", "--P", "10"]) == 2
+    assert "SCRIPT.py:FUNC" in capsys.readouterr().err
+    assert main(["explain", f"{EXAMPLE}:missing_function", "--P", "10"]) == 2
+    assert "no function 'missing_function'" in capsys.readouterr().err
+
+
+def test_module_entry_point(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "longstraw", "explain", f"{EXAMPLE}:example_group", "--P", "4096", "--html", ""],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "predicted peak" in result.stdout
