@@ -387,31 +387,47 @@ def _largest(fits: Callable[[int], bool]) -> int | None:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages alive after every operator, and their peak."""
+    """Bytes of the storages alive while operators run, and their peak.
+
+    Storages are held by weak reference (autograd keeps tensors alive in
+    C++, so Python object lifetimes would undercount). Dead ones are
+    dropped before every large allocation (where peaks happen) and every
+    `PRUNE_EVERY` operators otherwise; between two prunes, small storages
+    freed meanwhile still count."""
+
+    PRUNE_EVERY = 16
 
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
         self.peak = 0
+        self.ops = 0
 
-    def add(self, tensor: torch.Tensor, extra: int = 0) -> None:
-        storage = tensor.untyped_storage()
-        ref = StorageWeakRef(storage)
-        self.live.setdefault(ref.cdata, (ref, storage.nbytes()))
-        self._sample(extra)
-
-    def _sample(self, extra: int = 0) -> None:
+    def _prune(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            del self.live[key]
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()) + extra)
+            self.current -= self.live.pop(key)[1]
+
+    def transient(self, nbytes: int) -> None:
+        """A kernel's workspace that fake tensors do not allocate."""
+        self._prune()
+        self.peak = max(self.peak, self.current + nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.live.setdefault(StorageWeakRef(t.untyped_storage()).cdata,
-                                     (StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
-        self._sample()
+        self.ops += 1
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        large = any(t.untyped_storage().nbytes() * 64 > self.current for t in tensors)
+        if large or self.ops % self.PRUNE_EVERY == 0:  # peaks happen at large allocations: be exact there
+            self._prune()
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            known = self.live.get(ref.cdata)
+            if known is None or known[0].expired():  # new, or a freed storage's address reused
+                nbytes = t.untyped_storage().nbytes()
+                self.current += nbytes - (known[1] if known else 0)
+                self.live[ref.cdata] = (ref, nbytes)
+        self.peak = max(self.peak, self.current)
         return out
 
 
@@ -434,7 +450,7 @@ def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, 
             # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
             hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
             expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
-            tracker._sample(expanded + n * hq * d * 4)
+            tracker.transient(expanded + n * hq * d * 4)
             return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
 
     flash = _FlashWithWorkspace()
