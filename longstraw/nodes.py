@@ -97,3 +97,15 @@ def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+RANDOM_OPS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "native_dropout",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
+    "multinomial", "normal", "normal_", "uniform_", "exponential_", "rrelu",
+})
+
+
+def is_random(node: fx.Node) -> bool:
+    """Draws from the random number generator (dropout, rand, bernoulli...)."""
+    return is_call(node) and op_name(node) in RANDOM_OPS

@@ -27,11 +27,17 @@ class Options:
     pass. None: shown when stderr is a terminal and the prompt spans at
     least four chunks."""
 
+    check_finite: bool = True
+    """Check the captured prompt state for NaN/Inf after the capture (one
+    reduction over the state, one device sync) and name the layer."""
+
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if not isinstance(self.prefix_chunk_size, int) or self.prefix_chunk_size < 1:
             raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
+        if not isinstance(self.check_finite, bool):
+            raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):
             raise LongStrawError(f"progress must be None, True or False, got {self.progress!r}")
         if self.on_unsupported not in ("error", "eager"):

@@ -25,14 +25,39 @@ from typing import Any
 
 import torch
 
-from .errors import InputError
-from .nodes import ancestors
+from .errors import InputError, module_path
+from .nodes import ancestors, is_random
 from .options import Options
 from .partition import Partition
 from .state import PromptState, StepContext
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
+
+
+@dataclasses.dataclass
+class RngState:
+    """The generators' state before a step, so its replay draws the same
+    dropout masks (what torch.utils.checkpoint does for a checkpoint)."""
+
+    cpu: torch.Tensor
+    device: torch.device
+    accelerator: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        accelerator = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), device, accelerator)
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run with this state; the generators are left as they were found."""
+        devices = [self.device] if self.accelerator is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.accelerator is not None:
+                torch.cuda.set_rng_state(self.accelerator, self.device)
+            yield
 
 
 @dataclasses.dataclass
@@ -44,6 +69,7 @@ class CallState:
     prefix_len: int
     end: int
     group_size: int
+    rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
 
 
 class GroupRunner:
@@ -62,6 +88,7 @@ class GroupRunner:
             self.position[n] for n in ancestors(s.node for s in part.slots) if n.op == "placeholder"
         }
         self.last_prefix_len: int | None = None
+        self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
 
     # inputs of the steps ------------------------------------------------
 
@@ -143,12 +170,19 @@ class GroupRunner:
         part = self.part
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device)
+        rng: dict[tuple[str, int], RngState] = {}
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
+            if self.random:
+                rng["chunk", offset] = RngState.capture(device)
             ctx = StepContext(state, offset, length, grad_enabled=False)
             self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+        if self.options.check_finite:
+            self._check_finite(state)
         branch_len = end - prefix_len
         per_branch = []
         for row in range(group_size):
+            if self.random:
+                rng["branch", row] = RngState.capture(device)
             ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
             per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
         outputs = [
@@ -159,7 +193,24 @@ class GroupRunner:
             "forward: G=%d, %d prompt positions captured in %d chunks, %d positions per branch",
             group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
         )
-        return outputs, CallState(values, state, prefix_len, end, group_size)
+        return outputs, CallState(values, state, prefix_len, end, group_size, rng)
+
+    def _check_finite(self, state: PromptState) -> None:
+        """NaN or Inf in the captured state would poison every branch: name the layer."""
+        tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
+                   if slot.kind == "sequence"]
+        tensors += [(slot, c) for slot in self.part.slots if slot.kind == "carry" for c in state.carries[slot.index].values()]
+        if not tensors:
+            return
+        finite = torch.stack([t.isfinite().all() for _, t in tensors])
+        if bool(finite.all()):
+            return
+        slot, _ = tensors[int((~finite).nonzero()[0, 0])]
+        raise InputError(
+            f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
+            "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
+            "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
+        )
 
     # backward -----------------------------------------------------------
 
@@ -181,19 +232,34 @@ class GroupRunner:
                 None if g is None else g.narrow(part.batch_dim(node), row, 1)
                 for g, node in zip(grad_outputs, part.branch_outputs)
             ]
-            with torch.enable_grad():
+            with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
                 outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, call.values, row, prefix_len, branch_len))
                 self._accumulate(grads, wanted, inputs, outs, slices)
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
-                with torch.enable_grad():
+                where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
+                with self._replaying(call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(grads, wanted, inputs, outs, seeds)
         state.release()
         return grads
+
+    @contextlib.contextmanager
+    def _replaying(self, call: CallState, key: tuple[str, int], where: str) -> Iterator[None]:
+        """Autograd on, the step's RNG state restored, and failures named.
+        Gradients reach `.grad` only when the whole backward has finished,
+        so a failure leaves every `.grad` as it was."""
+        rng = call.rng.get(key)
+        try:
+            with torch.enable_grad(), rng.restored() if rng is not None else contextlib.nullcontext():
+                yield
+        except Exception as err:
+            # keep the type (callers catch torch.OutOfMemoryError); say where
+            err.add_note(f"longstraw: raised {where}; no .grad was changed")
+            raise
 
     @staticmethod
     def _accumulate(

@@ -49,6 +49,8 @@ class PlainConfig:
     (HF `repeat_kv`); "repeat_interleave": `Tensor.repeat_interleave`."""
     mask: str = "causal"
     """"causal": SDPA(is_causal=True); "explicit": a boolean tril mask."""
+    dropout: float = 0.0
+    """Dropout after the MLP activation (in training mode)."""
     mixer: str = "none"
     """"cumsum": add a `torch.cumsum` over the sequence in every block (an
     operator no architecture pass claims)."""
@@ -164,9 +166,10 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
+        return self.down(self.dropout(F.gelu(self.up(x))))
 
 
 class Block(nn.Module):
