@@ -174,8 +174,9 @@ class GroupRunner:
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:
                 rng["chunk", offset] = RngState.capture(device)
-            ctx = StepContext(state, offset, length, grad_enabled=False)
-            self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+            with _noting(f"capturing prompt chunk [{offset}, {offset + length})"):
+                ctx = StepContext(state, offset, length, grad_enabled=False)
+                self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
         if self.options.check_finite:
             self._check_finite(state)
         branch_len = end - prefix_len
@@ -183,8 +184,9 @@ class GroupRunner:
         for row in range(group_size):
             if self.random:
                 rng["branch", row] = RngState.capture(device)
-            ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
-            per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
+            with _noting(f"running branch {row} of {group_size}"):
+                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
+                per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
         outputs = [
             torch.cat([b[i] for b in per_branch], dim=part.batch_dim(node))
             for i, node in enumerate(part.branch_outputs)
@@ -253,13 +255,9 @@ class GroupRunner:
         Gradients reach `.grad` only when the whole backward has finished,
         so a failure leaves every `.grad` as it was."""
         rng = call.rng.get(key)
-        try:
-            with torch.enable_grad(), rng.restored() if rng is not None else contextlib.nullcontext():
+        with _noting(f"{where}; no .grad was changed"), torch.enable_grad():
+            with rng.restored() if rng is not None else contextlib.nullcontext():
                 yield
-        except Exception as err:
-            # keep the type (callers catch torch.OutOfMemoryError); say where
-            err.add_note(f"longstraw: raised {where}; no .grad was changed")
-            raise
 
     @staticmethod
     def _accumulate(
@@ -278,6 +276,17 @@ class GroupRunner:
         for i, g in zip(wanted, result):
             if g is not None:
                 grads[i] = g if grads[i] is None else grads[i].add_(g)
+
+
+@contextlib.contextmanager
+def _noting(where: str) -> Iterator[None]:
+    """Add where a step failed to its exception, keeping the type (callers
+    catch torch.OutOfMemoryError, IndexError...)."""
+    try:
+        yield
+    except Exception as err:
+        err.add_note(f"longstraw: raised {where}")
+        raise
 
 
 def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:

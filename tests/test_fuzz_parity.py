@@ -32,6 +32,9 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
 # float64 is exact up to reassociation; float32 rounds attention and norms differently per chunk
 TOL = {torch.float64: 1e-9, torch.float32: 2e-4}
 HF_TOL = {torch.float64: 1e-6, torch.float32: 2e-4}
+# gradients that are zero in exact arithmetic (q/k when every query sees one key) are round-off:
+# measure them against this fraction of the largest gradient norm (compare.assert_grads_close)
+FLOOR = {torch.float64: 1e-6, torch.float32: 1e-3}
 
 
 @st.composite
@@ -69,7 +72,7 @@ def check(model, dtype, G, P, R, chunk, pad, tol):
     want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *args)
     assert backend.plans and backend.plans[-1].num_branches == G  # the backend ran, not an eager fallback
     assert_close(got_loss, want_loss, tol, "loss")
-    assert_grads_close(got, want, tol)
+    assert_grads_close(got, want, tol, floor=FLOOR[dtype])
 
 
 @seed(SEED)
