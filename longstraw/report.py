@@ -438,7 +438,7 @@ def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, 
     from longstraw.passes import attention
 
     part = plan.partition
-    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False)
+    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False, check_finite=False)
     runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
     prefix_len = plan.prefix_len if plan.prefix_len >= 0 else part.first_consumed
     tracker = _LiveBytes()

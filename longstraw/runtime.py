@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError, module_path
 from .nodes import ancestors, is_random
@@ -202,8 +203,8 @@ class GroupRunner:
         tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
                    if slot.kind == "sequence"]
         tensors += [(slot, c) for slot in self.part.slots if slot.kind == "carry" for c in state.carries[slot.index].values()]
-        if not tensors:
-            return
+        if not tensors or tensors[0][1].device.type == "meta" or isinstance(tensors[0][1], FakeTensor):
+            return  # shape-only runs (meta models, `longstraw.explain`) have no values
         finite = torch.stack([t.isfinite().all() for _, t in tensors])
         if bool(finite.all()):
             return
