@@ -188,3 +188,16 @@ def test_mask_that_sees_later_positions():
     with raises_longstraw(r"attend to later positions"):
         run_and_backward(compiled, model, *args)
     assert grads_equal(grads_of(model), before)
+
+
+def test_mixed_device_inputs():
+    """Inputs on two devices fail while Dynamo traces the loss, before the
+    backend: the message names both devices, the operator and the user's
+    line, and no .grad changes."""
+    model = make_model("plain")
+    before = seed_grads(model)
+    prompt, responses, advantages, mask = make_group(2, 20, 4)
+    compiled = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))
+    with pytest.raises(Exception, match=r"(?s)same device.*cpu and meta.*losses\.py"):
+        run_and_backward(compiled, model, prompt, responses.to("meta"), advantages, mask)
+    assert grads_equal(grads_of(model), before)
