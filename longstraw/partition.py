@@ -83,6 +83,27 @@ class Partition:
         return self.dims.dim_index(node, self.token)
 
 
+def _check_position_tables(graph: fx.Graph, end: int) -> None:
+    """A learned position table (an embedding looked up with indices built
+    from `arange` alone) must have a row for every position the group runs."""
+    for node in graph.nodes:
+        if op_name(node) != "embedding" or len(node.args) < 2:
+            continue
+        index, weight = node.args[0], node.args[1]
+        if not isinstance(index, fx.Node) or tensor_of(weight) is None:
+            continue
+        found = ancestors([index])
+        if any(n.op == "placeholder" for n in found) or not any(op_name(n) == "arange" for n in found):
+            continue
+        rows = tensor_of(weight).shape[0]
+        if rows < end:
+            raise InputError(
+                f"{describe_node(node)} looks up a learned position table of {rows} rows, but the group runs "
+                f"{end} positions (prompt plus response): the sequences are longer than the model's positions. "
+                "Shorten the prompt or the responses."
+            )
+
+
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
         f"{describe_node(node)} {why}. LongStraw needs every operator that mixes sequence positions to be "
@@ -163,6 +184,7 @@ def partition(
         first_consumed=first_consumed,
         end=max(e.restriction.stop for e in exits),
     )
+    _check_position_tables(graph, part.end)
     log.debug(
         "partition: %d sequence, %d branch, %d tail nodes; %d state slots; first consumed position %d",
         len(sequence), len(branch), len(tail), len(slots), first_consumed,

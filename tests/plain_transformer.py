@@ -49,6 +49,9 @@ class PlainConfig:
     (HF `repeat_kv`); "repeat_interleave": `Tensor.repeat_interleave`."""
     mask: str = "causal"
     """"causal": SDPA(is_causal=True); "explicit": a boolean tril mask."""
+    learned_positions: int = 0
+    """Rows of a learned absolute position table added to the token
+    embedding (GPT-2 style, besides RoPE); 0: none."""
     dropout: float = 0.0
     """Dropout after the MLP activation (in training mode)."""
     mixer: str = "none"
@@ -195,6 +198,7 @@ class PlainTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.positions = nn.Embedding(cfg.learned_positions, cfg.hidden_size) if cfg.learned_positions else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -211,6 +215,9 @@ class PlainTransformer(nn.Module):
     def forward_with_kv(self, input_ids, past_kv=None):
         """Like forward, also returning the new positions' (k, v) per layer."""
         x = self.embed(input_ids)  # [B, L, C]
+        if self.positions is not None:
+            start = 0 if past_kv is None else past_kv[0][0].shape[-2]
+            x = x + self.positions(torch.arange(start, start + input_ids.shape[1], device=input_ids.device))
         new = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, None if past_kv is None else past_kv[i])

@@ -15,12 +15,12 @@ import torch
 
 import longstraw
 import plain_transformer
-from compare import grads_equal
+from compare import assert_grads_close, grads_equal
 from conftest import raises_longstraw
-from harness import compile_loss
+from harness import compile_loss, compiled_loss_and_grads
 from losses import grpo_loss_f64, per_group_prefix_loss, responses_only_loss
 from plain_transformer import make_plain
-from reference import grads_of
+from reference import eager_loss_and_grads, grads_of
 from tiny_models import make_group, make_model
 
 
@@ -200,4 +200,20 @@ def test_mixed_device_inputs():
     compiled = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))
     with pytest.raises(Exception, match=r"(?s)same device.*cpu and meta.*losses\.py"):
         run_and_backward(compiled, model, prompt, responses.to("meta"), advantages, mask)
+    assert grads_equal(grads_of(model), before)
+
+
+def test_sequences_longer_than_the_position_table():
+    """A learned position table with fewer rows than the group's positions:
+    a plan-time error naming the embedding, nothing run, nothing changed;
+    within the table the model is exact."""
+    model = make_plain(learned_positions=24)
+    step = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))
+    args = make_group(2, 16, 8)  # runs positions 0..22 (the last token is only a label)
+    got = compiled_loss_and_grads(step, model, *args)
+    want = eager_loss_and_grads(grpo_loss_f64, model, *args)
+    assert_grads_close(got[1], want[1], 1e-9)
+    before = seed_grads(model)
+    with raises_longstraw(r"embedding.*position table of 24 rows.*25 positions"):
+        run_and_backward(step, model, *make_group(2, 18, 8))  # runs positions 0..24
     assert grads_equal(grads_of(model), before)
