@@ -41,6 +41,8 @@ class PlainConfig:
     num_kv_heads: int = 2
     head_dim: int = 8
     rope_theta: float = 10000.0
+    rotary_dim: int = 0
+    """Head dims RoPE rotates (the first ones, even); 0: all of them."""
     norm: str = "rms"
     """"layer": nn.LayerNorm; "rms": RMSNorm written by hand."""
     kv_mode: str = "gqa"
@@ -65,6 +67,7 @@ class PlainConfig:
         assert self.mixer in MIXERS, self.mixer
         assert self.num_heads % self.num_kv_heads == 0
         assert self.head_dim % 2 == 0
+        assert self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +90,14 @@ def make_norm(cfg: PlainConfig) -> nn.Module:
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_partial_rope(x, positions, cfg):
+    """RoPE on the first `cfg.rotary_dim` head dims, the rest passed through."""
+    rot = cfg.rotary_dim or x.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, positions, cfg.rope_theta)
+    return torch.cat([apply_rope(x[..., :rot], positions, cfg.rope_theta), x[..., rot:]], dim=-1)
 
 
 def apply_rope(x, positions, theta: float):
@@ -133,8 +144,8 @@ class Attention(nn.Module):
             positions = torch.arange(L, device=x.device)
         else:
             positions = torch.arange(L, device=x.device) + s
-        q = apply_rope(q, positions, cfg.rope_theta)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        q = apply_partial_rope(q, positions, cfg)
+        k = apply_partial_rope(k, positions, cfg)
         new_kv = (k, v)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)  # [B, Hkv, S+L, D]
