@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -95,6 +96,16 @@ class StepContext:
     offset: int
     length: int
     grad_enabled: bool
+    memo: dict[tuple, tuple[object, Any]] = dataclasses.field(default_factory=dict)
+    """Per-step results passes compute once for all layers (keyed by what
+    they are about; the value keeps that object alive, so ids stay unique)."""
+
+    def remember(self, key: str, about: object, compute: Callable[[], Any]) -> Any:
+        """`compute()` once per step for `about` (e.g. a mask block every layer reads)."""
+        entry = self.memo.get((key, id(about)))
+        if entry is None:
+            entry = self.memo[(key, id(about))] = (about, compute())
+        return entry[1]
 
     # sequence slots
 

@@ -181,8 +181,8 @@ def attention_step(
     the mask block [..., n, o+n]. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
-    if mask is not None and _is_causal_block(mask, ctx.offset):
-        mask = None
+    if mask is not None and ctx.remember("causal", mask, lambda: _is_causal_block(mask, ctx.offset)):
+        mask = None  # every layer reads the same block: checked once per step
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
 
 

@@ -89,3 +89,18 @@ def test_causal_block_is_recognised(dtype, monkeypatch):
     if dtype != torch.bool:
         biased = as_mask(allowed).masked_fill(allowed, 0.5)
         assert not attention._is_causal_block(biased, o)
+
+
+def test_mask_check_is_remembered_per_step():
+    """HF passes one mask node to every layer, so each step's layers read one
+    block: `StepContext.remember` checks it once per step."""
+    from longstraw.state import StepContext
+
+    ctx = StepContext(state=None, offset=3, length=2, grad_enabled=False)
+    block, other = torch.ones(2, 5, dtype=torch.bool).tril(3), torch.ones(2, 5, dtype=torch.bool)
+    calls = []
+    check = lambda m: lambda: calls.append(m) or attention._is_causal_block(m, 3)  # noqa: E731
+    assert ctx.remember("causal", block, check(block)) is True
+    assert ctx.remember("causal", block, check(block)) is True
+    assert ctx.remember("causal", other, check(other)) is False
+    assert len(calls) == 2
