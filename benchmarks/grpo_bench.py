@@ -23,7 +23,7 @@ PyTorch Gated DeltaNet (fla's backward does not run on this Triton).
 Parts (`--parts`), all in one process; every run is bounded by
 `--budget-s` so a command stays inside the 10-minute device limit:
 
-  sweep    per mode, P doubles from --p-min until it runs out of memory, would
+  sweep    per mode, P doubles from --p-min (or --start MODE:P) until it runs out of memory, would
            exceed the time left, or reaches --p-max; then bisection between
            the last success and the first failure. Every run's peak
            allocated memory and step time are recorded (plot: peak vs P).
@@ -377,7 +377,7 @@ def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
                 print(f"  {kind} {mode:20} P={P:>8} {_describe(result)}", flush=True)
                 return result
 
-            P = args.p_min
+            P = args.start.get(mode, args.p_min)
             while P <= args.p_max:
                 # attention makes a step up to 4x longer when P doubles
                 if last_seconds * 4 > mode_clock.left():
@@ -824,6 +824,7 @@ def main() -> None:
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--p-min", type=int, default=8192)
+    parser.add_argument("--start", default="", help="per-mode first P of the sweep, MODE:P,... (flex recompiles per P)")
     parser.add_argument("--p-max", type=int, default=1 << 20)
     parser.add_argument("--bisect-resolution", type=int, default=8192)
     parser.add_argument("--p-gdelta", type=int, default=262144)
@@ -838,6 +839,7 @@ def main() -> None:
     parser.add_argument("--command", default=None, help="the command line to record (default: argv)")
     parser.add_argument("--report", nargs="+", metavar="RESULT_JSON", help="only write the plot and summary.json from these")
     args = parser.parse_args()
+    args.start = {m: int(p) for m, p in (item.split(":") for item in args.start.split(",") if item)}
     if args.report:
         report(args.report, args.out_dir)
         return
