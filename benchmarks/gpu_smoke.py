@@ -21,6 +21,7 @@ import torch
 import transformers
 
 import longstraw
+from grpo_bench import compare as compare_grads
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
 from longstraw.passes import gated_delta
@@ -63,9 +64,7 @@ def grads(model, fn, *args):
 
 def compare(got, want):
     (lg, g), (lw, w) = got, want
-    rel = max(((g[n] - w[n]).norm() / w[n].norm().clamp_min(1e-30)).item() for n in w)
-    cos = min(torch.nn.functional.cosine_similarity(g[n].flatten(), w[n].flatten(), dim=0).item() for n in w)
-    return {"loss_got": lg.item(), "loss_want": lw.item(), "max_rel_l2": rel, "min_cosine": cos}
+    return {"loss_got": lg.item(), "loss_want": lw.item(), **compare_grads(g, w)}
 
 
 def parity(model, args, reference, mode, chunk):

@@ -262,8 +262,10 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def release(model) -> None:
-    model.zero_grad(set_to_none=True)
+def release(model=None) -> None:
+    """Drop gradients (of `model`, when given) and cached device memory."""
+    if model is not None:
+        model.zero_grad(set_to_none=True)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -501,14 +503,8 @@ def parity(kind, args, device) -> dict:
         out[str(dtype).removeprefix("torch.")] = result
         print(f"  {kind} parity {dtype} P={args.p_parity}: {result}", flush=True)
         del model
-        release_all()
+        release()
     return out
-
-
-def release_all():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def kernels(device) -> dict:

@@ -7,14 +7,13 @@ prompt chunks and is replayed per branch, the per-branch region after the
 exits, the tail that reduces the branches), every captured state tensor
 with its layer, operator and source line, and a memory model:
 
-    peak = weights + grads + state(P) [+ d(state)(P), exact mode]
-           + one branch (R positions, under autograd) + one prompt chunk
+    peak = weights + grads + state(P) [+ d(state)(P), exact mode] + activations
 
-State sizes are exact (they are the planned buffers). The activations of
-one branch and one chunk come from a simulation: the planned runtime runs a
-whole step (capture, branches, replays, reverse pass) on fake tensors of
-the requested sizes, and the bytes of live storages are sampled after every
-operator; flash attention's backward workspace (dK/dV expanded to the query
+State sizes are exact (they are the planned buffers). The activations (one
+branch replay or one reverse chunk, whichever is larger, and kernel
+workspaces) come from a simulation: the planned runtime runs a whole step
+(capture, branches, replays, reverse pass) on fake tensors, and the bytes
+of live storages are sampled after every operator; flash attention's backward workspace (dK/dV expanded to the query
 heads, the float32 dQ accumulator), invisible to fake tensors, is added.
 The simulation runs at the example's sizes, and its activation share is
 reused for other P and G: trace the example at the real model shapes and
@@ -129,16 +128,20 @@ class ExplainReport:
         part = plan.partition
         self.graph = _graph_model(plan)
         self.state = [_describe_slot(part, slot) for slot in part.slots]
-        values = [(p, tensor_of(p)) for p in part.placeholders]
-        self.weights_bytes = sum(_nbytes(v) for p, v in values if p in part.params and v is not None)
-        self.grads_bytes = sum(_nbytes(v) for p, v in values if p in part.params and v is not None and v.requires_grad)
+        params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
+        self.weights_bytes = sum(_nbytes(v) for v in params)
+        self.grads_bytes = sum(_nbytes(v) for v in params if v.requires_grad)
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size
         self.traced_response_len = part.end - max(plan.prefix_len, 0)
-        floats = [v for p, v in values if p in part.params and v is not None and v.is_floating_point()]
-        self.float_dtype = floats[0].dtype if floats else torch.float32
-        self.example_device = floats[0].device if floats else torch.device("cpu")
+        self.float_dtype = _float_dtype(part)
+        self.example_device = params[0].device if params else torch.device("cpu")
         self._activations: dict[tuple, int] = {}
+
+    @property
+    def traced_prompt_len(self) -> int:
+        """P of the traced example (its branches open with the last prompt token)."""
+        return self.traced_positions - self.traced_response_len + 1
 
     @property
     def state_bytes_per_position(self) -> int:
@@ -180,7 +183,7 @@ class ExplainReport:
         if budget is not None:
             fits = lambda p: sum(fixed) + sum(self._state(p, R, mode, chunk, scale)) + activations <= budget  # noqa: E731
             largest = _largest(fits)
-        simulated = (self.traced_positions - self.traced_response_len + 1, self.traced_group_size, self.traced_response_len)
+        simulated = (self.traced_prompt_len, self.traced_group_size, self.traced_response_len)
         return MemoryPlan(P, G, R, mode, min(chunk, max(P - 1, 1)), *parts, activations, budget, largest, simulated)
 
     def _state(self, P: int, R: int, mode: str, chunk: int, scale: float) -> tuple[int, int]:
@@ -197,8 +200,8 @@ class ExplainReport:
         if key not in self._activations:
             peak = simulate_step(self.group_plan, mode, chunk, device, dtype)
             scale = _scale(self.float_dtype, dtype)
-            P, R = self.traced_positions - self.traced_response_len + 1, self.traced_response_len
-            known = int((self.weights_bytes + self.grads_bytes) * scale) + sum(self._state(P, R, mode, chunk, scale))
+            state = self._state(self.traced_prompt_len, self.traced_response_len, mode, chunk, scale)
+            known = int((self.weights_bytes + self.grads_bytes) * scale) + sum(state)
             self._activations[key] = max(peak - known, 0)
         return self._activations[key]
 
@@ -336,10 +339,14 @@ def _graph_model(plan: GroupPlan) -> nx.DiGraph:
                    dtype=str(slot.dtype).removeprefix("torch."), source=source_line(slot.node),
                    detail=f"{size}; for {slot.reason}")
         g.add_edge(slot.node.name, state, state=True)
-        for claimed, sites in part.sites.items():
-            if any(site.slot == slot.index for site in sites):
-                g.add_edge(state, claimed.name, state=True)
+        for reader in _readers(part, slot):
+            g.add_edge(state, reader.name, state=True)
     return g
+
+
+def _readers(part, slot) -> list[fx.Node]:
+    """The claimed operators that read a state slot."""
+    return [claimed for claimed, sites in part.sites.items() if any(site.slot == slot.index for site in sites)]
 
 
 def _layer(node: fx.Node) -> str | None:
@@ -355,7 +362,7 @@ def _layer(node: fx.Node) -> str | None:
 
 
 def _describe_slot(part, slot) -> CapturedTensor:
-    reader = next((c for c, sites in part.sites.items() if any(s.slot == slot.index for s in sites)), slot.node)
+    reader = next(iter(_readers(part, slot)), slot.node)
     return CapturedTensor(
         index=slot.index, name=slot.node.name, kind=slot.kind, layer=module_path(reader), operator=op_name(reader),
         source=source_line(reader), dtype=slot.dtype, shape=tuple(slot.shape),
