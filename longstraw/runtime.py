@@ -24,13 +24,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import InputError, module_path
 from .nodes import ancestors, is_random
 from .options import Options
 from .partition import Partition
-from .state import PromptState, StepContext
+from .state import PromptState, StepContext, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -203,8 +202,8 @@ class GroupRunner:
         tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
                    if slot.kind == "sequence"]
         tensors += [(slot, c) for slot in self.part.slots if slot.kind == "carry" for c in state.carries[slot.index].values()]
-        if not tensors or tensors[0][1].device.type == "meta" or isinstance(tensors[0][1], FakeTensor):
-            return  # shape-only runs (meta models, `longstraw.explain`) have no values
+        if not tensors or not has_values(tensors[0][1]):
+            return
         finite = torch.stack([t.isfinite().all() for _, t in tensors])
         if bool(finite.all()):
             return

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,12 @@ class StepContext:
             return
         at = grads[slot]
         at[self.offset] = grad if self.offset not in at else at[self.offset] + grad
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """False on meta and fake tensors: shape-only runs (meta models,
+    `longstraw.explain`'s simulation), where value checks cannot run."""
+    return tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
 
 
 def write_state(ctx: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:

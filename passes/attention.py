@@ -17,10 +17,9 @@ import operator
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
-from longstraw.state import StepContext
+from longstraw.state import StepContext, has_values
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 
@@ -197,7 +196,7 @@ def _is_causal_block(mask: torch.Tensor, offset: int) -> bool:
     minimum elsewhere. Checked in row blocks, O(n * (o+n)) elementwise.
     Meta and fake tensors (shape-only runs: `longstraw.explain`) have no
     values; their mask is taken to be causal, as HF's is."""
-    if mask.device.type == "meta" or isinstance(mask, FakeTensor):
+    if not has_values(mask):
         return True
     if mask.dim() > 2 and any(s != 1 for s in mask.shape[:-2]):
         mask = mask.flatten(0, -3)
