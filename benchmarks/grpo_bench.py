@@ -23,10 +23,11 @@ PyTorch Gated DeltaNet (fla's backward does not run on this Triton).
 Parts (`--parts`), all in one process; every run is bounded by
 `--budget-s` so a command stays inside the 10-minute device limit:
 
-  sweep    per mode, P doubles from --p-min (or --start MODE:P) until it runs out of memory, would
-           exceed the time left, or reaches --p-max; then bisection between
-           the last success and the first failure. Every run's peak
-           allocated memory and step time are recorded (plot: peak vs P).
+  sweep    per mode (--sweep-modes, in that order), P doubles from --p-min
+           (or --start MODE:P) until it runs out of memory, would exceed
+           the time left, or reaches --p-max; then bisection between the
+           last success and the first failure. Every run's peak allocated
+           memory and step time are recorded (plot: peak vs P).
   gdelta   peak(G=8) - peak(G=2) at --p-gdelta for the longstraw modes.
   speed    warm step time of every mode at --p-speed (and MFU).
   parity   longstraw exact against eager (checkpointed, same math) at
@@ -359,14 +360,33 @@ class Clock:
         return self.end - time.perf_counter()
 
 
-def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
-    """Peak memory vs P and the largest P per mode: doubling, then bisection."""
-    out = {}
+# Seconds a mode's first sweep step needs before it is started: flex attention
+# compiles its kernels and block mask per prompt length (about 150 s on the H200).
+FIRST_STEP_S = {("dense", "eager_shared_prefix"): 180.0}
+MODE_RESERVE_S = 60.0  # kept back for each later mode of the sweep
+
+
+def next_step_seconds(runs: list[dict]) -> float:
+    """The step time at the next doubling of P, from the last two successes:
+    their ratio (attention makes it up to 4x), with a 20% margin."""
+    ok = [r for r in runs if r["ok"]]
+    if not ok:
+        return 0.0
+    last = ok[-1]["seconds"]
+    if len(ok) < 2 or ok[-2]["P"] * 2 != ok[-1]["P"]:
+        return 4 * last
+    return last * min(4.0, max(2.0, 1.2 * last / ok[-2]["seconds"]))
+
+
+def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel, out: dict, save: Callable[[], None]) -> dict:
+    """Peak memory vs P and the largest P per mode: doubling, then bisection.
+    Modes run in the order given; each may use the time left but
+    MODE_RESERVE_S for every later mode. `out` is filled and saved after every run."""
     vocab = model.config.vocab_size
     for i, mode in enumerate(modes):
-        # share the time left among the modes still to run
-        mode_clock = Clock(clock.left() / (len(modes) - i))
-        runs, last_ok, first_bad, last_seconds = [], None, None, 0.0
+        mode_clock = Clock(clock.left() - MODE_RESERVE_S * (len(modes) - i - 1))
+        runs, last_ok, first_bad = [], None, None
+        out[mode] = entry = {"runs": runs, "max_prompt_tokens": None, "first_failure": None, "limited_by": "time"}
         stop = "p_max"
         with Runner(model, kind, mode) as runner:
 
@@ -376,34 +396,38 @@ def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
                 if result["ok"]:
                     result["mfu"] = flops.step(mode, args.G, P, args.R) / result["seconds"] / PEAK_FLOPS
                 runs.append(result)
+                save()
                 print(f"  {kind} {mode:20} P={P:>8} {_describe(result)}", flush=True)
                 return result
 
             P = args.start.get(mode, args.p_min)
+            if mode_clock.left() < FIRST_STEP_S.get((kind, mode), 30.0):
+                print(f"  {kind} {mode:20} not run: {mode_clock.left():.0f}s left", flush=True)
+                continue
             while P <= args.p_max:
-                # attention makes a step up to 4x longer when P doubles
-                if last_seconds * 4 > mode_clock.left():
+                if next_step_seconds(runs) > mode_clock.left():
                     stop = "time"
                     break
                 result = attempt(P)
                 if not result["ok"]:
                     first_bad, stop = P, "oom" if result.get("oom") else "error"
                     break
-                last_ok, last_seconds = P, result["seconds"]
+                last_ok = P
                 P *= 2
             if last_ok is not None and first_bad is not None and stop == "oom":
                 lo, hi = last_ok, first_bad
-                while hi - lo > max(args.bisect_resolution, lo // 16) and last_seconds * 2 < mode_clock.left():
+                while hi - lo > max(args.bisect_resolution, lo // 16) and next_step_seconds(runs) < mode_clock.left():
                     mid = (lo + hi) // 2 // 1024 * 1024
                     result = attempt(mid)
                     if result["ok"]:
-                        lo, last_seconds = mid, result["seconds"]
+                        lo = mid
                     elif result.get("oom"):
                         hi = mid
                     else:
                         break
                 last_ok, first_bad = lo, hi
-        out[mode] = {"runs": runs, "max_prompt_tokens": last_ok, "first_failure": first_bad, "limited_by": stop}
+        entry.update(max_prompt_tokens=last_ok, first_failure=first_bad, limited_by=stop)
+        save()
     return out
 
 
@@ -817,6 +841,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("dense", "hybrid"), default="dense")
     parser.add_argument("--parts", default="kernels,parity,speed,capture,gdelta,sweep")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--sweep-modes", default=None, help="modes of the sweep (default: --modes)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--p-min", type=int, default=8192)
@@ -879,8 +904,8 @@ def main() -> None:
             elif part == "gdelta":
                 result["gdelta"] = gdelta(model, args.model, args, clock, result.get("sweep", {}))
             elif part == "sweep":
-                result["sweep"] = sweep(model, args.model, modes, args, clock, flops)
-                save()
+                sweep_modes = [m for m in args.sweep_modes.split(",") if m] if args.sweep_modes is not None else modes
+                sweep(model, args.model, sweep_modes, args, clock, flops, result.setdefault("sweep", {}), save)
                 if device.type == "cuda":
                     result["memory_floor"] = memory_floor(model, args.model, args, result["sweep"])
         save()

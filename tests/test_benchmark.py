@@ -4,6 +4,7 @@ and results of several commands merge into one summary."""
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -109,3 +110,32 @@ def test_merge_takes_each_mode_from_the_last_file_that_has_it():
     assert summary["peak_delta_g2_to_g8_gb"] == {"longstraw_exact": 0.01}
     assert summary["command"] == ["cmd a", "cmd b"]
     assert [s["modes"] for s in summary["sources"]] == [["eager", "eager_ckpt", "longstraw_exact"], ["longstraw_exact"]]
+
+
+def test_next_step_seconds_extrapolates_from_the_last_doubling():
+    run = lambda P, s, ok=True: {"ok": ok, "P": P, "seconds": s}  # noqa: E731
+    assert bench.next_step_seconds([]) == 0.0
+    assert bench.next_step_seconds([run(64, 2.0)]) == 8.0  # one point: attention's 4x
+    assert bench.next_step_seconds([run(64, 2.0), run(128, 6.0)]) == pytest.approx(21.6)  # 3x, 20% margin
+    assert bench.next_step_seconds([run(64, 1.0), run(128, 4.0)]) == 16.0  # capped at 4x
+    assert bench.next_step_seconds([run(64, 2.0), run(128, 2.2)]) == 4.4  # at least 2x
+    assert bench.next_step_seconds([run(64, 2.0), run(128, 5.0), run(256, 0, ok=False)]) == 15.0
+    assert bench.next_step_seconds([run(64, 2.0), run(96, 3.0)]) == 12.0  # not a doubling: 4x
+
+
+def test_sweep_saves_every_run_and_leaves_time_for_later_modes():
+    model = bench.build_model("dense", True, torch.float32, CPU)
+    args = argparse.Namespace(G=2, R=4, p_min=16, p_max=64, start={"longstraw_exact": 32}, bisect_resolution=8)
+    saved = []
+    out = {}
+    clock = bench.Clock(1e6)
+    bench.sweep(model, "dense", ["eager", "longstraw_exact"], args, clock, bench.FlopModel.of(model), out,
+                lambda: saved.append(sum(len(m["runs"]) for m in out.values())))
+    assert [r["P"] for r in out["eager"]["runs"]] == [16, 32, 64]
+    assert [r["P"] for r in out["longstraw_exact"]["runs"]] == [32, 64]
+    assert out["longstraw_exact"]["max_prompt_tokens"] == 64 and out["longstraw_exact"]["limited_by"] == "p_max"
+    assert saved[:5] == [1, 2, 3, 3, 4]  # after every run, and once per finished mode
+    # a clock too short for a first step runs nothing and says why
+    out = {}
+    bench.sweep(model, "dense", ["eager"], args, bench.Clock(1.0), bench.FlopModel.of(model), out, lambda: None)
+    assert out["eager"]["runs"] == [] and out["eager"]["limited_by"] == "time"
