@@ -139,3 +139,12 @@ def test_sweep_saves_every_run_and_leaves_time_for_later_modes():
     out = {}
     bench.sweep(model, "dense", ["eager"], args, bench.Clock(1.0), bench.FlopModel.of(model), out, lambda: None)
     assert out["eager"]["runs"] == [] and out["eager"]["limited_by"] == "time"
+
+
+def test_branch_by_branch_reference_is_the_eager_gradient():
+    model = bench.build_model("dense", True, torch.float64, CPU)
+    group = bench.make_group(3, 20, 5, model.config.vocab_size, CPU)
+    group.mask[1, 3:] = 0  # branches of different lengths weigh by their tokens
+    _, want = loss_and_grads(model, "dense", "eager", group)
+    got = bench.reference_grads(model, "dense", group)
+    assert bench.compare(got, want)["max_rel_l2"] < 1e-12
