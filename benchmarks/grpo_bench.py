@@ -32,14 +32,17 @@ Parts (`--parts`), all in one process; every run is bounded by
   speed    warm step time of every mode at --p-speed (and MFU).
   parity   longstraw exact against eager (checkpointed, same math) at
            --p-parity, float32 (relative L2) and bf16 (cosine).
-  kernels  flash block backward against the explicit-softmax kernel.
+  kernels  flash and cuDNN against the explicit-softmax kernel, and their
+           forward speed at a capture chunk.
+  capture  the compiled forward at --p-capture, flash and cuDNN attention.
   trace    what is live at the peak of a longstraw step (allocator trace).
   profile  where a longstraw step's time goes (torch.profiler), at --p-speed.
 
 MFU counts model FLOPs the mode's algorithm needs, without recomputation:
 2 per parameter-token in every linear (the LM head only on the kept
 positions), 4*H*D per visible key per query in attention, 4*H*Dk*Dv per
-token in Gated DeltaNet; backward is twice forward. Eager modes process G
+token in Gated DeltaNet; backward is twice forward. At prompt positions the
+last layer counts only what its state needs (its output feeds no kept logit). Eager modes process G
 copies of the prompt, shared-prefix and exact one, detached one without
 backward. Against 790 TFLOP/s (H200 dense bf16, see the device notes).
 
@@ -53,6 +56,7 @@ files into the plot and `summary.json` (on a machine with matplotlib):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -65,6 +69,7 @@ from collections.abc import Callable
 import torch
 import transformers
 from longstraw.models import qwen3_5
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import longstraw
 
@@ -309,14 +314,29 @@ def measure(runner: Runner, group: Group, repeats: int = 1, warmup: bool = False
 # FLOPs --------------------------------------------------------------------------
 
 
+# What the last layer must compute at a prompt position whose own output no
+# logit reads: the state later tokens need (K/V, or the recurrent state's inputs).
+LAST_LAYER_STATE_PARAMS = {
+    "full_attention": ("k_proj", "v_proj"),
+    "linear_attention": ("in_proj_qkv", "in_proj_a", "in_proj_b"),
+}
+
+
 @dataclasses.dataclass
 class FlopModel:
-    """Forward FLOPs per token and per (query, key) pair, from the config."""
+    """Forward FLOPs per token and per (query, key) pair, from the config.
+
+    Only the last R+1 logits are read, so at prompt positions the last
+    layer's output is dead: the prompt needs only its state (`prompt`).
+    LongStraw's capture computes exactly that; eager computes more, and MFU
+    counts the useful work of every mode alike."""
 
     linear_per_token: float  # all linears but the LM head, per token
     head_per_token: float
     attention_per_pair: float  # summed over full-attention layers
     recurrent_per_token: float  # Gated DeltaNet state update and readout
+    dead_per_token: float = 0.0  # last layer's work at a prompt position beyond its state
+    dead_per_pair: float = 0.0
 
     @classmethod
     def of(cls, model) -> FlopModel:
@@ -325,18 +345,23 @@ class FlopModel:
         embed = model.get_input_embeddings().weight.numel()
         linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2) - head - (0 if cfg.tie_word_embeddings else embed)
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        pair = 4 * cfg.num_attention_heads * cfg.head_dim
+        recurrent = 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim if "linear_attention" in types else 0
         full = sum(t == "full_attention" for t in types)
-        linear_layers = len(types) - full
-        recurrent = 0.0
-        if linear_layers:
-            recurrent = linear_layers * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-        return cls(2 * linear, 2 * head, full * 4 * cfg.num_attention_heads * cfg.head_dim, recurrent)
+        kept = LAST_LAYER_STATE_PARAMS[types[-1]]
+        dead_linear = sum(p.numel() for n, p in model.model.layers[-1].named_parameters()
+                          if p.dim() == 2 and not any(k in n for k in kept))
+        last_full = types[-1] == "full_attention"
+        # a last linear-attention layer still updates its state (half of `recurrent`); its readout is dead
+        return cls(2 * linear, 2 * head, full * pair, (len(types) - full) * recurrent,
+                   dead_per_token=2 * dead_linear + (0 if last_full else recurrent / 2), dead_per_pair=pair if last_full else 0)
 
     def forward(self, tokens: int, pairs: float, head_tokens: int) -> float:
         return (self.linear_per_token + self.recurrent_per_token) * tokens + self.attention_per_pair * pairs + self.head_per_token * head_tokens
 
     def prompt(self, P: int) -> float:
-        return self.forward(P, P * (P + 1) / 2, 0)
+        pairs = P * (P + 1) / 2
+        return self.forward(P, pairs, 0) - self.dead_per_token * P - self.dead_per_pair * pairs
 
     def branches(self, G: int, P: int, R: int) -> float:
         return self.forward(G * R, G * (R * P + R * (R + 1) / 2), G * R)
@@ -473,26 +498,38 @@ def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
 
 
 def capture_mfu(model, kind, args, clock: Clock, flops: FlopModel) -> dict:
-    """Prompt capture: the compiled loss's forward (capture + G branch
-    forwards, so a lower bound on the capture's MFU) at --p-capture."""
+    """The compiled loss's forward at --p-capture (prompt capture plus the G
+    branch forwards, both counted), once per attention kernel: the default
+    (flash) and cuDNN, chosen as users choose it, through PyTorch's SDPA switch."""
     vocab = model.config.vocab_size
     group = make_group(args.G, args.p_capture, args.R, vocab, model.device)
-    with Runner(model, kind, "longstraw_detached") as runner:
-        try:
-            runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
-            release(model)
-            sync()
-            t0 = time.perf_counter()
-            runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # no backward
-            sync()
-            seconds = time.perf_counter() - t0
-        except Exception as error:  # noqa: BLE001
-            return {"P": args.p_capture, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-        finally:
-            release(model)
-    mfu = flops.prompt(args.p_capture) / seconds / PEAK_FLOPS
-    print(f"  {kind} capture P={args.p_capture} {seconds:.2f}s MFU {mfu:.1%}", flush=True)
-    return {"P": args.p_capture, "forward_seconds": seconds, "prompt_flops": flops.prompt(args.p_capture), "mfu": mfu}
+    work = flops.prompt(args.p_capture) + flops.branches(args.G, args.p_capture, args.R)
+    out = {"P": args.p_capture, "forward_flops": work, "kernels": {}}
+    for kernel, backends in (("flash", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION])):
+        if clock.left() < 60:
+            break
+        with Runner(model, kind, "longstraw_detached") as runner:
+            try:
+                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
+                release(model)
+                sync()
+                t0 = time.perf_counter()
+                # the switch is read when the steps run (tracing under it would plan SDPA for cuDNN alone)
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                    runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # no backward
+                sync()
+                seconds = time.perf_counter() - t0
+                out["kernels"][kernel] = {"forward_seconds": seconds, "mfu": work / seconds / PEAK_FLOPS}
+            except Exception as error:  # noqa: BLE001
+                out["kernels"][kernel] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            finally:
+                release(model)
+        print(f"  {kind} capture P={args.p_capture} {kernel}: {out['kernels'][kernel]}", flush=True)
+    done = {k: v for k, v in out["kernels"].items() if "mfu" in v}
+    if done:
+        best = max(done, key=lambda k: done[k]["mfu"])
+        out.update(kernel=best, **done[best])
+    return out
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
@@ -544,8 +581,10 @@ def parity(kind, args, device) -> dict:
 
 
 def kernels(device) -> dict:
-    """The flash path of the attention step against the explicit-softmax
-    kernel: forward, and the block-wise backward assembled as the step does."""
+    """The attention step's fused kernels (flash, cuDNN forward) against the
+    explicit-softmax kernel: forward, and the block-wise backward assembled
+    as the step does; then each fused forward's speed at a capture chunk
+    (8192 queries after 253,952 keys, Qwen3-8B heads)."""
     from longstraw.passes import attention
 
     gen = torch.Generator().manual_seed(0)
@@ -554,24 +593,47 @@ def kernels(device) -> dict:
     keys = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
     values = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
     grad_out = torch.randn(1, hq, n, d, generator=gen).to(device, torch.bfloat16)
-    out = {}
-    results = {}
-    for name, kernel in (("flash", attention._FLASH), ("math", attention._MATH)):
-        y, lse = kernel.forward(q, keys, values, None, None, o)
-        gq = torch.zeros(q.shape, dtype=torch.float32, device=device)
-        gk = torch.zeros(keys.shape, dtype=torch.float32, device=device)
-        gv = torch.zeros(values.shape, dtype=torch.float32, device=device)
-        for start, length in kernel.blocks(q, o):
-            a, b, c = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length), y, lse, None, None, o, start)
-            gq += a.float()
-            gk.narrow(-2, start, length).add_(b.float())
-            gv.narrow(-2, start, length).add_(c.float())
-        results[name] = (y.float(), lse.float(), gq, gk, gv)
-    for i, what in enumerate(("out", "lse", "grad_q", "grad_k", "grad_v")):
-        f, m = results["flash"][i], results["math"][i]
-        out[what] = {"rel_l2": ((f - m).norm() / m.norm()).item(),
-                     "cosine": torch.nn.functional.cosine_similarity(f.flatten(), m.flatten(), dim=0).item()}
-    print(f"  kernels flash vs math: {out}", flush=True)
+    fused = {"flash": attention._FLASH, "cudnn": attention._CUDNN}
+    results, out = {}, {}
+    for name, kernel in (*fused.items(), ("math", attention._MATH)):
+        try:
+            y, lse = kernel.forward(q, keys, values, None, None, o)
+            gq = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            gk = torch.zeros(keys.shape, dtype=torch.float32, device=device)
+            gv = torch.zeros(values.shape, dtype=torch.float32, device=device)
+            for start, length in kernel.blocks(q, o):
+                a, b, c = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length), y, lse, None, None, o, start)
+                gq += a.float()
+                gk.narrow(-2, start, length).add_(b.float())
+                gv.narrow(-2, start, length).add_(c.float())
+            results[name] = (y.float(), lse.float(), gq, gk, gv)
+        except Exception as error:  # noqa: BLE001
+            out[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    for name in fused:
+        if name not in results:
+            continue
+        out[name] = {}
+        for i, what in enumerate(("out", "lse", "grad_q", "grad_k", "grad_v")):
+            f, m = results[name][i], results["math"][i]
+            out[name][what] = {"rel_l2": ((f - m).norm() / m.norm()).item(),
+                               "cosine": torch.nn.functional.cosine_similarity(f.flatten(), m.flatten(), dim=0).item()}
+    del q, keys, values, grad_out, results
+    n, o = 8192, 262144 - 8192
+    q = torch.randn(1, hq, n, d, device=device, dtype=torch.bfloat16)
+    keys, values = (torch.randn(1, hkv, o + n, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    work = 4 * hq * d * (n * o + n * (n + 1) / 2)
+    for name, kernel in fused.items():
+        if "error" in out.get(name, {}):
+            continue
+        kernel.forward(q, keys, values, None, None, o)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            kernel.forward(q, keys, values, None, None, o)
+        sync()
+        seconds = (time.perf_counter() - t0) / 5
+        out[name]["capture_chunk_forward"] = {"seconds": seconds, "tflops": work / seconds / 1e12, "mfu": work / seconds / PEAK_FLOPS}
+    print(f"  kernels against math: {json.dumps(out)}", flush=True)
     return out
 
 
@@ -767,6 +829,8 @@ def summarize(result: dict) -> dict:
     if "capture" in result:
         summary["prefix_capture_mfu"] = result["capture"].get("mfu")
         summary["prefix_capture_at_p"] = result["capture"].get("P")
+        summary["prefix_capture_kernel"] = result["capture"].get("kernel", "flash")
+        summary["prefix_capture_mfu_by_kernel"] = {k: v.get("mfu") for k, v in result["capture"].get("kernels", {}).items()}
     floor = result.get("memory_floor", {}).get("runs", [])
     if floor:
         summary["peak_over_floor"] = {
@@ -831,6 +895,28 @@ def merge(results: list[dict]) -> dict:
     return merged
 
 
+def rescore(result: dict, kind: str) -> dict:
+    """MFU of every timed entry from the current FLOP model (files measured
+    earlier may carry an older count)."""
+    flops = FlopModel.of(build_model(kind, False, torch.bfloat16, torch.device("meta")))
+    G, R = result["G"], result["R"]
+    for mode, entry in result.get("sweep", {}).items():
+        for run in entry["runs"]:
+            if run.get("ok"):
+                run["mfu"] = flops.step(mode, run["G"], run["P"], run["R"]) / run["seconds"] / PEAK_FLOPS
+    for mode, run in result.get("speed", {}).items():
+        if run.get("ok"):
+            run["mfu"] = flops.step(mode, G, result["p_speed"], R) / run["seconds"] / PEAK_FLOPS
+    capture = result.get("capture", {})
+    if "P" in capture:
+        work = flops.prompt(capture["P"]) + flops.branches(G, capture["P"], R)
+        capture["forward_flops"] = work
+        for entry in [capture, *capture.get("kernels", {}).values()]:
+            if "forward_seconds" in entry:
+                entry["mfu"] = work / entry["forward_seconds"] / PEAK_FLOPS
+    return result
+
+
 def report(paths: list[str], out_dir: str) -> None:
     """The plot and summary.json from result files (run where matplotlib is).
     Files of the same model are merged in the order given."""
@@ -839,7 +925,7 @@ def report(paths: list[str], out_dir: str) -> None:
         with open(path) as f:
             result = json.load(f)
         by_model.setdefault(result["model"], []).append(result)
-    results = {kind: merge(files) for kind, files in by_model.items()}
+    results = {kind: rescore(merge(files), kind) for kind, files in by_model.items()}
     plot(results, os.path.join(out_dir, "grpo_bench_peak_memory.png"))
     summary = {kind: summarize(r) for kind, r in results.items()}
     with open(os.path.join(out_dir, "summary.json"), "w") as f:

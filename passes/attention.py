@@ -307,6 +307,31 @@ class _FlashKernel(_AttentionKernel):
         return [(q_start, q.shape[-2]), *_split(0, q_start, FLASH_KEY_BLOCK)]
 
 
+class _CudnnKernel(_FlashKernel):
+    """cuDNN's fused attention for the forward (Hopper: faster than flash
+    at prompt-capture shapes), flash's block backward. cuDNN takes grouped
+    K/V natively but only top-left causal alignment, so the step's own
+    positions (one causal square) and the keys before them are two calls
+    merged by their log-sum-exp."""
+
+    def forward(self, q, keys, values, mask, scale, q_start):
+        n = q.shape[-2]
+        own = self._call(q, keys.narrow(-2, q_start, n), values.narrow(-2, q_start, n), True, scale)
+        if q_start == 0:
+            return own
+        (out_a, lse_a), (out_b, lse_b) = own, self._call(q, keys.narrow(-2, 0, q_start), values.narrow(-2, 0, q_start), False, scale)
+        compute = _compute_dtype(q)
+        lse_a, lse_b = lse_a.to(compute), lse_b.to(compute)
+        lse = torch.logaddexp(lse_a, lse_b)
+        out = out_a.to(compute) * torch.exp(lse_a - lse)[..., None] + out_b.to(compute) * torch.exp(lse_b - lse)[..., None]
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def _call(q, keys, values, causal, scale):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.reshape(q.shape[:-1])
+
+
 class _MathKernel(_AttentionKernel):
     """Explicit softmax over key blocks, in at least float32 (float64 stays
     float64): every device, dtype and mask. It materialises one
@@ -349,13 +374,19 @@ class _MathKernel(_AttentionKernel):
 
 FLASH_KEY_BLOCK = 65536
 MATH_BLOCK_SCORES = 1 << 24
-_FLASH, _MATH = _FlashKernel(), _MathKernel()
+_FLASH, _CUDNN, _MATH = _FlashKernel(), _CudnnKernel(), _MathKernel()
 
 
 def _kernel_for(q: torch.Tensor, mask: torch.Tensor | None) -> _AttentionKernel:
+    """Flash where it applies, unless the caller turned PyTorch's flash SDPA
+    off and left cuDNN on (`sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`);
+    explicit softmax otherwise. Read at run time, so the switch can be
+    set around the compiled call."""
     head_dim = q.shape[-1]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
-        return _FLASH
+        if torch.backends.cuda.flash_sdp_enabled() or not torch.backends.cuda.cudnn_sdp_enabled():
+            return _FLASH
+        return _CUDNN
     return _MATH
 
 

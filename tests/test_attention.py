@@ -104,3 +104,29 @@ def test_mask_check_is_remembered_per_step():
     assert ctx.remember("causal", block, check(block)) is True
     assert ctx.remember("causal", other, check(other)) is False
     assert len(calls) == 2
+
+
+def test_cudnn_forward_merges_its_two_calls(monkeypatch):
+    """cuDNN runs the step's own causal square and the keys before it as two
+    calls; their log-sum-exp merge must equal attention over all keys. The
+    cuDNN call is stood in for by the explicit-softmax kernel on the CPU."""
+
+    def call(q, keys, values, causal, scale):  # top-left causal, as cuDNN aligns it
+        group = q.shape[1] // keys.shape[1]
+        k, v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        return s.softmax(-1) @ v, s.logsumexp(-1)
+
+    monkeypatch.setattr(attention._CudnnKernel, "_call", staticmethod(call))
+    gen = torch.Generator().manual_seed(0)
+    n, o = 5, 9
+    q = torch.randn(1, 4, n, 8, generator=gen, dtype=torch.float64)
+    keys, values = (torch.randn(1, 2, o + n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    for start in (0, o):
+        k, v = keys[..., : start + n, :], values[..., : start + n, :]
+        out, lse = attention._CUDNN.forward(q, k, v, None, None, start)
+        want_out, want_lse = attention._MATH.forward(q, k, v, None, None, start)
+        torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)

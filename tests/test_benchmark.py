@@ -72,6 +72,24 @@ def test_flop_model_matches_flop_counter():
     assert flops.forward(P, P * P, 1) == counter.get_total_flops()
 
 
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_prompt_flops_leave_out_the_last_layers_dead_output(kind):
+    """The last layer's work at prompt positions beyond its K/V, from
+    FlopCounterMode's per-module counts, is what `prompt` leaves out."""
+    model = bench.build_model(kind, True, torch.float32, CPU)
+    P = 40
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(input_ids=torch.randint(0, model.config.vocab_size, (1, P)), logits_to_keep=1)
+    counts = {name: sum(c.values()) for name, c in counter.get_flop_counts().items()}
+    last = f"{type(model).__name__}.model.layers.{len(model.model.layers) - 1}"
+    dead = counts[f"{last}.mlp"] + counts[f"{last}.self_attn"] - counts[f"{last}.self_attn.k_proj"] - counts[f"{last}.self_attn.v_proj"]
+    flops = bench.FlopModel.of(model)
+    # the counter sees SDPA's full P x P scores
+    assert flops.dead_per_token * P + flops.dead_per_pair * P * P == dead
+    assert flops.prompt(P) == flops.forward(P, P * (P + 1) / 2, 0) - flops.dead_per_token * P - flops.dead_per_pair * P * (P + 1) / 2
+
+
 def test_step_flops_count_the_prompt_as_each_mode_does():
     flops = bench.FlopModel(linear_per_token=10, head_per_token=3, attention_per_pair=2, recurrent_per_token=0)
     G, P, R = 4, 100, 10
