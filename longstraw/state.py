@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -97,15 +98,16 @@ class StepContext:
     offset: int
     length: int
     grad_enabled: bool
-    memo: dict[tuple, tuple[object, Any]] = dataclasses.field(default_factory=dict)
-    """Per-step results passes compute once for all layers (keyed by what
-    they are about; the value keeps that object alive, so ids stay unique)."""
+    memo: dict[tuple, tuple[weakref.ref, Any]] = dataclasses.field(default_factory=dict)
+    """Per-step results passes compute once for all layers, keyed by what
+    they are about. A weak reference tells a reused id from the original
+    without keeping the object (a mask block of gigabytes) alive."""
 
     def remember(self, key: str, about: object, compute: Callable[[], Any]) -> Any:
         """`compute()` once per step for `about` (e.g. a mask block every layer reads)."""
         entry = self.memo.get((key, id(about)))
-        if entry is None:
-            entry = self.memo[(key, id(about))] = (about, compute())
+        if entry is None or entry[0]() is not about:
+            entry = self.memo[(key, id(about))] = (weakref.ref(about), compute())
         return entry[1]
 
     # sequence slots

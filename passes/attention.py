@@ -311,19 +311,24 @@ class _CudnnKernel(_FlashKernel):
     """cuDNN's fused attention for the forward (Hopper: faster than flash
     at prompt-capture shapes), flash's block backward. cuDNN takes grouped
     K/V natively but only top-left causal alignment, so the step's own
-    positions (one causal square) and the keys before them are two calls
-    merged by their log-sum-exp."""
+    positions (one causal square) and the keys before them, in blocks of
+    FLASH_KEY_BLOCK, are separate calls merged by their log-sum-exp. Fixed
+    block lengths let cuDNN reuse its execution plans from chunk to chunk
+    (each new shape builds one)."""
 
     def forward(self, q, keys, values, mask, scale, q_start):
-        n = q.shape[-2]
-        own = self._call(q, keys.narrow(-2, q_start, n), values.narrow(-2, q_start, n), True, scale)
-        if q_start == 0:
-            return own
-        (out_a, lse_a), (out_b, lse_b) = own, self._call(q, keys.narrow(-2, 0, q_start), values.narrow(-2, 0, q_start), False, scale)
+        out, lse = None, None
         compute = _compute_dtype(q)
-        lse_a, lse_b = lse_a.to(compute), lse_b.to(compute)
-        lse = torch.logaddexp(lse_a, lse_b)
-        out = out_a.to(compute) * torch.exp(lse_a - lse)[..., None] + out_b.to(compute) * torch.exp(lse_b - lse)[..., None]
+        for start, length in self.blocks(q, q_start):
+            own = start == q_start
+            o, s = self._call(q, keys.narrow(-2, start, length), values.narrow(-2, start, length), own, scale)
+            o, s = o.to(compute), s.to(compute)
+            if out is None:
+                out, lse = o, s
+                continue
+            new = torch.logaddexp(lse, s)
+            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(s - new)[..., None]
+            lse = new
         return out.to(q.dtype), lse
 
     @staticmethod

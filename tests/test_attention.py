@@ -7,6 +7,8 @@ kernel alone against SDPA's autograd and end to end against eager.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,11 +106,15 @@ def test_mask_check_is_remembered_per_step():
     assert ctx.remember("causal", block, check(block)) is True
     assert ctx.remember("causal", other, check(other)) is False
     assert len(calls) == 2
+    # the memo does not keep a block alive (a mask block is gigabytes at long prompts)
+    alive = weakref.ref(other)
+    del other, calls[:]
+    assert alive() is None
 
 
-def test_cudnn_forward_merges_its_two_calls(monkeypatch):
-    """cuDNN runs the step's own causal square and the keys before it as two
-    calls; their log-sum-exp merge must equal attention over all keys. The
+def test_cudnn_forward_merges_its_calls(monkeypatch):
+    """cuDNN runs the step's own causal square and the blocks of keys before it
+    as separate calls; their log-sum-exp merge must equal attention over all keys. The
     cuDNN call is stood in for by the explicit-softmax kernel on the CPU."""
 
     def call(q, keys, values, causal, scale):  # top-left causal, as cuDNN aligns it
@@ -120,6 +126,7 @@ def test_cudnn_forward_merges_its_two_calls(monkeypatch):
         return s.softmax(-1) @ v, s.logsumexp(-1)
 
     monkeypatch.setattr(attention._CudnnKernel, "_call", staticmethod(call))
+    monkeypatch.setattr(attention, "FLASH_KEY_BLOCK", 4)  # earlier keys in three blocks
     gen = torch.Generator().manual_seed(0)
     n, o = 5, 9
     q = torch.randn(1, 4, n, 8, generator=gen, dtype=torch.float64)
