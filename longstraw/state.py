@@ -140,10 +140,12 @@ class StepContext:
         return self.state.carries[slot][min(self.offset, self.state.prefix_len)]
 
     def carry_out(self, slot: int, value: torch.Tensor) -> None:
-        """Keep the carry at the end of a prompt chunk; branches keep nothing."""
+        """Keep the carry at the end of a prompt chunk; branches keep nothing.
+        A copy: the carry is often a slice of a chunk-sized tensor (a conv
+        tail), and a view would keep that whole storage alive per chunk."""
         end = self.offset + self.length
         if end <= self.state.prefix_len:
-            self.state.carries[slot][end] = value.detach()
+            self.state.carries[slot][end] = value.detach().clone()
 
     def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
         grads = self.state.carry_grads

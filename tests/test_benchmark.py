@@ -130,6 +130,14 @@ def test_merge_takes_each_mode_from_the_last_file_that_has_it():
     assert [s["modes"] for s in summary["sources"]] == [["eager", "eager_ckpt", "longstraw_exact"], ["longstraw_exact"]]
 
 
+def test_merge_takes_memory_floor_runs_per_mode():
+    floor = lambda *runs: {"weights_gb": 1.0, "runs": [{"mode": m, "P": P, "over_floor": x} for m, P, x in runs]}  # noqa: E731
+    first = _result("cmd a", {}, {}, memory_floor=floor(("longstraw_detached", 64, -0.05), ("longstraw_exact", 64, 0.3)))
+    second = _result("cmd b", {}, {}, memory_floor=floor(("longstraw_exact", 128, -0.2)))
+    runs = bench.merge([first, second])["memory_floor"]["runs"]
+    assert [(r["mode"], r["P"]) for r in runs] == [("longstraw_detached", 64), ("longstraw_exact", 128)]
+
+
 def test_next_step_seconds_extrapolates_from_the_last_doubling():
     run = lambda P, s, ok=True: {"ok": ok, "P": P, "seconds": s}  # noqa: E731
     assert bench.next_step_seconds([]) == 0.0
