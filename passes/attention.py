@@ -383,15 +383,16 @@ _FLASH, _CUDNN, _MATH = _FlashKernel(), _CudnnKernel(), _MathKernel()
 
 
 def _kernel_for(q: torch.Tensor, mask: torch.Tensor | None) -> _AttentionKernel:
-    """Flash where it applies, unless the caller turned PyTorch's flash SDPA
-    off and left cuDNN on (`sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`);
-    explicit softmax otherwise. Read at run time, so the switch can be
-    set around the compiled call."""
+    """Where a fused kernel applies, the first of flash and cuDNN that
+    PyTorch's SDPA switches leave on (`sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`
+    selects cuDNN); the explicit softmax otherwise. Read when the step runs,
+    so the switches can be set around the compiled call."""
     head_dim = q.shape[-1]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
-        if torch.backends.cuda.flash_sdp_enabled() or not torch.backends.cuda.cudnn_sdp_enabled():
+        if torch.backends.cuda.flash_sdp_enabled():
             return _FLASH
-        return _CUDNN
+        if torch.backends.cuda.cudnn_sdp_enabled():
+            return _CUDNN
     return _MATH
 
 

@@ -75,6 +75,28 @@ def test_flash_is_chosen_only_where_it_applies():
     assert attention._kernel_for(q.to(torch.float64), None) is attention._MATH
 
 
+def test_kernel_follows_pytorchs_sdpa_switches():
+    """On CUDA half precision: flash, else cuDNN, whichever PyTorch's switches
+    leave on first; the explicit softmax with a mask, in float32, or with
+    both fused kernels off. Fake CUDA tensors need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 3, 64, dtype=torch.bfloat16, device="cuda")
+        mask = torch.ones(3, 3, dtype=torch.bool, device="cuda")
+        q32 = q.float()
+    assert attention._kernel_for(q, None) is attention._FLASH
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        assert attention._kernel_for(q, None) is attention._CUDNN
+        assert attention._kernel_for(q, mask) is attention._MATH
+        assert attention._kernel_for(q32, None) is attention._MATH
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        assert attention._kernel_for(q, None) is attention._FLASH
+    with sdpa_kernel(SDPBackend.MATH):
+        assert attention._kernel_for(q, None) is attention._MATH
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 def test_causal_block_is_recognised(dtype, monkeypatch):
     monkeypatch.setattr(attention, "CAUSAL_CHECK_ROWS", 2)
