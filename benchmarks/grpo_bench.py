@@ -793,14 +793,15 @@ def plot(results: dict, path: str) -> None:
     models = [m for m in results if "sweep" in results[m]]
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
     for ax, kind in zip(axes[0], models):
-        for mode, data in results[kind]["sweep"].items():
+        for mode, data in sorted(results[kind]["sweep"].items(), key=lambda item: MODES.index(item[0])):
             ok = [r for r in data["runs"] if r["ok"]]
             warm = results[kind].get("speed", {}).get(mode, {})
             if warm.get("ok") and all(r["P"] != results[kind]["p_speed"] for r in ok):
                 ok.append({**warm, "P": results[kind]["p_speed"]})
             if ok:
                 ok.sort(key=lambda r: r["P"])
-                ax.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=mode)
+                color = f"C{MODES.index(mode)}"  # one colour per mode in every panel
+                ax.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=mode, color=color)
         ax.axhline(141, color="gray", linestyle=":", label="H200 (141 GB)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
