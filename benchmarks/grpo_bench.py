@@ -366,6 +366,10 @@ class FlopModel:
     def branches(self, G: int, P: int, R: int) -> float:
         return self.forward(G * R, G * (R * P + R * (R + 1) / 2), G * R)
 
+    def compiled_forward(self, G: int, P: int, R: int) -> float:
+        """The compiled loss's forward: prompt capture plus the G branch forwards."""
+        return self.prompt(P) + self.branches(G, P, R)
+
     def step(self, mode: str, G: int, P: int, R: int) -> float:
         if mode in ("eager", "eager_ckpt"):
             return 3 * (G * self.prompt(P) + self.branches(G, P, R))
@@ -503,23 +507,26 @@ def capture_mfu(model, kind, args, clock: Clock, flops: FlopModel) -> dict:
     (flash) and cuDNN, chosen as users choose it, through PyTorch's SDPA switch."""
     vocab = model.config.vocab_size
     group = make_group(args.G, args.p_capture, args.R, vocab, model.device)
-    work = flops.prompt(args.p_capture) + flops.branches(args.G, args.p_capture, args.R)
+    work = flops.compiled_forward(args.G, args.p_capture, args.R)
     out = {"P": args.p_capture, "forward_flops": work, "kernels": {}}
     for kernel, backends in (("flash", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION])):
         if clock.left() < 60:
             break
         with Runner(model, kind, "longstraw_detached") as runner:
+
+            def forward(runner=runner):  # no backward
+                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)
+
             try:
-                runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # plan
+                forward()  # plan
                 release(model)
                 # the switch is read when the steps run (tracing under it would plan SDPA for cuDNN alone)
                 with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-                    # untimed: cuDNN builds an execution plan per new shape on first use
-                    runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)
+                    forward()  # untimed: cuDNN builds an execution plan per new shape on first use
                     release(model)
                     sync()
                     t0 = time.perf_counter()
-                    runner.compiled(model, group.input_ids, group.advantages, group.mask, args.R)  # no backward
+                    forward()
                     sync()
                     seconds = time.perf_counter() - t0
                 out["kernels"][kernel] = {"forward_seconds": seconds, "mfu": work / seconds / PEAK_FLOPS}
@@ -922,7 +929,7 @@ def rescore(result: dict, kind: str) -> dict:
             run["mfu"] = flops.step(mode, G, result["p_speed"], R) / run["seconds"] / PEAK_FLOPS
     capture = result.get("capture", {})
     if "P" in capture:
-        work = flops.prompt(capture["P"]) + flops.branches(G, capture["P"], R)
+        work = flops.compiled_forward(G, capture["P"], R)
         capture["forward_flops"] = work
         for entry in [capture, *capture.get("kernels", {}).values()]:
             if "forward_seconds" in entry:
