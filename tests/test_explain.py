@@ -92,14 +92,16 @@ def test_memory_plan_adds_up_and_finds_the_largest_prompt():
 
 
 H200_RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-# the dense slice's detached sweep (3386505) and exact sweep (7c3cf1f, after the mask-block fix)
+# the dense slice's detached sweep (3386505) and exact sweep (7c3cf1f, after the mask-memo fix)
 H200_DENSE = {"longstraw_detached": "grpo_bench_dense_b_h200.json", "longstraw_exact": "grpo_bench_dense_c_h200.json"}
 # the explicit causal mask block HF builds when traced on CUDA (chunk x P, bool) is
 # not in the memory model: 8.6 GB of 35 GB at P = 1M, so that point is off by 16%
 MASK_BLOCK_DOMINATES = 1 << 20
 
 
-def _dense_h200_predictions():
+@pytest.fixture(scope="module")
+def dense_h200_predictions() -> list[tuple[str, dict, object]]:
+    """(mode, measured run, plan) for every successful H200 run; one explain for both tests."""
     sys.path.insert(0, str(H200_RESULTS.parents[1] / "benchmarks"))
     import grpo_bench as bench
 
@@ -109,19 +111,21 @@ def _dense_h200_predictions():
     R = 1024
     group = bench.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
     report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
+    predictions = []
     for mode, name in H200_DENSE.items():
         measured = json.loads((H200_RESULTS / name).read_text())
         for run in (r for r in measured["sweep"][mode]["runs"] if r["ok"]):
             plan = report.plan(P=run["P"], G=run["G"], prompt_grad=mode.removeprefix("longstraw_"), device="cuda")
-            yield mode, run, plan
+            predictions.append((mode, run, plan))
+    return predictions
 
 
-def test_predicted_peak_matches_the_h200_measurements():
+def test_predicted_peak_matches_the_h200_measurements(dense_h200_predictions):
     """The benchmark's 4-layer Qwen3-8B-shaped slice, traced on the meta
     device (no weights, no GPU), predicts the peaks the H200 measured for
     it within 10%, up to P = 512K."""
     checked = 0
-    for mode, run, plan in _dense_h200_predictions():
+    for mode, run, plan in dense_h200_predictions:
         if run["P"] >= MASK_BLOCK_DOMINATES:
             continue
         assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], (mode, run["P"], plan.table())
@@ -130,8 +134,8 @@ def test_predicted_peak_matches_the_h200_measurements():
 
 
 @pytest.mark.xfail(strict=True, reason="the explicit mask block (chunk x P bool) is not in the memory model")
-def test_predicted_peak_at_one_million_positions():
-    runs = [(run, plan) for _, run, plan in _dense_h200_predictions() if run["P"] >= MASK_BLOCK_DOMINATES]
+def test_predicted_peak_at_one_million_positions(dense_h200_predictions):
+    runs = [(run, plan) for _, run, plan in dense_h200_predictions if run["P"] >= MASK_BLOCK_DOMINATES]
     assert runs
     for run, plan in runs:
         assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], plan.table()
