@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -98,17 +96,6 @@ class StepContext:
     offset: int
     length: int
     grad_enabled: bool
-    memo: dict[tuple, tuple[weakref.ref, Any]] = dataclasses.field(default_factory=dict)
-    """Per-step results passes compute once for all layers, keyed by what
-    they are about. A weak reference tells a reused id from the original
-    without keeping the object (a mask block of gigabytes) alive."""
-
-    def remember(self, key: str, about: object, compute: Callable[[], Any]) -> Any:
-        """`compute()` once per step for `about` (e.g. a mask block every layer reads)."""
-        entry = self.memo.get((key, id(about)))
-        if entry is None or entry[0]() is not about:
-            entry = self.memo[(key, id(about))] = (weakref.ref(about), compute())
-        return entry[1]
 
     # sequence slots
 

@@ -27,6 +27,7 @@ import torch.fx as fx
 from .errors import UnsupportedGraphError, describe_node
 from .nodes import arg, is_grad_mode_switch, mutated_input, op_name, size_args, tensor_of
 from .dims import DimAnalysis
+from .mask import MaskTiles
 from .partition import Partition
 from .state import write_state
 
@@ -93,9 +94,9 @@ class _GradMode:
         self.sync()
 
 
-def _module(graph: fx.Graph, name: str) -> fx.GraphModule:
+def _module(graph: fx.Graph, name: str, root: torch.nn.Module | None = None) -> fx.GraphModule:
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, class_name=name)
+    return fx.GraphModule(torch.nn.Module() if root is None else root, graph, class_name=name)
 
 
 def build_outer(part: Partition) -> StepGraph:
@@ -177,6 +178,7 @@ class _StepBuilder:
         self.part = part
         self.kind = kind
         self.graph = fx.Graph()
+        self.root = torch.nn.Module()  # holds the mask tile graphs the step calls
         self.env: dict[fx.Node, Any] = {}
         self.blocks: dict[fx.Node, fx.Node] = {}
         self.carries: dict[int, fx.Node] = {}
@@ -353,15 +355,17 @@ class _StepBuilder:
     # attention masks and other query x key blocks --------------------------
 
     def query_key_block(self, node: fx.Node) -> fx.Node:
-        """Emit `node` (an attention mask `[..., L, L]` computed from positions
-        only) for the step's rows `[o, o+n)` and the visible columns `[0, o+n)`.
+        """Emit a `MaskBlock` of `node` (an attention mask `[..., L, L]`
+        computed from positions only) for the step's rows `[o, o+n)` and the
+        visible columns `[0, o+n)`.
 
         The subgraph is copied as a tree, so a position tensor used for both
         rows and columns gets one copy per role, and dimension propagation on
         the tree tells rows from columns. Nodes over rows or columns alone
-        (position vectors, even a cumsum over them) are computed in full, as
-        traced, which costs O(L); nodes over both are computed for the block
-        only, from the vectors narrowed to the block's rows and columns."""
+        (position vectors, even a cumsum over them) are computed in the step
+        in full, as traced, which costs O(L). Nodes over both go to a tile
+        graph (`MaskTiles`) that computes any rows x columns tile from those
+        vectors narrowed to it, so no step materialises its n x (o+n) block."""
         if node in self.blocks:
             return self.blocks[node]
         part = self.part
@@ -372,41 +376,47 @@ class _StepBuilder:
         col_cls = an.find(an.dims_of(root)[rank - 1][0])
         if row_cls == col_cls:
             raise UnsupportedGraphError(f"{describe_node(node)}: cannot tell the rows of this mask from its columns")
-        visible = self.graph.call_function(operator.add, (self.offset, self.length))
-        spans = {row_cls: (self.offset, self.length), col_cls: (0, visible)}
-        group_dims = {
-            t: {d for d in range(len(an.dims_of(t))) if part.dims.dim_index(o, part.batch) == d}
-            for t, o in origin.items()
-        }
-        block_sizing = _Sizing(an, spans, None, group_dims)
-        full_sizing = _Sizing(an, {}, None)
-        blocks: set[fx.Node] = set()
-        saved = self.sizing, self.env
-        full_env = {leaf: saved[1][original] for leaf, original in leaves.items()}
-        block_env = dict(full_env)
+        tiled: set[fx.Node] = set()
+        for t in tree.nodes:
+            classes = {c for d in an.dims_of(t) for c in an.classes(d)} if t not in leaves else set()
+            if {row_cls, col_cls} <= classes or any(i in tiled for i in t.all_input_nodes):
+                tiled.add(t)
+        vectors = list(dict.fromkeys(i for t in tiled for i in t.all_input_nodes if i not in tiled))
+
+        saved = self.graph, self.sizing, self.env
+        full_env = {leaf: saved[2][original] for leaf, original in leaves.items()}
+        self.sizing, self.env = _Sizing(an, {}, None), full_env
         try:
             for t in tree.nodes:
-                if t in leaves:
-                    continue
-                classes = {c for d in an.dims_of(t) for c in an.classes(d)}
-                if {row_cls, col_cls} <= classes or any(i in blocks for i in t.all_input_nodes):
-                    blocks.add(t)
-                    for i in t.all_input_nodes:
-                        if i not in blocks and i not in leaves and i not in block_env:
-                            block_env[i] = self.narrowed(full_env[i], i, an, spans, group_dims.get(i, set()))
-                    self.sizing, self.env = block_sizing, block_env
-                    block_env[t] = self.emit(t)
-                else:
-                    self.sizing, self.env = full_sizing, full_env
+                if t not in leaves and t not in tiled:
                     full_env[t] = self.emit(t)
-            block = block_env[root] if root in blocks else full_env[root]
+            tile = fx.Graph()
+            row_start, rows, col_start, cols = (tile.placeholder(p) for p in ("row_start", "rows", "col_start", "cols"))
+            inputs = [v for v in vectors if isinstance(full_env[v], fx.Node)]
+            tile_env = {v: full_env[v] for v in vectors}
+            tile_env.update({v: tile.placeholder(f"vector_{v.name}") for v in inputs})
+            spans = {row_cls: (row_start, rows), col_cls: (col_start, cols)}
+            group_dims = {
+                t: {d for d in range(len(an.dims_of(t))) if part.dims.dim_index(o, part.batch) == d}
+                for t, o in origin.items()
+            }
+            self.graph, self.sizing, self.env = tile, _Sizing(an, spans, None, group_dims), tile_env
+            for v in vectors:
+                tile_env[v] = self.narrowed(tile_env[v], v, an, spans, group_dims.get(v, set()))
+            for t in tree.nodes:
+                if t in tiled:
+                    tile_env[t] = self.emit(t)
+            tile.output(tile_env[root])
         finally:
-            self.sizing, self.env = saved
+            self.graph, self.sizing, self.env = saved
+        name = f"mask_tiles_{len(self.blocks)}"
+        self.root.add_module(name, MaskTiles(_module(tile, "LongStrawMaskTile")))
+        block = self.graph.call_module(name, (self.offset, self.length, *(full_env[v] for v in inputs)))
         self.blocks[node] = block
         return block
 
     def narrowed(self, value: fx.Node, node: fx.Node, an: DimAnalysis, spans: dict, group: set[int]) -> fx.Node:
-        """A full position vector cut to the block's rows, columns and one group row."""
+        """A full position vector cut to the tile's rows, columns and one group row."""
         if tensor_of(node) is None:
             return value
         for d, dim in enumerate(an.dims_of(node)):
@@ -446,8 +456,10 @@ class _StepBuilder:
         else:
             results = [self.env[o] for o in outputs]
         self.graph.output(tuple(results))
-        self.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
-        return StepGraph(_module(self.graph, f"LongStraw{self.kind.title()}Step"), externals)
+        module = _module(self.graph, f"LongStraw{self.kind.title()}Step", self.root)
+        module.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
+        module.recompile()
+        return StepGraph(module, externals)
 
 
 def _tree_copy(

@@ -6,8 +6,8 @@ any head repetition (`repeat_kv`), which the step folds into SDPA's
 `enable_gqa`. A step with queries at positions `[o, o+n)` attends to the
 buffer view `[0, o+n)` (lower-right causal) without copying it. On CUDA in
 fp16/bf16 this is PyTorch's flash attention with native GQA; elsewhere, and
-with an explicit mask (rebuilt by the step for its rows and visible
-columns, see `StepEmitter.query_key_block`), an explicit softmax over key
+with an explicit mask that is not plain causal (a `longstraw.mask.MaskBlock`
+the step computes one key block at a time), an explicit softmax over key
 blocks. Both keep the log-sum-exp, so backward runs block by block.
 """
 
@@ -19,7 +19,8 @@ import torch
 from torch import fx
 
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
-from longstraw.state import StepContext, has_values
+from longstraw.mask import MaskBlock
+from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 
@@ -167,7 +168,7 @@ def attention_step(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: MaskBlock | None,
     k_slot: int,
     v_slot: int,
     scale: float | None,
@@ -177,44 +178,13 @@ def attention_step(
 
     q: [1, Hq, n, D]; k, v: [1, Hkv, n, D] (the step's own positions, already
     written to the state buffers by `write_state`); mask: None (causal) or
-    the mask block [..., n, o+n]. Hq is a multiple of Hkv whether or not the
+    the mask's block over rows [o, o+n) and columns [0, o+n), computed a
+    key block at a time. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
-    if mask is not None and ctx.remember("causal", mask, lambda: _is_causal_block(mask, ctx.offset)):
-        mask = None  # every layer reads the same block: checked once per step
+    if mask is not None and mask.is_causal():
+        mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
-
-
-CAUSAL_CHECK_ROWS = 1024
-
-
-def _is_causal_block(mask: torch.Tensor, offset: int) -> bool:
-    """Whether the mask block (rows `[o, o+n)`, columns `[0, o+n)`) is plain
-    lower-right causal: HF builds an explicit causal mask whenever it is
-    traced, and without one the step runs flash attention. A float mask
-    counts when it is 0 where causal allows and below half the dtype's
-    minimum elsewhere. Checked in row blocks, O(n * (o+n)) elementwise.
-    Meta and fake tensors (shape-only runs: `longstraw.explain`) have no
-    values; their mask is taken to be causal, as HF's is."""
-    if not has_values(mask):
-        return True
-    if mask.dim() > 2 and any(s != 1 for s in mask.shape[:-2]):
-        mask = mask.flatten(0, -3)
-        if not bool((mask == mask[:1]).all()):
-            return False
-    mask = mask.reshape(-1, *mask.shape[-2:])[0]
-    n, total = mask.shape
-    cols = torch.arange(total, device=mask.device)
-    for start in range(0, n, CAUSAL_CHECK_ROWS):
-        rows = mask[start : start + CAUSAL_CHECK_ROWS]
-        causal = cols[None, :] <= (offset + start + torch.arange(rows.shape[0], device=mask.device))[:, None]
-        if rows.dtype == torch.bool:
-            same = torch.equal(rows, causal)
-        else:
-            same = torch.equal(rows == 0, causal) and bool((rows[~causal] <= torch.finfo(rows.dtype).min / 2).all())
-        if not same:
-            return False
-    return True
 
 
 class _AttentionOverState(torch.autograd.Function):
@@ -233,8 +203,8 @@ class _AttentionOverState(torch.autograd.Function):
     def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
         kernel = _kernel_for(q, mask)
         out, lse = kernel.forward(q, step.visible(k_slot), step.visible(v_slot), mask, scale, step.offset)
-        ctx.step, ctx.slots, ctx.scale, ctx.kernel = step, (k_slot, v_slot), scale, kernel
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
+        ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
@@ -242,7 +212,8 @@ class _AttentionOverState(torch.autograd.Function):
         step: StepContext = ctx.step
         kernel: _AttentionKernel = ctx.kernel
         k_slot, v_slot = ctx.slots
-        q, k, v, mask, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        mask: MaskBlock | None = ctx.mask
         o = step.offset
         grad_out = grad_out.contiguous()
         keys, values = step.visible(k_slot), step.visible(v_slot)
@@ -252,7 +223,7 @@ class _AttentionOverState(torch.autograd.Function):
             own = start >= o
             kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
             vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
-            cols = None if mask is None else mask.narrow(-1, start, length)
+            cols = None if mask is None else mask.columns(start, length)
             gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, ctx.scale, o, start)
             grad_q += gq
             if own:
@@ -347,7 +318,7 @@ class _MathKernel(_AttentionKernel):
         lse = torch.full(_grouped(q, keys).shape[:-1], float("-inf"), dtype=compute, device=q.device)
         out = torch.zeros(*lse.shape, values.shape[-1], dtype=compute, device=q.device)
         for start, length in self.blocks(q, q_start):
-            cols = None if mask is None else mask.narrow(-1, start, length)
+            cols = None if mask is None else mask.columns(start, length)
             s = _scores(q, keys.narrow(-2, start, length), cols, scale, q_start, start)
             new = torch.logaddexp(lse, s.logsumexp(-1))
             finite = torch.where(new.isneginf(), 0.0, new)  # rows that see nothing yet
@@ -382,7 +353,7 @@ MATH_BLOCK_SCORES = 1 << 24
 _FLASH, _CUDNN, _MATH = _FlashKernel(), _CudnnKernel(), _MathKernel()
 
 
-def _kernel_for(q: torch.Tensor, mask: torch.Tensor | None) -> _AttentionKernel:
+def _kernel_for(q: torch.Tensor, mask: MaskBlock | None) -> _AttentionKernel:
     """Where a fused kernel applies, the first of flash and cuDNN that
     PyTorch's SDPA switches leave on (`sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`
     selects cuDNN); the explicit softmax otherwise. Read when the step runs,

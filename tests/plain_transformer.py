@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 KV_MODES = ("gqa", "repeat", "repeat_interleave")
-MASK_MODES = ("causal", "explicit")
+MASK_MODES = ("causal", "explicit", "window")
 NORMS = ("layer", "rms")
 MIXERS = ("none", "cumsum")
 
@@ -50,7 +50,9 @@ class PlainConfig:
     "gqa": SDPA(enable_gqa=True); "repeat": expand + reshape before SDPA
     (HF `repeat_kv`); "repeat_interleave": `Tensor.repeat_interleave`."""
     mask: str = "causal"
-    """"causal": SDPA(is_causal=True); "explicit": a boolean tril mask."""
+    """"causal": SDPA(is_causal=True); "explicit": a boolean tril mask;
+    "window": a boolean sliding-window mask (the last `window` positions)."""
+    window: int = 6
     learned_positions: int = 0
     """Rows of a learned absolute position table added to the token
     embedding (GPT-2 style, besides RoPE); 0: none."""
@@ -155,9 +157,13 @@ class Attention(nn.Module):
         if past is not None:
             # new queries sit at the end of the keys: lower-right causal alignment
             mask = torch.ones(L, s + L, dtype=torch.bool, device=x.device).tril(diagonal=s)
+            if cfg.mask == "window":
+                mask = mask & ~torch.ones(L, s + L, dtype=torch.bool, device=x.device).tril(s - cfg.window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-        elif cfg.mask == "explicit":
+        elif cfg.mask in ("explicit", "window"):
             mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+            if cfg.mask == "window":
+                mask = mask & ~torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-cfg.window)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, **gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)

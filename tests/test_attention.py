@@ -7,8 +7,6 @@ kernel alone against SDPA's autograd and end to end against eager.
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +14,21 @@ from longstraw.passes import attention
 from test_parity_dense import check_parity
 
 
+class _Materialised:
+    """A mask block held as one tensor, standing in for `longstraw.mask.MaskBlock`."""
+
+    def __init__(self, block: torch.Tensor) -> None:
+        self.block = block
+
+    def columns(self, start: int, count: int) -> torch.Tensor:
+        return self.block.narrow(-1, start, count)
+
+
 def _blocked_grads(q, keys, values, grad_out, mask):
     """dQ, dK, dV the way `_AttentionOverState.backward` assembles them."""
     kernel = attention._MATH
     o = keys.shape[-2] - q.shape[-2]
-    out, lse = kernel.forward(q, keys, values, mask, None, o)
+    out, lse = kernel.forward(q, keys, values, None if mask is None else _Materialised(mask), None, o)
     grad_q = torch.zeros_like(q)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     blocks = kernel.blocks(q, o)
@@ -60,7 +68,7 @@ def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_sco
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["plain", "plain_repeat", "plain_explicit_mask", "qwen3"])
+@pytest.mark.parametrize("kind", ["plain", "plain_repeat", "plain_explicit_mask", "plain_window_mask", "qwen3"])
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_single_key_blocks_end_to_end(kind, mode, monkeypatch):
     """Every state position is its own backward block (d(state) is assembled
@@ -95,43 +103,6 @@ def test_kernel_follows_pytorchs_sdpa_switches():
         assert attention._kernel_for(q, None) is attention._FLASH
     with sdpa_kernel(SDPBackend.MATH):
         assert attention._kernel_for(q, None) is attention._MATH
-
-
-@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
-def test_causal_block_is_recognised(dtype, monkeypatch):
-    monkeypatch.setattr(attention, "CAUSAL_CHECK_ROWS", 2)
-    n, o = 5, 7
-    allowed = torch.ones(n, o + n, dtype=torch.bool).tril(o)
-    as_mask = (lambda a: a) if dtype == torch.bool else (
-        lambda a: torch.zeros(a.shape).masked_fill(~a, torch.finfo(torch.float32).min)
-    )
-    assert attention._is_causal_block(as_mask(allowed)[None, None], o)
-    assert attention._is_causal_block(as_mask(allowed).expand(3, 1, n, o + n), o)
-    window = allowed & ~torch.ones(n, o + n, dtype=torch.bool).tril(o - 4)
-    assert not attention._is_causal_block(as_mask(window), o)
-    assert not attention._is_causal_block(as_mask(allowed), o - 1)
-    if dtype != torch.bool:
-        biased = as_mask(allowed).masked_fill(allowed, 0.5)
-        assert not attention._is_causal_block(biased, o)
-
-
-def test_mask_check_is_remembered_per_step():
-    """HF passes one mask node to every layer, so each step's layers read one
-    block: `StepContext.remember` checks it once per step."""
-    from longstraw.state import StepContext
-
-    ctx = StepContext(state=None, offset=3, length=2, grad_enabled=False)
-    block, other = torch.ones(2, 5, dtype=torch.bool).tril(3), torch.ones(2, 5, dtype=torch.bool)
-    calls = []
-    check = lambda m: lambda: calls.append(m) or attention._is_causal_block(m, 3)  # noqa: E731
-    assert ctx.remember("causal", block, check(block)) is True
-    assert ctx.remember("causal", block, check(block)) is True
-    assert ctx.remember("causal", other, check(other)) is False
-    assert len(calls) == 2
-    # the memo does not keep a block alive (a mask block is gigabytes at long prompts)
-    alive = weakref.ref(other)
-    del other, calls[:]
-    assert alive() is None
 
 
 def test_cudnn_forward_merges_its_calls(monkeypatch):

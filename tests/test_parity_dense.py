@@ -73,6 +73,8 @@ DEFAULT_CASES = [
     ("plain_repeat_interleave", "exact", 5, 7, 9, 5, False),
     ("plain_explicit_mask", "exact", 2, 64, 9, 5, True),
     ("plain_explicit_mask", "detached", 2, 7, 9, 13, False),
+    ("plain_window_mask", "exact", 2, 64, 9, 13, False),
+    ("plain_window_mask", "detached", 5, 300, 33, 64, True),
     ("plain_mha_layernorm", "exact", 2, 7, 33, 5, False),
     ("qwen3", "exact", 2, 64, 9, 13, True),
     ("qwen3", "exact", 1, 300, 9, 64, False),

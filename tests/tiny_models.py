@@ -19,6 +19,7 @@ PLAIN_KINDS = {
     "plain_repeat": {"kv_mode": "repeat"},  # HF-style repeat_kv before SDPA
     "plain_repeat_interleave": {"kv_mode": "repeat_interleave"},
     "plain_explicit_mask": {"mask": "explicit"},  # bool tril mask, is_causal=False
+    "plain_window_mask": {"mask": "window"},  # bool sliding-window mask: not plain causal
     "plain_mha_layernorm": {"num_kv_heads": 4, "norm": "layer"},
 }
 HF_KINDS = ("qwen3", "llama", "llama_tied")
