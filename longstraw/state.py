@@ -77,10 +77,12 @@ class PromptState:
         self.carry_grads = {i: {} for i in self.carries}
 
     def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
-        """The accumulated gradient of what a prompt chunk `[offset, offset+length)` produced."""
+        """The accumulated gradient of what a prompt chunk `[offset, offset+length)`
+        produced. A carry's gradient is handed over once: the reverse pass
+        reaches each chunk once, and keeping them all would grow with P."""
         if slot.kind == "sequence":
             return self.grads[slot.index].narrow(slot.token_dim, offset, length)
-        return self.carry_grads[slot.index].get(offset + length)
+        return self.carry_grads[slot.index].pop(offset + length, None)
 
     def release(self) -> None:
         self.buffers, self.carries = {}, {}
@@ -135,11 +137,14 @@ class StepContext:
             self.state.carries[slot][end] = value.detach().clone()
 
     def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Add the gradient of the carry this step started from. Kept as a
+        copy, like the carry: it is often a slice of the gradient of a
+        chunk-sized tensor (a conv tail's, of `cat([tail, x])`)."""
         grads = self.state.carry_grads
         if grads is None or grad is None or self.offset == 0:
             return
         at = grads[slot]
-        at[self.offset] = grad if self.offset not in at else at[self.offset] + grad
+        at[self.offset] = grad.clone() if self.offset not in at else at[self.offset] + grad
 
 
 def has_values(tensor: torch.Tensor) -> bool:

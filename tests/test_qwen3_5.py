@@ -238,22 +238,27 @@ def test_state_report_qwen3_6_27b(capsys):
     assert report["causal_conv"] == (0, 3 * (2 * 16 * 128 + 48 * 128) * 3 * 2)  # conv channels x (K-1), bf16
 
 
-def test_carries_do_not_hold_their_chunks():
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_carries_do_not_hold_their_chunks(mode):
     """The conv carry is the last K-1 inputs of a chunk-sized tensor; it must
-    be kept as a copy, not a view that pins the chunk's storage. Simulated on
-    fake tensors: from 4 to 16 prompt chunks the step's peak grows by the
-    captured state alone (plus one carry per added chunk boundary)."""
+    be kept as a copy, not a view that pins the chunk's storage; so must its
+    gradient in the reverse pass (a slice of the chunk's input gradient),
+    which is dropped once the chunk before has used it. Simulated on fake
+    tensors: from 4 to 16 prompt chunks the step's peak grows by the
+    captured state alone, its gradient in exact mode, and one carry per
+    added chunk boundary."""
     with torch.device("meta"):
         model = transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**QWEN3_6_27B)).to(torch.bfloat16)
     model.config.use_cache = False
     peaks, reports = [], []
-    for P in (65, 257):
+    for P in (4 * 256 + 1, 16 * 256 + 1):
         prompt = torch.zeros(P, dtype=torch.long, device="meta")
         responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
         weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
         report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                                   options={"prefix_chunk_size": 16})
-        peaks.append(simulate_step(report.group_plan, "detached", 16, torch.device("meta"), None))
+                                   options={"prefix_chunk_size": 256})
+        peaks.append(simulate_step(report.group_plan, mode, 256, torch.device("meta"), None))
         reports.append(report)
-    state_growth = reports[0].state_bytes_per_position * 192 + reports[0].state_fixed_bytes * 12
+    per_position = reports[0].state_bytes_per_position * (2 if mode == "exact" else 1)
+    state_growth = per_position * 12 * 256 + reports[0].state_fixed_bytes * 12
     assert peaks[1] - peaks[0] <= 1.1 * state_growth, (peaks, state_growth)
