@@ -92,53 +92,48 @@ def test_memory_plan_adds_up_and_finds_the_largest_prompt():
 
 
 H200_RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-# the dense slice's detached sweep (3386505) and exact sweep (7c3cf1f, after the mask-memo fix)
-H200_DENSE = {"longstraw_detached": "grpo_bench_dense_b_h200.json", "longstraw_exact": "grpo_bench_dense_c_h200.json"}
-# the explicit causal mask block HF builds when traced on CUDA (chunk x P, bool) is
-# not in the memory model: 8.6 GB of 35 GB at P = 1M, so that point is off by 16%
-MASK_BLOCK_DOMINATES = 1 << 20
+# per benchmark model, the file of each mode's sweep (after the mask-tile and carry-gradient fixes)
+H200_SWEEPS = {
+    "dense": {"longstraw_detached": "grpo_bench_dense_d_h200.json", "longstraw_exact": "grpo_bench_dense_e_h200.json"},
+    "hybrid": {"longstraw_detached": "grpo_bench_hybrid_b_h200.json", "longstraw_exact": "grpo_bench_hybrid_c_h200.json"},
+}
 
 
-@pytest.fixture(scope="module")
-def dense_h200_predictions() -> list[tuple[str, dict, object]]:
-    """(mode, measured run, plan) for every successful H200 run; one explain for both tests."""
+@pytest.fixture(scope="module", params=sorted(H200_SWEEPS))
+def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
+    """(model, [(mode, measured run, plan)]) for every successful H200 sweep
+    run of a benchmark model; one explain per model for every mode and P."""
     sys.path.insert(0, str(H200_RESULTS.parents[1] / "benchmarks"))
     import grpo_bench as bench
 
+    kind = request.param
     meta = torch.device("meta")
-    model = bench.build_model("dense", False, torch.bfloat16, meta)
+    model = bench.build_model(kind, False, torch.bfloat16, meta)
     model.config.use_cache = False  # Dynamo cannot trace an empty cache tensor on the meta device
     R = 1024
     group = bench.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
-    report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
+    with qwen3_5.bound():
+        report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
     predictions = []
-    for mode, name in H200_DENSE.items():
+    for mode, name in H200_SWEEPS[kind].items():
         measured = json.loads((H200_RESULTS / name).read_text())
         for run in (r for r in measured["sweep"][mode]["runs"] if r["ok"]):
             plan = report.plan(P=run["P"], G=run["G"], prompt_grad=mode.removeprefix("longstraw_"), device="cuda")
             predictions.append((mode, run, plan))
-    return predictions
+    return kind, predictions
 
 
-def test_predicted_peak_matches_the_h200_measurements(dense_h200_predictions):
-    """The benchmark's 4-layer Qwen3-8B-shaped slice, traced on the meta
-    device (no weights, no GPU), predicts the peaks the H200 measured for
-    it within 10%, up to P = 512K."""
-    checked = 0
-    for mode, run, plan in dense_h200_predictions:
-        if run["P"] >= MASK_BLOCK_DOMINATES:
-            continue
-        assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], (mode, run["P"], plan.table())
-        checked += 1
-    assert checked >= 10
-
-
-@pytest.mark.xfail(strict=True, reason="the explicit mask block (chunk x P bool) is not in the memory model")
-def test_predicted_peak_at_one_million_positions(dense_h200_predictions):
-    runs = [(run, plan) for _, run, plan in dense_h200_predictions if run["P"] >= MASK_BLOCK_DOMINATES]
-    assert runs
-    for run, plan in runs:
-        assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], plan.table()
+def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
+    """The benchmark slices (4-layer Qwen3-8B-shaped dense, 3+1-layer
+    Qwen3.5 hybrid), traced on the meta device (no weights, no GPU),
+    predict the peaks the H200 measured for them within 10%, in both modes
+    and at every P of the sweeps (8K to 1M)."""
+    kind, predictions = h200_predictions
+    for mode, run, plan in predictions:
+        assert abs(plan.peak / 1e9 - run["peak_gb"]) <= 0.1 * run["peak_gb"], (kind, mode, run["P"], plan.table())
+    assert {mode for mode, _, _ in predictions} == set(H200_SWEEPS[kind])
+    assert max(run["P"] for _, run, _ in predictions) >= 1 << 19
+    assert len(predictions) >= 14
 
 
 def test_graph_views_show_regions_and_state_edges(tmp_path):
