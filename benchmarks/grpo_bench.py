@@ -407,6 +407,28 @@ def next_step_seconds(runs: list[dict]) -> float:
     return last * min(4.0, max(2.0, 1.2 * last / ok[-2]["seconds"]))
 
 
+BISECT_ALIGN = 1024  # the bisection tries multiples of this (of the resolution when that is smaller)
+
+
+def bisect_largest(lo: int, hi: int, attempt: Callable[[int], dict], resolution: int, has_time: Callable[[], bool]) -> tuple[int, int]:
+    """Narrow `lo` (runs) and `hi` (out of memory) to `resolution`, or lo/16
+    when that is larger; stops early when the aligned midpoint is no new
+    length, a run fails otherwise, or time runs out."""
+    align = min(BISECT_ALIGN, resolution)
+    while hi - lo > max(resolution, lo // 16) and has_time():
+        mid = (lo + hi) // 2 // align * align
+        if not lo < mid < hi:
+            break
+        result = attempt(mid)
+        if result["ok"]:
+            lo = mid
+        elif result.get("oom"):
+            hi = mid
+        else:
+            break
+    return lo, hi
+
+
 def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel, out: dict, save: Callable[[], None]) -> dict:
     """Peak memory vs P and the largest P per mode: doubling, then bisection.
     Modes run in the order given; each may use the time left but
@@ -444,17 +466,8 @@ def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel, out: dict, s
                 last_ok = P
                 P *= 2
             if last_ok is not None and first_bad is not None and stop == "oom":
-                lo, hi = last_ok, first_bad
-                while hi - lo > max(args.bisect_resolution, lo // 16) and next_step_seconds(runs) < mode_clock.left():
-                    mid = (lo + hi) // 2 // 1024 * 1024
-                    result = attempt(mid)
-                    if result["ok"]:
-                        lo = mid
-                    elif result.get("oom"):
-                        hi = mid
-                    else:
-                        break
-                last_ok, first_bad = lo, hi
+                has_time = lambda runs=runs, clock=mode_clock: next_step_seconds(runs) < clock.left()  # noqa: E731
+                last_ok, first_bad = bisect_largest(last_ok, first_bad, attempt, args.bisect_resolution, has_time)
         entry.update(max_prompt_tokens=last_ok, first_failure=first_bad, limited_by=stop)
         save()
     return out
@@ -861,7 +874,8 @@ def print_table(kind: str, result: dict) -> None:
     if "sweep" in result:
         print(f"{'mode':22} {'max P':>9} {'limit':>6}   peak GB by P")
         for mode, data in result["sweep"].items():
-            peaks = " ".join(f"{r['P'] // 1024}K:{r['peak_gb']:.0f}" for r in data["runs"] if r["ok"])
+            by_p = {r["P"]: r["peak_gb"] for r in data["runs"] if r["ok"]}  # a length may have run more than once
+            peaks = " ".join(f"{P // 1024}K:{peak:.0f}" for P, peak in by_p.items())
             print(f"{mode:22} {data['max_prompt_tokens'] or 0:>9} {data['limited_by']:>6}   {peaks}")
     if "speed" in result:
         print(f"{'mode':22} {'s/step @' + str(result['p_speed']):>14} {'MFU':>6}")

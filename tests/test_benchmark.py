@@ -167,6 +167,22 @@ def test_sweep_saves_every_run_and_leaves_time_for_later_modes():
     assert out["eager"]["runs"] == [] and out["eager"]["limited_by"] == "time"
 
 
+@pytest.mark.parametrize("resolution,want", [(8192, (4096, 8192)), (1024, (5120, 6144)), (512, (5120, 5632))])
+def test_bisection_narrows_to_its_resolution_and_never_repeats(resolution, want):
+    """Runs fit up to P = 5300; the sweep's doubling left 4096 (ran) and 8192
+    (out of memory). A resolution finer than the 1024 alignment once made
+    the midpoint round back to `lo` and re-run it forever."""
+    tried = []
+
+    def attempt(P):
+        tried.append(P)
+        return {"ok": P <= 5300, "oom": P > 5300}
+
+    assert bench.bisect_largest(4096, 8192, attempt, resolution, lambda: True) == want
+    assert len(tried) == len(set(tried))
+    assert bench.bisect_largest(4096, 8192, attempt, resolution, lambda: False) == (4096, 8192)
+
+
 def test_branch_by_branch_reference_is_the_eager_gradient():
     model = bench.build_model("dense", True, torch.float64, CPU)
     group = bench.make_group(3, 20, 5, model.config.vocab_size, CPU)
