@@ -757,9 +757,12 @@ def profile_step(model, kind, mode, args, top: int = 12) -> dict:
 
 def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     """weights + grads + state(P) (+ d(state) in exact mode) + one branch + one chunk,
-    per longstraw run. The state comes from the plan of a small run; one
-    branch and one chunk are the activations of eager fwd+bwd over R and
-    over one chunk of a single sequence (detached: the chunk without grad)."""
+    per longstraw run (`floor_gb`). The state comes from the plan of a small
+    run; one branch and one chunk are the peaks of eager fwd+bwd over R and
+    over one chunk of a single sequence (detached: the chunk without grad),
+    above what was allocated before. Those peaks include the .grad tensors
+    the backward allocates (`step_grads_gb`), which the floor counts once,
+    as grads."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     backend = longstraw.Backend(prompt_grad="exact")
@@ -770,7 +773,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     plan = backend.plans[-1]
     release(model)
     chunk = longstraw.Options().prefix_chunk_size
-    activations = {}
+    activations, step_grads = {}, 0
     with Runner(model, kind, "eager") as runner:
         for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
             g = make_group(1, P, R, vocab, model.device)
@@ -780,25 +783,35 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
             with torch.set_grad_enabled(grad):
                 if grad:
                     runner.step(g)
+                    step_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
                 else:
                     model(input_ids=g.input_ids, logits_to_keep=1)
             activations[name] = torch.cuda.max_memory_allocated() - base
             release(model)
-    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "state_bytes_per_position": plan.state_bytes_per_position,
-           "state_fixed_bytes": plan.state_fixed_bytes, "activations_gb": {k: v / GiB for k, v in activations.items()},
-           "prefix_chunk_size": chunk, "runs": []}
+    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "step_grads_gb": step_grads / GiB,
+           "state_bytes_per_position": plan.state_bytes_per_position, "state_fixed_bytes": plan.state_fixed_bytes,
+           "activations_gb": {k: v / GiB for k, v in activations.items()}, "prefix_chunk_size": chunk, "runs": []}
     for mode in ("longstraw_detached", "longstraw_exact"):
         for run in sweep_out.get(mode, {}).get("runs", []):
-            if not run["ok"]:
-                continue
-            P = run["P"]
-            chunks = math.ceil((P - 1) / chunk)
-            state = plan.state_bytes_per_position * (P - 1 + args.R) + plan.state_fixed_bytes * (chunks + 1)
-            exact = mode == "longstraw_exact"
-            floor = 2 * weights + state * (2 if exact else 1) + activations["branch"] + activations["chunk_grad" if exact else "chunk_nograd"]
-            out["runs"].append({"mode": mode, "P": P, "peak_gb": run["peak_gb"], "floor_gb": floor / GiB,
-                                "over_floor": run["peak_gb"] * GiB / floor - 1})
-    return out
+            if run["ok"]:
+                out["runs"].append({"mode": mode, "P": run["P"], "peak_gb": run["peak_gb"]})
+    return score_floor(out, args.R)
+
+
+def score_floor(floor: dict, R: int) -> dict:
+    """`floor_gb` and `over_floor` of every run from the measured terms.
+    Files from before `step_grads_gb` was recorded: their grad runs
+    allocated every parameter's .grad (`zero_grad(set_to_none=True)` before
+    each), so it equals `grads_gb`."""
+    acts, grads = floor["activations_gb"], floor.get("step_grads_gb", floor["grads_gb"])
+    for run in floor["runs"]:
+        P, exact = run["P"], run["mode"] == "longstraw_exact"
+        chunks = math.ceil((P - 1) / floor["prefix_chunk_size"])
+        state = (floor["state_bytes_per_position"] * (P - 1 + R) + floor["state_fixed_bytes"] * (chunks + 1)) / GiB
+        chunk = acts["chunk_grad"] - grads if exact else acts["chunk_nograd"]
+        run["floor_gb"] = floor["weights_gb"] + floor["grads_gb"] + state * (2 if exact else 1) + acts["branch"] - grads + chunk
+        run["over_floor"] = run["peak_gb"] / run["floor_gb"] - 1
+    return floor
 
 
 # output -----------------------------------------------------------------------------
@@ -930,8 +943,9 @@ def _merge_floor(old: dict | None, new: dict) -> dict:
 
 
 def rescore(result: dict, kind: str) -> dict:
-    """MFU of every timed entry from the current FLOP model (files measured
-    earlier may carry an older count)."""
+    """MFU of every timed entry from the current FLOP model, and the memory
+    floor from its measured terms (files measured earlier may carry an
+    older count)."""
     flops = FlopModel.of(build_model(kind, False, torch.bfloat16, torch.device("meta")))
     G, R = result["G"], result["R"]
     for mode, entry in result.get("sweep", {}).items():
@@ -941,6 +955,8 @@ def rescore(result: dict, kind: str) -> dict:
     for mode, run in result.get("speed", {}).items():
         if run.get("ok"):
             run["mfu"] = flops.step(mode, G, result["p_speed"], R) / run["seconds"] / PEAK_FLOPS
+    if "memory_floor" in result:
+        score_floor(result["memory_floor"], R)
     capture = result.get("capture", {})
     if "P" in capture:
         work = flops.compiled_forward(G, capture["P"], R)
