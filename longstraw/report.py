@@ -133,7 +133,7 @@ class ExplainReport:
         self.grads_bytes = sum(_nbytes(v) for v in params if v.requires_grad)
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size
-        self.traced_response_len = part.end - max(plan.prefix_len, 0)
+        self.traced_response_len = part.end - _traced_prefix_len(plan)
         self.float_dtype = _float_dtype(part)
         self.example_device = params[0].device if params else torch.device("cpu")
         self._activations: dict[tuple, int] = {}
@@ -438,6 +438,14 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+def _traced_prefix_len(plan: GroupPlan) -> int:
+    """The traced example's captured prompt positions. Where they depend on
+    values the example does not have (token ids on the meta device), every
+    position before the first the loss reads: the shared prompt of any real
+    group of these shapes, since the responses' own logits start there."""
+    return plan.prefix_len if plan.prefix_len >= 0 else plan.partition.first_consumed
+
+
 def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, dtype: torch.dtype | None) -> int:
     """Peak bytes of one step (forward and backward of the group) at the
     traced sizes, run on fake tensors of the example's device (the graph
@@ -447,7 +455,7 @@ def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, 
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False, check_finite=False)
     runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
-    prefix_len = plan.prefix_len if plan.prefix_len >= 0 else part.first_consumed
+    prefix_len = _traced_prefix_len(plan)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     select = attention._kernel_for

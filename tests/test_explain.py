@@ -123,6 +123,24 @@ def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
     return kind, predictions
 
 
+def test_a_prompt_without_values_ends_where_the_loss_starts_reading():
+    """TRL-style token ids on the meta device: whether the rows share a
+    prefix cannot be checked, so the traced prompt is every position before
+    the first logit the loss reads, as in the simulation."""
+    sys.path.insert(0, str(H200_RESULTS.parents[1] / "benchmarks"))
+    import grpo_bench as bench
+
+    meta = torch.device("meta")
+    model = bench.build_model("dense", True, torch.float32, meta)
+    model.config.use_cache = False
+    group = bench.make_group(3, 40, 6, model.config.vocab_size, meta)
+    report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, 6)
+    assert (report.traced_prompt_len, report.traced_response_len) == (40, 7)  # a branch runs R + 1 positions
+    plan = report.plan(P=1000)
+    assert plan.R == 7 and plan.simulated_at == (40, 3, 7)
+    assert plan.state_grad == report.state_bytes_per_position * 999
+
+
 def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
     """The benchmark slices (4-layer Qwen3-8B-shaped dense, 3+1-layer
     Qwen3.5 hybrid), traced on the meta device (no weights, no GPU),
