@@ -41,8 +41,9 @@ class StepEmitter(Protocol):
         """Translate original nodes (in any argument structure) into the step graph."""
 
     def query_key_block(self, node: fx.Node) -> fx.Node:
-        """A `[..., L, L]` positions-only tensor (a mask), emitted for the
-        step's rows and all visible columns."""
+        """A `[..., L, L]` positions-only tensor (a mask) for the step's rows
+        and all visible columns, as a `longstraw.mask.MaskBlock` that
+        computes tiles of it on demand (the whole block can be gigabytes)."""
 
     def carry_output(self, slot: int, node: fx.Node) -> None:
         """Declare the step-graph node holding a carry slot's state after the step."""
