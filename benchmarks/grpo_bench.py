@@ -758,11 +758,10 @@ def profile_step(model, kind, mode, args, top: int = 12) -> dict:
 def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     """weights + grads + state(P) (+ d(state) in exact mode) + one branch + one chunk,
     per longstraw run (`floor_gb`). The state comes from the plan of a small
-    run; one branch and one chunk are the peaks of eager fwd+bwd over R and
-    over one chunk of a single sequence (detached: the chunk without grad),
-    above what was allocated before. Those peaks include the .grad tensors
-    the backward allocates (`step_grads_gb`), which the floor counts once,
-    as grads."""
+    run; one branch and one chunk are the activations of eager fwd+bwd over R
+    and over one chunk of a single sequence (detached: the chunk without
+    grad), measured with every .grad already held, as LongStraw holds the
+    sum while it replays the branches and chunks after the first."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     backend = longstraw.Backend(prompt_grad="exact")
@@ -773,22 +772,23 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     plan = backend.plans[-1]
     release(model)
     chunk = longstraw.Options().prefix_chunk_size
-    activations, step_grads = {}, 0
+    activations = {}
     with Runner(model, kind, "eager") as runner:
         for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
             g = make_group(1, P, R, vocab, model.device)
             release(model)
+            if grad:
+                runner.step(g)  # allocates every .grad
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             with torch.set_grad_enabled(grad):
                 if grad:
-                    runner.step(g)
-                    step_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+                    eager_step(model, g).backward()  # accumulates into the held .grad
                 else:
                     model(input_ids=g.input_ids, logits_to_keep=1)
             activations[name] = torch.cuda.max_memory_allocated() - base
             release(model)
-    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "step_grads_gb": step_grads / GiB,
+    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "grads_held": True,
            "state_bytes_per_position": plan.state_bytes_per_position, "state_fixed_bytes": plan.state_fixed_bytes,
            "activations_gb": {k: v / GiB for k, v in activations.items()}, "prefix_chunk_size": chunk, "runs": []}
     for mode in ("longstraw_detached", "longstraw_exact"):
@@ -800,10 +800,13 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
 
 def score_floor(floor: dict, R: int) -> dict:
     """`floor_gb` and `over_floor` of every run from the measured terms.
-    Files from before `step_grads_gb` was recorded: their grad runs
-    allocated every parameter's .grad (`zero_grad(set_to_none=True)` before
-    each), so it equals `grads_gb`."""
-    acts, grads = floor["activations_gb"], floor.get("step_grads_gb", floor["grads_gb"])
+    Files without `grads_held` measured the branch and chunk from empty
+    .grad, so their peaks include the gradients the backward allocated;
+    those come off, which leaves a lower bound on the activations (the
+    eager step's peak can fall where its activations and its gradients are
+    not both live): their floors are lower bounds."""
+    acts = floor["activations_gb"]
+    grads = 0.0 if floor.get("grads_held") else floor["grads_gb"]
     for run in floor["runs"]:
         P, exact = run["P"], run["mode"] == "longstraw_exact"
         chunks = math.ceil((P - 1) / floor["prefix_chunk_size"])
