@@ -17,9 +17,10 @@ import operator
 
 import torch
 from torch import fx
+from torch.nn.attention import SDPBackend
 
-from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.mask import MaskBlock
+from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
@@ -354,17 +355,34 @@ _FLASH, _CUDNN, _MATH = _FlashKernel(), _CudnnKernel(), _MathKernel()
 
 
 def _kernel_for(q: torch.Tensor, mask: MaskBlock | None) -> _AttentionKernel:
-    """Where a fused kernel applies, the first of flash and cuDNN that
-    PyTorch's SDPA switches leave on (`sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`
-    selects cuDNN); the explicit softmax otherwise. Read when the step runs,
-    so the switches can be set around the compiled call."""
+    """Where a fused kernel applies, the kernel of the first backend in
+    PyTorch's SDPA priority order that its switches leave on: flash, cuDNN
+    (forward), or the explicit softmax for math and memory-efficient. So
+    `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)` selects cuDNN, and
+    `sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION], set_priority=True)`
+    prefers it. Read when the step runs, so the switches can be set around
+    the compiled call."""
     head_dim = q.shape[-1]
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0:
-        if torch.backends.cuda.flash_sdp_enabled():
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0):
+        return _MATH
+    for backend in _sdpa_priority():
+        if backend == int(SDPBackend.FLASH_ATTENTION) and torch.backends.cuda.flash_sdp_enabled():
             return _FLASH
-        if torch.backends.cuda.cudnn_sdp_enabled():
+        if backend == int(SDPBackend.CUDNN_ATTENTION) and torch.backends.cuda.cudnn_sdp_enabled():
             return _CUDNN
+        if backend == int(SDPBackend.MATH) and torch.backends.cuda.math_sdp_enabled():
+            return _MATH
+        if backend == int(SDPBackend.EFFICIENT_ATTENTION) and torch.backends.cuda.mem_efficient_sdp_enabled():
+            return _MATH
     return _MATH
+
+
+def _sdpa_priority() -> list[int]:
+    """PyTorch's SDPA backend priority, set by `sdpa_kernel(..., set_priority=True)`."""
+    get = getattr(torch._C, "_get_sdp_priority_order", None)  # private: fall back to its default order
+    if get is None:
+        return [int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION)]
+    return list(get())
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:

@@ -84,9 +84,10 @@ def test_flash_is_chosen_only_where_it_applies():
 
 
 def test_kernel_follows_pytorchs_sdpa_switches():
-    """On CUDA half precision: flash, else cuDNN, whichever PyTorch's switches
-    leave on first; the explicit softmax with a mask, in float32, or with
-    both fused kernels off. Fake CUDA tensors need no GPU."""
+    """On CUDA half precision: the first backend in PyTorch's SDPA priority
+    order that its switches leave on (flash, cuDNN, or the explicit softmax
+    for math); the explicit softmax with a mask or in float32. Fake CUDA
+    tensors need no GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -100,7 +101,11 @@ def test_kernel_follows_pytorchs_sdpa_switches():
         assert attention._kernel_for(q, mask) is attention._MATH
         assert attention._kernel_for(q32, None) is attention._MATH
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        assert attention._kernel_for(q, None) is attention._FLASH
+        assert attention._kernel_for(q, None) is attention._FLASH  # PyTorch's order: flash first
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+        assert attention._kernel_for(q, None) is attention._CUDNN
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
+        assert attention._kernel_for(q, None) is attention._MATH  # math comes before cuDNN
     with sdpa_kernel(SDPBackend.MATH):
         assert attention._kernel_for(q, None) is attention._MATH
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import compile_loss, compiled_loss_and_grads
+from losses import grpo_loss_f64
+from tiny_models import make_group, make_model
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
-from harness import compile_loss, compiled_loss_and_grads
 from longstraw import mask as masks
-from losses import grpo_loss_f64
-from tiny_models import make_group, make_model
 
 
 def _tiles(allowed, dtype=torch.bool, leading=(1, 1)) -> masks.MaskTiles:
@@ -106,8 +106,9 @@ def test_steps_never_build_their_mask_block(kind, mode, monkeypatch):
     a 16-position chunk's mask block at P=64 is 16 x 64 before its heads.
     The backend's callable is run directly: under a dispatch mode Dynamo
     would run the model eagerly instead."""
-    from longstraw.backend import CompiledGroupLoss
     from longstraw.passes import attention
+
+    from longstraw.backend import CompiledGroupLoss
 
     monkeypatch.setattr(masks, "CHECK_TILE_ROWS", 4)
     monkeypatch.setattr(masks, "CHECK_TILE_COLUMNS", 8)
