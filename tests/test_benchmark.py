@@ -225,3 +225,5 @@ def test_hybrid_float32_parity_is_the_references_own_rounding():
     longstraw = bench.compare(grads[torch.float32, "longstraw"], truth)["max_rel_l2"]
     eager = bench.compare(grads[torch.float32, "eager"], truth)["max_rel_l2"]
     assert 1e-7 < eager and longstraw <= 1.1 * eager, (longstraw, eager)
+    # HF's float64 eager is itself off by that order (1.3e-4 here): its Gated DeltaNet runs in float32
+    assert bench.compare(grads[torch.float64, "eager"], truth)["max_rel_l2"] > 1e-5
