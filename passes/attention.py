@@ -365,15 +365,16 @@ def _kernel_for(q: torch.Tensor, mask: MaskBlock | None) -> _AttentionKernel:
     head_dim = q.shape[-1]
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0):
         return _MATH
+    switches = torch.backends.cuda
+    kernels = {
+        int(SDPBackend.FLASH_ATTENTION): (switches.flash_sdp_enabled, _FLASH),
+        int(SDPBackend.CUDNN_ATTENTION): (switches.cudnn_sdp_enabled, _CUDNN),
+        int(SDPBackend.MATH): (switches.math_sdp_enabled, _MATH),
+        int(SDPBackend.EFFICIENT_ATTENTION): (switches.mem_efficient_sdp_enabled, _MATH),
+    }
     for backend in _sdpa_priority():
-        if backend == int(SDPBackend.FLASH_ATTENTION) and torch.backends.cuda.flash_sdp_enabled():
-            return _FLASH
-        if backend == int(SDPBackend.CUDNN_ATTENTION) and torch.backends.cuda.cudnn_sdp_enabled():
-            return _CUDNN
-        if backend == int(SDPBackend.MATH) and torch.backends.cuda.math_sdp_enabled():
-            return _MATH
-        if backend == int(SDPBackend.EFFICIENT_ATTENTION) and torch.backends.cuda.mem_efficient_sdp_enabled():
-            return _MATH
+        if backend in kernels and kernels[backend][0]():
+            return kernels[backend][1]
     return _MATH
 
 

@@ -23,6 +23,9 @@ from conftest import raises_longstraw
 from losses import grpo_loss_f64, pg_tail
 from tiny_models import make_group, make_model
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import grpo_bench as bench  # noqa: E402
+
 
 def make_hybrid():
     torch.manual_seed(0)
@@ -103,9 +106,6 @@ H200_SWEEPS = {
 def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
     """(model, [(mode, measured run, plan)]) for every successful H200 sweep
     run of a benchmark model; one explain per model for every mode and P."""
-    sys.path.insert(0, str(H200_RESULTS.parents[1] / "benchmarks"))
-    import grpo_bench as bench
-
     kind = request.param
     meta = torch.device("meta")
     model = bench.build_model(kind, False, torch.bfloat16, meta)
@@ -127,9 +127,6 @@ def test_a_prompt_without_values_ends_where_the_loss_starts_reading():
     """TRL-style token ids on the meta device: whether the rows share a
     prefix cannot be checked, so the traced prompt is every position before
     the first logit the loss reads, as in the simulation."""
-    sys.path.insert(0, str(H200_RESULTS.parents[1] / "benchmarks"))
-    import grpo_bench as bench
-
     meta = torch.device("meta")
     model = bench.build_model("dense", True, torch.float32, meta)
     model.config.use_cache = False
