@@ -221,7 +221,14 @@ class GroupRunner:
     ) -> list[torch.Tensor | None]:
         part, state, prefix_len = self.part, call.state, call.prefix_len
         wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        # The steps read detached aliases of the inputs that need gradients,
+        # and autograd accumulates into the aliases' .grad: it adds each
+        # gradient in place as the engine produces it, so one set is live,
+        # where autograd.grad would return a second whole set every branch.
+        inputs = list(inputs)
+        for i in wanted:
+            inputs[i] = inputs[i].detach().requires_grad_(True)
+        leaves = [inputs[i] for i in wanted]
         # d(state) matters only if some trainable input feeds the captured state
         exact = (
             self.options.prompt_grad == "exact" and prefix_len > 0 and any(i in self.state_ancestors for i in wanted)
@@ -237,7 +244,7 @@ class GroupRunner:
             with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
                 outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, call.values, row, prefix_len, branch_len))
-                self._accumulate(grads, wanted, inputs, outs, slices)
+                self._accumulate(leaves, outs, slices)
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
@@ -245,8 +252,11 @@ class GroupRunner:
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
-                    self._accumulate(grads, wanted, inputs, outs, seeds)
+                    self._accumulate(leaves, outs, seeds)
         state.release()
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, leaf in zip(wanted, leaves):
+            grads[i], leaf.grad = leaf.grad, None
         return grads
 
     @contextlib.contextmanager
@@ -260,22 +270,10 @@ class GroupRunner:
                 yield
 
     @staticmethod
-    def _accumulate(
-        grads: list[torch.Tensor | None],
-        wanted: list[int],
-        inputs: Sequence[Any],
-        outputs: Sequence[torch.Tensor],
-        seeds: Sequence[torch.Tensor | None],
-    ) -> None:
+    def _accumulate(leaves: list[torch.Tensor], outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None]) -> None:
         pairs = [(o, s) for o, s in zip(outputs, seeds) if s is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        if not pairs or not wanted:
-            return
-        result = torch.autograd.grad(
-            [o for o, _ in pairs], [inputs[i] for i in wanted], [s for _, s in pairs], allow_unused=True
-        )
-        for i, g in zip(wanted, result):
-            if g is not None:
-                grads[i] = g if grads[i] is None else grads[i].add_(g)
+        if pairs and leaves:
+            torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs], inputs=leaves)
 
 
 @contextlib.contextmanager
