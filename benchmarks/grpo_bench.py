@@ -507,6 +507,7 @@ def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
             continue
         with Runner(model, kind, mode) as runner:
             result = measure(runner, group, repeats=2, warmup=True)
+        result["P"] = args.p_speed
         if result["ok"]:
             result["mfu"] = flops.step(mode, args.G, args.p_speed, args.R) / result["seconds"] / PEAK_FLOPS
         print(f"  {kind} {mode:20} P={args.p_speed:>8} warm {_describe(result)}", flush=True)
@@ -567,12 +568,14 @@ def compare(got: dict, want: dict) -> dict:
     return {"max_rel_l2": rel[worst], "worst_parameter": worst, "min_cosine": min(cos.values()), "parameters": len(want)}
 
 
-def reference_grads(model, kind: str, group: Group) -> dict[str, torch.Tensor]:
+def reference_grads(model, kind: str, group: Group, bound: bool = False) -> dict[str, torch.Tensor]:
     """Eager gradients, accumulated branch by branch: the loss is a sum over
     branches, and one sequence at a time keeps float32 attention (SDPA's
-    math kernel under grouped K/V, [G, H, N, N] scores at once) in memory."""
+    math kernel under grouped K/V, [G, H, N, N] scores at once) in memory.
+    `bound` runs the hybrid's Gated DeltaNet through LongStraw's operators,
+    which compute in the input dtype (HF's own kernel rounds through float32)."""
     model.zero_grad(set_to_none=True)
-    with Runner(model, kind, "eager_ckpt"):
+    with Runner(model, kind, "eager_ckpt"), (qwen3_5.bound() if bound and kind == "hybrid" else contextlib.nullcontext()):
         for g in range(group.responses.shape[0]):
             branch = Group(group.prompt, group.responses[g : g + 1], group.advantages[g : g + 1], group.mask[g : g + 1])
             share = branch.mask.sum() / group.mask.sum()
@@ -581,22 +584,34 @@ def reference_grads(model, kind: str, group: Group) -> dict[str, torch.Tensor]:
 
 
 def parity(kind, args, device) -> dict:
-    """longstraw exact against the eager reference (`reference_grads`)."""
+    """longstraw exact against the eager reference (`reference_grads`) in
+    float32 and bf16; both float32 runs also against a float64 eager run
+    (`longstraw_vs_float64`, `eager_vs_float64`), which says whose rounding
+    a float32 gap is."""
     out = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for dtype in (torch.float32, torch.bfloat16):
+    truth = None
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
         model = build_model(kind, args.tiny, dtype, device)
         group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
         result = {}
         try:
-            want = reference_grads(model, kind, group)
-            with Runner(model, kind, "longstraw_exact") as runner:
-                runner.step(group)
-            result = compare(grads_of(model), want)
+            if dtype == torch.float64:
+                truth = {n: g.cpu() for n, g in reference_grads(model, kind, group, bound=True).items()}
+            else:
+                want = reference_grads(model, kind, group)
+                with Runner(model, kind, "longstraw_exact") as runner:
+                    runner.step(group)
+                got = grads_of(model)
+                result = compare(got, want)
+                if dtype == torch.float32 and truth is not None:
+                    result["longstraw_vs_float64"] = compare({n: g.cpu() for n, g in got.items()}, truth)["max_rel_l2"]
+                    result["eager_vs_float64"] = compare({n: g.cpu() for n, g in want.items()}, truth)["max_rel_l2"]
         except Exception as error:  # noqa: BLE001
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        out[str(dtype).removeprefix("torch.")] = result
+        if dtype != torch.float64 or "error" in result:
+            out[str(dtype).removeprefix("torch.")] = result
         print(f"  {kind} parity {dtype} P={args.p_parity}: {result}", flush=True)
         del model
         release()
@@ -761,7 +776,9 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     run; one branch and one chunk are the activations of eager fwd+bwd over R
     and over one chunk of a single sequence (detached: the chunk without
     grad), measured with every .grad already held, as LongStraw holds the
-    sum while it replays the branches and chunks after the first."""
+    sum while it replays the branches and chunks after the first. The
+    hybrid's Gated DeltaNet runs LongStraw's operators there, as in the
+    step (HF's PyTorch kernel keeps several times their activations)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
     backend = longstraw.Backend(prompt_grad="exact")
@@ -773,7 +790,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     release(model)
     chunk = longstraw.Options().prefix_chunk_size
     activations = {}
-    with Runner(model, kind, "eager") as runner:
+    with Runner(model, kind, "eager") as runner, (qwen3_5.bound() if kind == "hybrid" else contextlib.nullcontext()):
         for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
             g = make_group(1, P, R, vocab, model.device)
             release(model)
@@ -788,7 +805,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
                     model(input_ids=g.input_ids, logits_to_keep=1)
             activations[name] = torch.cuda.max_memory_allocated() - base
             release(model)
-    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "grads_held": True,
+    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "grads_held": True, "longstraw_operators": True,
            "state_bytes_per_position": plan.state_bytes_per_position, "state_fixed_bytes": plan.state_fixed_bytes,
            "activations_gb": {k: v / GiB for k, v in activations.items()}, "prefix_chunk_size": chunk, "runs": []}
     for mode in ("longstraw_detached", "longstraw_exact"):
@@ -827,13 +844,15 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = [m for m in results if "sweep" in results[m]]
+    if not models:
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
     for ax, kind in zip(axes[0], models):
         for mode, data in sorted(results[kind]["sweep"].items(), key=lambda item: MODES.index(item[0])):
             ok = [r for r in data["runs"] if r["ok"]]
-            warm = results[kind].get("speed", {}).get(mode, {})
-            if warm.get("ok") and all(r["P"] != results[kind]["p_speed"] for r in ok):
-                ok.append({**warm, "P": results[kind]["p_speed"]})
+            for warm in speed_runs(results[kind]):
+                if warm["mode"] == mode and warm.get("ok") and all(r["P"] != warm["P"] for r in ok):
+                    ok.append(warm)
             if ok:
                 ok.sort(key=lambda r: r["P"])
                 color = f"C{MODES.index(mode)}"  # one colour per mode in every panel
@@ -851,7 +870,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def summarize(result: dict) -> dict:
-    sweep_out, speed_out = result.get("sweep", {}), result.get("speed", {})
+    sweep_out = result.get("sweep", {})
     summary = {
         "max_prompt_tokens": {m: d["max_prompt_tokens"] for m, d in sweep_out.items()},
         "max_prompt_limited_by": {m: d["limited_by"] for m, d in sweep_out.items()},
@@ -861,11 +880,12 @@ def summarize(result: dict) -> dict:
     }
     gd = result.get("gdelta", {})
     summary["peak_delta_g2_to_g8_gb"] = {m: d.get("delta_gb") for m, d in gd.items()}
-    exact, ckpt = speed_out.get("longstraw_exact", {}), speed_out.get("eager_ckpt", {})
-    if exact.get("ok") and ckpt.get("ok"):
-        summary["speedup_vs_eager_ckpt_at_32k"] = ckpt["seconds"] / exact["seconds"]
-    elif speed_out:
-        summary["speedup_vs_eager_ckpt_at_32k"] = None
+    warm = {(r["mode"], r["P"]): r for r in speed_runs(result) if r.get("ok")}
+    speedups = {P: warm[("eager_ckpt", P)]["seconds"] / warm[("longstraw_exact", P)]["seconds"]
+                for mode, P in warm if mode == "longstraw_exact" and ("eager_ckpt", P) in warm}
+    if speed_runs(result):
+        summary["speedup_vs_eager_ckpt_at_32k"] = speedups.get(32768)
+        summary["speedup_vs_eager_ckpt_by_p"] = dict(sorted(speedups.items()))
     if "capture" in result:
         summary["prefix_capture_mfu"] = result["capture"].get("mfu")
         summary["prefix_capture_at_p"] = result["capture"].get("P")
@@ -893,13 +913,13 @@ def print_table(kind: str, result: dict) -> None:
             by_p = {r["P"]: r["peak_gb"] for r in data["runs"] if r["ok"]}  # a length may have run more than once
             peaks = " ".join(f"{P // 1024}K:{peak:.0f}" for P, peak in by_p.items())
             print(f"{mode:22} {data['max_prompt_tokens'] or 0:>9} {data['limited_by']:>6}   {peaks}")
-    if "speed" in result:
-        print(f"{'mode':22} {'s/step @' + str(result['p_speed']):>14} {'MFU':>6}")
-        for mode, r in result["speed"].items():
+    if speed_runs(result):
+        print(f"{'mode':22} {'P':>9} {'s/step':>8} {'MFU':>6}")
+        for r in sorted(speed_runs(result), key=lambda r: r["P"]):
             if r.get("ok"):
-                print(f"{mode:22} {r['seconds']:>14.2f} {r['mfu']:>6.1%}")
+                print(f"{r['mode']:22} {r['P']:>9} {r['seconds']:>8.2f} {r['mfu']:>6.1%}")
             else:
-                print(f"{mode:22} {_describe(r):>14}")
+                print(f"{r['mode']:22} {r['P']:>9} {_describe(r):>8}")
     for key in ("gdelta", "capture", "parity"):
         if key in result:
             print(f"{key}: {json.dumps(result[key])}")
@@ -918,23 +938,35 @@ def git_commit() -> str:
 MODE_KEYED_PARTS = ("sweep", "speed")
 
 
+def speed_runs(result: dict) -> list[dict]:
+    """Warm step times as a list of entries with `mode` and `P` (a merged
+    result keeps them so; a file keys them by mode, and files before the
+    entries carried P hold the file's `--p-speed`)."""
+    if "speed_runs" in result:
+        return result["speed_runs"]
+    return [{**r, "mode": mode, "P": r.get("P", result["p_speed"])} for mode, r in result.get("speed", {}).items()]
+
+
 def merge(results: list[dict]) -> dict:
     """Results of one model from several commands (the device's 10-minute
-    limit): per mode, the sweep, speed and memory-floor entries of the last
-    file that has them; every other part from the last file that has it. `sources` says
-    which command measured what."""
+    limit): per mode, the sweep and memory-floor entries of the last file
+    that has them, per mode and P the speed entries; every other part from
+    the last file that has it. `sources` says which command measured what."""
     merged: dict = {"sources": []}
+    warm: dict[tuple[str, int], dict] = {}
     for result in results:
         parts = [k for k in result if k in (*MODE_KEYED_PARTS, "gdelta", "capture", "parity", "kernels", "memory_floor", "trace", "profile")]
         merged["sources"].append({"command": result["command"], "git_commit": result["git_commit"], "parts": parts,
                                   "modes": sorted({m for k in MODE_KEYED_PARTS for m in result.get(k, {})})})
+        warm.update({(r["mode"], r["P"]): r for r in speed_runs(result)})
         for key, value in result.items():
-            if key in MODE_KEYED_PARTS:
+            if key == "sweep":
                 merged.setdefault(key, {}).update(value)
             elif key == "memory_floor":
                 merged[key] = _merge_floor(merged.get(key), value)
-            elif key != "sources":
+            elif key not in ("sources", "speed"):
                 merged[key] = value
+    merged["speed_runs"] = list(warm.values())
     return merged
 
 
@@ -955,9 +987,9 @@ def rescore(result: dict, kind: str) -> dict:
         for run in entry["runs"]:
             if run.get("ok"):
                 run["mfu"] = flops.step(mode, run["G"], run["P"], run["R"]) / run["seconds"] / PEAK_FLOPS
-    for mode, run in result.get("speed", {}).items():
+    for run in speed_runs(result):
         if run.get("ok"):
-            run["mfu"] = flops.step(mode, G, result["p_speed"], R) / run["seconds"] / PEAK_FLOPS
+            run["mfu"] = flops.step(run["mode"], G, run["P"], R) / run["seconds"] / PEAK_FLOPS
     if "memory_floor" in result:
         score_floor(result["memory_floor"], R)
     capture = result.get("capture", {})
