@@ -816,7 +816,10 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
 
 
 def score_floor(floor: dict, R: int) -> dict:
-    """`floor_gb` and `over_floor` of every run from the measured terms.
+    """`floor_gb` and `over_floor` of every run from the measured terms: the
+    issue's sum. `phase_floor_gb` takes the larger of the branch and the
+    chunk instead, as the step never holds both: the prompt chunks run
+    before the branches, the reverse pass after them.
     Files without `grads_held` measured the branch and chunk from empty
     .grad, so their peaks include the gradients the backward allocated;
     those come off, which leaves a lower bound on the activations (the
@@ -829,8 +832,11 @@ def score_floor(floor: dict, R: int) -> dict:
         chunks = math.ceil((P - 1) / floor["prefix_chunk_size"])
         state = (floor["state_bytes_per_position"] * (P - 1 + R) + floor["state_fixed_bytes"] * (chunks + 1)) / GiB
         chunk = acts["chunk_grad"] - grads if exact else acts["chunk_nograd"]
-        run["floor_gb"] = floor["weights_gb"] + floor["grads_gb"] + state * (2 if exact else 1) + acts["branch"] - grads + chunk
+        held = floor["weights_gb"] + floor["grads_gb"] + state * (2 if exact else 1)
+        run["floor_gb"] = held + acts["branch"] - grads + chunk
         run["over_floor"] = run["peak_gb"] / run["floor_gb"] - 1
+        run["phase_floor_gb"] = held + max(acts["branch"] - grads, chunk)
+        run["over_phase_floor"] = run["peak_gb"] / run["phase_floor_gb"] - 1
     return floor
 
 
@@ -892,16 +898,20 @@ def summarize(result: dict) -> dict:
         summary["prefix_capture_kernel"] = result["capture"].get("kernel", "flash")
         summary["prefix_capture_mfu_by_kernel"] = {k: v.get("mfu") for k, v in result["capture"].get("kernels", {}).items()}
     floor = result.get("memory_floor", {}).get("runs", [])
-    if floor:
-        summary["peak_over_floor"] = {
-            mode: {"max": max(r["over_floor"] for r in floor if r["mode"] == mode),
-                   "min": min(r["over_floor"] for r in floor if r["mode"] == mode)}
-            for mode in sorted({r["mode"] for r in floor})
-        }
+    for key in ("over_floor", "over_phase_floor"):
+        if any(key in r for r in floor):
+            summary[f"peak_{key}"] = {
+                mode: {"max": max(r[key] for r in floor if r["mode"] == mode),
+                       "min": min(r[key] for r in floor if r["mode"] == mode)}
+                for mode in sorted({r["mode"] for r in floor})
+            }
     par = result.get("parity", {})
     if par:
         summary["parity_fp32_max_rel_l2"] = par.get("float32", {}).get("max_rel_l2")
         summary["parity_bf16_min_cosine"] = par.get("bfloat16", {}).get("min_cosine")
+        if "longstraw_vs_float64" in par.get("float32", {}):
+            summary["parity_fp32_max_rel_l2_vs_float64"] = {
+                "longstraw": par["float32"]["longstraw_vs_float64"], "eager": par["float32"]["eager_vs_float64"]}
     return summary
 
 
@@ -920,6 +930,11 @@ def print_table(kind: str, result: dict) -> None:
                 print(f"{r['mode']:22} {r['P']:>9} {r['seconds']:>8.2f} {r['mfu']:>6.1%}")
             else:
                 print(f"{r['mode']:22} {r['P']:>9} {_describe(r):>8}")
+    runs = result.get("memory_floor", {}).get("runs", [])
+    for mode in sorted({r["mode"] for r in runs}):
+        over = [r["over_floor"] for r in runs if r["mode"] == mode]
+        phase = [r["over_phase_floor"] for r in runs if r["mode"] == mode]
+        print(f"{mode:22} peak over floor {min(over):+.1%}..{max(over):+.1%}, over phase floor {min(phase):+.1%}..{max(phase):+.1%}")
     for key in ("gdelta", "capture", "parity"):
         if key in result:
             print(f"{key}: {json.dumps(result[key])}")
@@ -949,9 +964,10 @@ def speed_runs(result: dict) -> list[dict]:
 
 def merge(results: list[dict]) -> dict:
     """Results of one model from several commands (the device's 10-minute
-    limit): per mode, the sweep and memory-floor entries of the last file
-    that has them, per mode and P the speed entries; every other part from
-    the last file that has it. `sources` says which command measured what."""
+    limit): per mode and P, the sweep, speed and memory-floor runs of the
+    last file that has them (so a command can extend another's sweep);
+    every other part from the last file that has it. `sources` says which
+    command measured what."""
     merged: dict = {"sources": []}
     warm: dict[tuple[str, int], dict] = {}
     for result in results:
@@ -961,7 +977,9 @@ def merge(results: list[dict]) -> dict:
         warm.update({(r["mode"], r["P"]): r for r in speed_runs(result)})
         for key, value in result.items():
             if key == "sweep":
-                merged.setdefault(key, {}).update(value)
+                sweeps = merged.setdefault(key, {})
+                for mode, entry in value.items():
+                    sweeps[mode] = _merge_sweep(sweeps.get(mode), entry)
             elif key == "memory_floor":
                 merged[key] = _merge_floor(merged.get(key), value)
             elif key not in ("sources", "speed"):
@@ -970,10 +988,20 @@ def merge(results: list[dict]) -> dict:
     return merged
 
 
+def _merge_sweep(old: dict | None, new: dict) -> dict:
+    """Runs by P, the later file's where both ran one; the largest P run,
+    and what stopped it, from the file that reached further."""
+    if old is None:
+        return new
+    runs = {r["P"]: r for r in old["runs"]} | {r["P"]: r for r in new["runs"]}
+    further = new if (new["max_prompt_tokens"] or 0) >= (old["max_prompt_tokens"] or 0) else old
+    return {**further, "runs": [runs[P] for P in sorted(runs)]}
+
+
 def _merge_floor(old: dict | None, new: dict) -> dict:
-    """A later file's floor runs replace the earlier ones of the same modes."""
-    modes = {r["mode"] for r in new["runs"]}
-    kept = [r for r in (old or {}).get("runs", []) if r["mode"] not in modes]
+    """A later file's floor runs replace the earlier ones of the same mode and P."""
+    fresh = {(r["mode"], r["P"]) for r in new["runs"]}
+    kept = [r for r in (old or {}).get("runs", []) if (r["mode"], r["P"]) not in fresh]
     return {**new, "runs": kept + new["runs"]}
 
 

@@ -151,16 +151,35 @@ def test_floor_counts_the_gradients_once():
     assert detached["floor_gb"] == pytest.approx(8.0 + state + 0.5 + 1.0)
     assert exact["floor_gb"] == pytest.approx(8.0 + 2 * state + 0.5 + 3.0)
     assert exact["over_floor"] == pytest.approx(12.0 / exact["floor_gb"] - 1)
+    # the phase floor: a branch and a chunk are never live at once
+    assert detached["phase_floor_gb"] == pytest.approx(8.0 + state + 1.0)
+    assert exact["phase_floor_gb"] == pytest.approx(8.0 + 2 * state + 3.0)
     floor["grads_held"] = True
-    assert bench.score_floor(floor, R=50)["runs"][1]["floor_gb"] == pytest.approx(8.0 + 2 * state + 4.5 + 7.0)
+    detached, exact = bench.score_floor(floor, R=50)["runs"]
+    assert exact["floor_gb"] == pytest.approx(8.0 + 2 * state + 4.5 + 7.0)
+    assert exact["phase_floor_gb"] == pytest.approx(8.0 + 2 * state + 7.0)
+    assert detached["phase_floor_gb"] == pytest.approx(8.0 + state + 4.5)
 
 
-def test_merge_takes_memory_floor_runs_per_mode():
+def test_merge_takes_memory_floor_runs_per_mode_and_p():
     floor = lambda *runs: {"weights_gb": 1.0, "runs": [{"mode": m, "P": P, "over_floor": x} for m, P, x in runs]}  # noqa: E731
     first = _result("cmd a", {}, {}, memory_floor=floor(("longstraw_detached", 64, -0.05), ("longstraw_exact", 64, 0.3)))
-    second = _result("cmd b", {}, {}, memory_floor=floor(("longstraw_exact", 128, -0.2)))
+    second = _result("cmd b", {}, {}, memory_floor=floor(("longstraw_exact", 64, -0.2), ("longstraw_exact", 128, -0.1)))
     runs = bench.merge([first, second])["memory_floor"]["runs"]
-    assert [(r["mode"], r["P"]) for r in runs] == [("longstraw_detached", 64), ("longstraw_exact", 128)]
+    assert [(r["mode"], r["P"], r["over_floor"]) for r in runs] == [
+        ("longstraw_detached", 64, -0.05), ("longstraw_exact", 64, -0.2), ("longstraw_exact", 128, -0.1)]
+
+
+def test_a_later_command_extends_a_sweep():
+    run = lambda P, peak, ok=True: {"ok": ok, "P": P, "G": 8, "R": 4, "peak_gb": peak}  # noqa: E731
+    first = _result("cmd a", {"longstraw_exact": {"runs": [run(64, 1.0), run(128, 2.0)], "max_prompt_tokens": 128,
+                                                  "limited_by": "time"}}, {})
+    second = _result("cmd b", {"longstraw_exact": {"runs": [run(128, 1.5), run(256, 3.0)], "max_prompt_tokens": 256,
+                                                   "limited_by": "p_max"}}, {})
+    third = _result("cmd c", {"longstraw_exact": {"runs": [run(64, 0.9)], "max_prompt_tokens": 64, "limited_by": "time"}}, {})
+    entry = bench.merge([first, second, third])["sweep"]["longstraw_exact"]
+    assert [(r["P"], r["peak_gb"]) for r in entry["runs"]] == [(64, 0.9), (128, 1.5), (256, 3.0)]
+    assert (entry["max_prompt_tokens"], entry["limited_by"]) == (256, "p_max")
 
 
 def test_next_step_seconds_extrapolates_from_the_last_doubling():
