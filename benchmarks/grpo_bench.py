@@ -29,9 +29,11 @@ Parts (`--parts`), all in one process; every run is bounded by
            last success and the first failure. Every run's peak allocated
            memory and step time are recorded (plot: peak vs P).
   gdelta   peak(G=8) - peak(G=2) at --p-gdelta for the longstraw modes.
-  speed    warm step time of every mode at --p-speed (and MFU).
+  speed    warm step time of every mode at --p-speed (and MFU); the
+           report keeps the entries of every P measured.
   parity   longstraw exact against eager (checkpointed, same math) at
-           --p-parity, float32 (relative L2) and bf16 (cosine).
+           --p-parity, float32 (relative L2) and bf16 (cosine); both
+           float32 runs also against a float64 eager run.
   kernels  flash and cuDNN against the explicit-softmax kernel, and their
            forward speed at a capture chunk.
   capture  the compiled forward at --p-capture, flash and cuDNN attention.
