@@ -205,19 +205,19 @@ def _repeat_layer(layer, G: int) -> None:
 
 
 class Runner:
-    """Builds the step of one mode for one model; `step(group)` runs loss + backward."""
+    """Builds the step of one mode for one model; `step(group)` runs loss + backward.
+    The hybrid's Gated DeltaNet runs LongStraw's operators in the longstraw
+    modes and, with `longstraw_operators`, in the eager ones too; else HF's own."""
 
-    def __init__(self, model, kind: str, mode: str) -> None:
+    def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False) -> None:
         self.model, self.kind, self.mode = model, kind, mode
+        self.longstraw_operators = longstraw_operators or mode.startswith("longstraw")
         self.compiled: Callable | None = None
 
     def __enter__(self):
         model = self.model
         if self.kind == "hybrid":
-            if self.mode.startswith("longstraw"):
-                self._unbind = qwen3_5.bind()
-            else:
-                self._unbind = _torch_gated_delta()
+            self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta()
         if self.mode == "eager_ckpt":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.mode == "eager_shared_prefix" and self.kind == "dense":
@@ -577,12 +577,17 @@ def reference_grads(model, kind: str, group: Group, bound: bool = False) -> dict
     `bound` runs the hybrid's Gated DeltaNet through LongStraw's operators,
     which compute in the input dtype (HF's own kernel rounds through float32)."""
     model.zero_grad(set_to_none=True)
-    with Runner(model, kind, "eager_ckpt"), (qwen3_5.bound() if bound and kind == "hybrid" else contextlib.nullcontext()):
+    with Runner(model, kind, "eager_ckpt", longstraw_operators=bound):
         for g in range(group.responses.shape[0]):
             branch = Group(group.prompt, group.responses[g : g + 1], group.advantages[g : g + 1], group.mask[g : g + 1])
             share = branch.mask.sum() / group.mask.sum()
             (eager_step(model, branch) * share).backward()
     return grads_of(model)
+
+
+def _on_cpu(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies: the float64 gradients wait there while the float32 runs use the device."""
+    return {n: g.cpu() for n, g in grads.items()}
 
 
 def parity(kind, args, device) -> dict:
@@ -600,7 +605,7 @@ def parity(kind, args, device) -> dict:
         result = {}
         try:
             if dtype == torch.float64:
-                truth = {n: g.cpu() for n, g in reference_grads(model, kind, group, bound=True).items()}
+                truth = _on_cpu(reference_grads(model, kind, group, bound=True))
             else:
                 want = reference_grads(model, kind, group)
                 with Runner(model, kind, "longstraw_exact") as runner:
@@ -608,8 +613,8 @@ def parity(kind, args, device) -> dict:
                 got = grads_of(model)
                 result = compare(got, want)
                 if dtype == torch.float32 and truth is not None:
-                    result["longstraw_vs_float64"] = compare({n: g.cpu() for n, g in got.items()}, truth)["max_rel_l2"]
-                    result["eager_vs_float64"] = compare({n: g.cpu() for n, g in want.items()}, truth)["max_rel_l2"]
+                    result["longstraw_vs_float64"] = compare(_on_cpu(got), truth)["max_rel_l2"]
+                    result["eager_vs_float64"] = compare(_on_cpu(want), truth)["max_rel_l2"]
         except Exception as error:  # noqa: BLE001
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         if dtype != torch.float64 or "error" in result:
@@ -792,7 +797,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     release(model)
     chunk = longstraw.Options().prefix_chunk_size
     activations = {}
-    with Runner(model, kind, "eager") as runner, (qwen3_5.bound() if kind == "hybrid" else contextlib.nullcontext()):
+    with Runner(model, kind, "eager", longstraw_operators=True) as runner:
         for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
             g = make_group(1, P, R, vocab, model.device)
             release(model)
@@ -888,10 +893,11 @@ def summarize(result: dict) -> dict:
     }
     gd = result.get("gdelta", {})
     summary["peak_delta_g2_to_g8_gb"] = {m: d.get("delta_gb") for m, d in gd.items()}
-    warm = {(r["mode"], r["P"]): r for r in speed_runs(result) if r.get("ok")}
+    timed = speed_runs(result)
+    warm = {(r["mode"], r["P"]): r for r in timed if r.get("ok")}
     speedups = {P: warm[("eager_ckpt", P)]["seconds"] / warm[("longstraw_exact", P)]["seconds"]
                 for mode, P in warm if mode == "longstraw_exact" and ("eager_ckpt", P) in warm}
-    if speed_runs(result):
+    if timed:
         summary["speedup_vs_eager_ckpt_at_32k"] = speedups.get(32768)
         summary["speedup_vs_eager_ckpt_by_p"] = dict(sorted(speedups.items()))
     if "capture" in result:
@@ -899,14 +905,8 @@ def summarize(result: dict) -> dict:
         summary["prefix_capture_at_p"] = result["capture"].get("P")
         summary["prefix_capture_kernel"] = result["capture"].get("kernel", "flash")
         summary["prefix_capture_mfu_by_kernel"] = {k: v.get("mfu") for k, v in result["capture"].get("kernels", {}).items()}
-    floor = result.get("memory_floor", {}).get("runs", [])
-    for key in ("over_floor", "over_phase_floor"):
-        if any(key in r for r in floor):
-            summary[f"peak_{key}"] = {
-                mode: {"max": max(r[key] for r in floor if r["mode"] == mode),
-                       "min": min(r[key] for r in floor if r["mode"] == mode)}
-                for mode in sorted({r["mode"] for r in floor})
-            }
+    for key, by_mode in floor_ranges(result).items():
+        summary[f"peak_{key}"] = by_mode
     par = result.get("parity", {})
     if par:
         summary["parity_fp32_max_rel_l2"] = par.get("float32", {}).get("max_rel_l2")
@@ -915,6 +915,16 @@ def summarize(result: dict) -> dict:
             summary["parity_fp32_max_rel_l2_vs_float64"] = {
                 "longstraw": par["float32"]["longstraw_vs_float64"], "eager": par["float32"]["eager_vs_float64"]}
     return summary
+
+
+def floor_ranges(result: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """Per score (`over_floor`, `over_phase_floor`) and mode, its min and max over the floor runs."""
+    runs = result.get("memory_floor", {}).get("runs", [])
+    return {
+        key: {mode: {"max": max(r[key] for r in runs if r["mode"] == mode), "min": min(r[key] for r in runs if r["mode"] == mode)}
+              for mode in sorted({r["mode"] for r in runs})}
+        for key in ("over_floor", "over_phase_floor") if runs
+    }
 
 
 def print_table(kind: str, result: dict) -> None:
@@ -932,11 +942,11 @@ def print_table(kind: str, result: dict) -> None:
                 print(f"{r['mode']:22} {r['P']:>9} {r['seconds']:>8.2f} {r['mfu']:>6.1%}")
             else:
                 print(f"{r['mode']:22} {r['P']:>9} {_describe(r):>8}")
-    runs = result.get("memory_floor", {}).get("runs", [])
-    for mode in sorted({r["mode"] for r in runs}):
-        over = [r["over_floor"] for r in runs if r["mode"] == mode]
-        phase = [r["over_phase_floor"] for r in runs if r["mode"] == mode]
-        print(f"{mode:22} peak over floor {min(over):+.1%}..{max(over):+.1%}, over phase floor {min(phase):+.1%}..{max(phase):+.1%}")
+    ranges = floor_ranges(result)
+    for mode in ranges.get("over_floor", {}):
+        over, phase = ranges["over_floor"][mode], ranges["over_phase_floor"][mode]
+        print(f"{mode:22} peak over floor {over['min']:+.1%}..{over['max']:+.1%}, "
+              f"over phase floor {phase['min']:+.1%}..{phase['max']:+.1%}")
     for key in ("gdelta", "capture", "parity"):
         if key in result:
             print(f"{key}: {json.dumps(result[key])}")
