@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections import OrderedDict, deque
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
@@ -26,6 +26,7 @@ from .errors import UnsupportedGraphError
 from .options import Options
 from .partition import Partition, partition
 from .runtime import GroupFunction, GroupRunner
+from .specialize import Specialization, scalar_of, specialize
 from .stepgraph import StepGraph, build_outer, build_step, build_tail
 
 log = logging.getLogger("longstraw")
@@ -103,8 +104,8 @@ class PlanningDone(Exception):  # noqa: N818 - control flow, not an error
 class Backend:
     """A `torch.compile` backend object; `backend="longstraw"` makes a fresh one.
 
-    `plans` lists a `GroupPlan` per compiled graph and input signature, in
-    the order they were made. With `stop_after_planning`, the first call
+    `plans` lists the `GroupPlan`s made for the compiled graphs, in the order
+    they were made, the last `options.plan_cache_size` of them. With `stop_after_planning`, the first call
     raises `PlanningDone` instead of running (how `explain` plans)."""
 
     def __init__(
@@ -118,7 +119,7 @@ class Backend:
             options = {**dataclasses.asdict(Options.from_any(options)), **option_fields}
         self.options = Options.from_any(options)
         self.passes = passes
-        self.plans: list[GroupPlan] = []
+        self.plans: deque[GroupPlan] = deque(maxlen=self.options.plan_cache_size)
         self.stop_after_planning = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
@@ -132,20 +133,23 @@ def longstraw_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
 
 
 class CompiledGroupLoss:
-    """What Dynamo calls in place of the loss graph."""
+    """What Dynamo calls in place of the loss graph.
+
+    Plans are cached per input signature (shapes, strides, dtypes, devices,
+    requires_grad, Python scalars) and, where a plan folded an argument's
+    value, per that value; the cache keeps the `options.plan_cache_size`
+    most recently used."""
 
     def __init__(self, gm: fx.GraphModule, options: Options, backend: Backend) -> None:
         self.gm = gm
         self.options = options
         self.backend = backend
-        self.plans: dict[tuple, GroupPlan | None] = {}
+        self.plans: OrderedDict[tuple, GroupPlan | None] = OrderedDict()
+        self.guarded: dict[tuple, tuple[int, ...]] = {}  # signature -> arguments its plans fold
         self.warned = False
 
     def __call__(self, *args: Any) -> Any:
-        key = _signature(args)
-        if key not in self.plans:
-            self.plans[key] = self._plan(args)
-        plan = self.plans[key]
+        plan = self._plan_for(args)
         if plan is not None and self.backend.stop_after_planning:
             raise PlanningDone(plan)
         if plan is None:
@@ -153,16 +157,29 @@ class CompiledGroupLoss:
         outputs = GroupFunction.apply(plan.runner, *args)
         return plan.tail.module(*args, *outputs)
 
-    def _plan(self, args: Sequence[Any]) -> GroupPlan | None:
-        gm = specialize(self.gm, args)
-        params = {
-            p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args)
-            if isinstance(a, torch.nn.Parameter) or "_parameters_" in p.name or "_buffers_" in p.name
-            or (isinstance(a, torch.Tensor) and a.requires_grad)
-        }
+    def _plan_for(self, args: Sequence[Any]) -> GroupPlan | None:
+        signature = _signature(args)
+        key = None
+        if signature in self.guarded:
+            key = (signature, tuple(scalar_of(args[i]) for i in self.guarded[signature]))
+            if key in self.plans:
+                self.plans.move_to_end(key)
+                return self.plans[key]
+        special = specialize(self.gm, args)
+        self.guarded[signature] = tuple(i for i, _ in special.guards)
+        key = (signature, tuple(v for _, v in special.guards))
+        self.plans[key] = self._plan(special, args)
+        while len(self.plans) > self.options.plan_cache_size:
+            self.plans.popitem(last=False)
+        return self.plans[key]
+
+    def _plan(self, special: Specialization, args: Sequence[Any]) -> GroupPlan | None:
+        gm = special.gm
+        params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
         try:
             part = partition(gm, params, self.backend.passes)
             runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
+            runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = GroupPlan(part, runner, build_tail(part), self.options)
         except UnsupportedGraphError as err:
             if self.options.on_unsupported == "error":
@@ -176,54 +193,15 @@ class CompiledGroupLoss:
         return plan
 
 
+def _is_module_state(placeholder: fx.Node, value: Any) -> bool:
+    """Parameters and buffers: shared by every row of the group whatever
+    their `requires_grad`. Everything else is data, per row or shared as its
+    dimensions say (advantages that require grad are still per row)."""
+    return isinstance(value, torch.nn.Parameter) or "_parameters_" in placeholder.name or "_buffers_" in placeholder.name
+
+
 def _signature(args: Sequence[Any]) -> tuple:
     return tuple(
-        (tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else (type(a), a)
+        (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else (type(a), a)
         for a in args
     )
-
-
-class _Recorder(fx.Interpreter):
-    def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
-        n.meta["longstraw_value"] = value
-        return value
-
-
-def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
-    """A copy of `gm` with every integer computed from sizes folded to a
-    constant for these `args`, and each node's FakeTensor value recorded in
-    `node.meta["longstraw_value"]`."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = fx.GraphModule(gm, graph)
-    _fold_scalar_inputs(copy, args)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    fake_args = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-    with fake_mode, torch.no_grad():
-        _Recorder(copy).run(*fake_args)
-    for node in list(copy.graph.nodes):
-        value = node.meta.get("longstraw_value")
-        if node.op != "output" and not isinstance(value, bool) and isinstance(value, (int, torch.SymInt)):
-            _replace_with_constant(node, int(value))
-    copy.graph.eliminate_dead_code()
-    copy.recompile()
-    return copy
-
-
-def _replace_with_constant(node: fx.Node, constant: Any) -> None:
-    for user in list(node.users):
-        user.args = fx.node.map_arg(user.args, lambda a: constant if a is node else a)
-        user.kwargs = fx.node.map_arg(user.kwargs, lambda a: constant if a is node else a)
-    if node.op != "placeholder":
-        node.graph.erase_node(node)
-
-
-def _fold_scalar_inputs(gm: fx.GraphModule, args: Sequence[Any]) -> None:
-    """`x.item()` of a scalar input (Dynamo lifts Python floats such as
-    `F.embedding`'s norm_type to tensors under `dynamic=True`) becomes its value."""
-    for placeholder, value in zip(list(gm.graph.find_nodes(op="placeholder")), args):
-        for user in list(placeholder.users):
-            if user.op == "call_method" and user.target == "item" and isinstance(value, torch.Tensor):
-                _replace_with_constant(user, value.item())

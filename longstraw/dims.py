@@ -19,6 +19,7 @@ that does not follow their factors (`splits`), and operators without a rule
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,6 +42,8 @@ _BROADCAST = {
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and", "logical_or",
     "where", "masked_fill", "atan2", "lerp", "addcmul", "addcdiv", "rsub", "iadd", "imul",
 }
+ELEMENTWISE = frozenset(_SAME_AS_SELF | _BROADCAST) - {"to", "type", "type_as", "dropout", "cpu", "cuda"}
+"""Operators applied position by position, whose scalar operands may change between calls."""
 _REDUCE = {"sum", "mean", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "all", "any", "count_nonzero"}
 _ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "argsort"}
 _FACTORY = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "tensor",
@@ -137,9 +140,6 @@ class DimAnalysis:
         if not is_call(node):
             return
         name = op_name(node)
-        if name == "setitem":
-            _setitem(self, node)
-            return
         if name in _NO_VALUE or value is None:
             return
         out = self._claimed_rule(self, node) if self._claimed_rule is not None else None
@@ -338,16 +338,6 @@ def _getitem(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     return out
 
 
-def _setitem(an: DimAnalysis, node: fx.Node) -> None:
-    """`x[index] = value` mutates x: record which ranges of which dimensions it writes."""
-    target = node.args[0]
-    indexed = _index(an, target, node.args[1]) if tensor_of(target) is not None else None
-    if indexed is None or indexed[2]:
-        an.unknown.add(node)
-    elif indexed[1]:
-        an.restricts[node] = indexed[1]
-
-
 def _index(an: DimAnalysis, src: fx.Node, index: Any) -> tuple[list[Dim], list[Restriction], list[Dim]] | None:
     """Dimensions of `src[index]`, the restrictions the index applies, and
     the dimensions read at positions given by index tensors."""
@@ -403,6 +393,63 @@ def _advanced_index(
     dims, shape = an._in(src)
     index_shape = tuple(torch.broadcast_shapes(*(tuple(tensor_of(i).shape) for i in indices)))
     return an._broadcast_dims(indices, index_shape) + dims[len(indices):], [], dims[: len(indices)]
+
+
+def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """`updated(x, op, ...)` (functionalize.py): x after an in-place write.
+    The result has x's dimensions; the value written is aligned with the
+    part of x it lands on (the indexed part for `setitem`, all of x for
+    elementwise ops such as `copy_` and `add_`)."""
+    target, op, rest = node.args[0], node.args[1], node.args[2:]
+    dims, shape = an._in(target)
+    if op == "setitem":
+        index, value = rest
+        mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+        if isinstance(mask, fx.Node) and tensor_of(mask) is not None and tensor_of(mask).dtype == torch.bool:
+            if tensor_of(value) is not None and tensor_of(value).numel() != 1:
+                return None  # x[mask] = values: one value per selected element
+            mask_dims, _ = an._in(mask)
+            for a, b in zip(dims, mask_dims):
+                an.unify(a, b)
+            return list(dims)
+        indexed = _index(an, target, index)
+        if indexed is None or indexed[2]:
+            return None
+        written, restrictions, _ = indexed
+        if restrictions:
+            an.restricts[node] = restrictions
+        values = [value]
+    else:
+        if op.rstrip("_") not in _SAME_AS_SELF | _BROADCAST | _FILLS:
+            return None
+        written, values = list(dims), list(rest)
+    written_shape = [math.prod(an.factor_size(f) for f in d) for d in written]
+    for value in values:
+        if isinstance(value, fx.Node) and tensor_of(value) is not None:
+            vdims, vshape = an._in(value)
+            for i in range(1, min(len(vshape), len(written_shape)) + 1):
+                if vshape[-i] == written_shape[-i]:
+                    an.unify(written[-i], vdims[-i])
+    return list(dims)
+
+
+_FILLS = {"copy", "fill", "zero"}
+
+
+def _addmm(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """`addmm(bias, a, b)` / `baddbmm(x, a, b)`: a matmul plus a broadcast term
+    (HF GPT-2's Conv1D over a `[batch * positions, channels]` view)."""
+    product = _matmul_of(an, node, node.args[1], node.args[2])
+    if product is None:
+        return None
+    bias = node.args[0]
+    if isinstance(bias, fx.Node) and tensor_of(bias) is not None:
+        bdims, bshape = an._in(bias)
+        out_shape = an._out_shape(node)
+        for i in range(1, len(bshape) + 1):
+            if bshape[-i] == out_shape[-i]:
+                an.unify(product[-i], bdims[-i])
+    return product
 
 
 def _narrow(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -528,7 +575,10 @@ def _norm(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 
 def _matmul(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
-    a, b = node.args[0], node.args[1]
+    return _matmul_of(an, node, node.args[0], node.args[1])
+
+
+def _matmul_of(an: DimAnalysis, node: fx.Node, a: Any, b: Any) -> list[Dim] | None:
     (da, sa), (db, sb) = an._in(a), an._in(b)
     if len(sa) < 2 or len(sb) < 2:
         return None
@@ -607,10 +657,10 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "unsqueeze": _unsqueeze, "squeeze": _squeeze,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
     "repeat": _expand, "repeat_interleave": _repeat_interleave,
-    "getitem": _getitem, "narrow": _narrow, "select": _select, "setitem": _setitem,
+    "getitem": _getitem, "narrow": _narrow, "select": _select, "updated": _updated,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "split": _split, "chunk": _split, "unbind": _split,
-    "matmul": _matmul, "bmm": _matmul, "mm": _matmul,
+    "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "addmm": _addmm, "baddbmm": _addmm,
     "gather": _gather,
     "diff": _diff,
     "scaled_dot_product_attention": _sdpa,

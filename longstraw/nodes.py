@@ -7,7 +7,6 @@ is a Tensor method name. `op_name` folds both into one vocabulary.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Iterable
 
 import torch
@@ -78,15 +77,6 @@ def size_args(node: fx.Node) -> list[Any]:
     return list(rest)
 
 
-def mutated_input(node: fx.Node) -> fx.Node | None:
-    """The tensor an in-place node writes to (`x[idx] = v`, `x.copy_(y)`), or None."""
-    if node.op == "call_function" and node.target is operator.setitem:
-        return node.args[0]
-    if node.op == "call_method" and str(node.target).endswith("_") and node.target != "requires_grad_":
-        return node.args[0]
-    return None
-
-
 def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     """`nodes` and everything they are computed from."""
     seen: set[fx.Node] = set()
@@ -107,5 +97,9 @@ RANDOM_OPS = frozenset({
 
 
 def is_random(node: fx.Node) -> bool:
-    """Draws from the random number generator (dropout, rand, bernoulli...)."""
-    return is_call(node) and op_name(node) in RANDOM_OPS
+    """Draws from the random number generator (dropout, rand, bernoulli...),
+    also as an in-place op turned into `functionalize.updated(x, "normal_")`."""
+    if not is_call(node):
+        return False
+    name = op_name(node)
+    return (node.args[1] if name == "updated" else name) in RANDOM_OPS

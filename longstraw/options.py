@@ -31,11 +31,26 @@ class Options:
     """Check the captured prompt state for NaN/Inf after the capture (one
     reduction over the state, one device sync) and name the layer."""
 
+    plan_cache_size: int = 8
+    """Plans kept per compiled graph, least recently used dropped first. A
+    plan is made per input signature (shapes, dtypes, ...); a training loop
+    over many prompt lengths would otherwise keep one for each."""
+
+    verify_state: bool = False
+    """Debugging: fill the state buffers with NaN and check that the capture
+    writes every prompt position exactly once (each write lands on unwritten
+    positions, none is left unwritten), and that replays and the reverse
+    pass never change a captured value. Costs a pass over the state per write."""
+
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if not isinstance(self.prefix_chunk_size, int) or self.prefix_chunk_size < 1:
             raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
+        if not isinstance(self.plan_cache_size, int) or self.plan_cache_size < 1:
+            raise LongStrawError(f"plan_cache_size must be a positive int, got {self.plan_cache_size!r}")
+        if not isinstance(self.verify_state, bool):
+            raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
         if not isinstance(self.check_finite, bool):
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):

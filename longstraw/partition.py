@@ -28,7 +28,8 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claimi
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
 from .errors import InputError, UnsupportedGraphError, describe_node
-from .nodes import ancestors, is_call, mutated_input, is_side_effect, op_name, tensor_inputs, tensor_of
+from .functionalize import is_updated
+from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
 
 log = logging.getLogger("longstraw.partition")
@@ -131,7 +132,7 @@ def partition(
     token, batch = _seed_axes(claims, an)
     sequence = {n for n in graph.nodes if _has_class(an, n, token)}
     positional = _positional(graph, claims, sequence)
-    _check_sequence_ops(graph, an, token, sequence, claims, positional)
+    _check_sequence_ops(graph, an, token, batch, sequence, claims, positional)
     exits = _find_exits(graph, an, token, sequence, positional)
     roots = _find_roots(an, token, batch, sequence, params)
     seq_len = an.factor_size(token)
@@ -244,7 +245,8 @@ def _used_outside(user: fx.Node, node: fx.Node, positional_inputs: set[fx.Node])
 
 
 def _check_sequence_ops(
-    graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], claims: dict, positional: set[fx.Node]
+    graph: fx.Graph, an: DimAnalysis, token: int, batch: int, sequence: set[fx.Node], claims: dict,
+    positional: set[fx.Node],
 ) -> None:
     for node in graph.nodes:
         if not is_call(node) or is_side_effect(node) or node in claims or node in positional:
@@ -255,10 +257,10 @@ def _check_sequence_ops(
                 raise _unsupported(node, "splits the sequence axis (e.g. into fixed-size chunks)")
         if not seq_inputs and node not in sequence:
             continue
-        if mutated_input(node) is not None and node not in an.unknown:
-            if _restricts_token(an, node, token):
-                raise _unsupported(node, "writes a range of sequence positions in place")
-            continue
+        if is_updated(node) and _restricts_token(an, node, token):
+            raise _unsupported(node, "writes a range of sequence positions in place")
+        if is_updated(node) and node in sequence and _restricts_token(an, node, batch):
+            raise _unsupported(node, "writes into some rows of the group in place inside the per-position computation")
         if node in an.unknown:
             raise _unsupported(node, "has no dimension rule and touches the sequence axis")
         if any(token in an.classes(d) for d in an.mixes.get(node, [])):
@@ -286,7 +288,7 @@ def _find_exits(
         if node in sequence or node in positional or not is_call(node):
             continue
         r = _restricts_token(an, node, token)
-        if r is not None and node.args[0] in sequence and mutated_input(node) is None:
+        if r is not None and node.args[0] in sequence and not is_updated(node):
             if r.step != 1:
                 raise _unsupported(node, "reads every k-th position of the sequence")
             exits.append(Exit(node, r))

@@ -453,7 +453,7 @@ def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, 
     from longstraw.passes import attention
 
     part = plan.partition
-    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False, check_finite=False)
+    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False, check_finite=False, verify_state=False)
     runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
     prefix_len = _traced_prefix_len(plan)
     tracker = _LiveBytes()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, module_path
+from .errors import InputError, LongStrawError, UnsupportedGraphError, describe_node, module_path
 from .nodes import ancestors, is_random
 from .options import Options
 from .partition import Partition
@@ -87,8 +87,33 @@ class GroupRunner:
         self.state_ancestors = {
             self.position[n] for n in ancestors(s.node for s in part.slots) if n.op == "placeholder"
         }
+        self.import_ancestors = {self.position[n] for n in ancestors(self.imports) if n.op == "placeholder"}
+        prefix_values = set(prefix.externals) - set(part.placeholders)
+        self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
         self.last_prefix_len: int | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
+
+    def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
+        """Exact mode cannot give per-row gradients to per-row inputs of the
+        prompt's computation: the prompt runs once, from row 0, and the
+        gradient of each row's prompt positions is their sum. Eager keeps
+        them apart, so such inputs are refused (inputs broadcast from one
+        prompt inside the loss, `prompt.expand(G, ...)`, are fine: their
+        gradient is that sum)."""
+        if self.options.prompt_grad != "exact":
+            return
+        per_row = [r.node for r in self.part.roots if r.structural_prefix is None and r.node in self.prefix.externals]
+        for node in per_row + self.shared_values:
+            if self.part.batch_dim(node) is None:
+                continue
+            for source in ancestors([node]):
+                if source.op == "placeholder" and source not in self.part.params and requires_grad[self.position[source]]:
+                    raise UnsupportedGraphError(
+                        f"`{source.name}` requires grad and gives each row of the group its own copy of the prompt "
+                        f"(through `{node.name}`): exact mode computes the prompt once and cannot tell the rows' "
+                        "gradients apart. Pass the prompt once and expand it inside the loss "
+                        "(`torch.cat([prompt.expand(G, -1, ...), responses], 1)`), or use prompt_grad='detached'."
+                    )
 
     # inputs of the steps ------------------------------------------------
 
@@ -152,11 +177,24 @@ class GroupRunner:
             prefix_len = min(prefix_len, shared)
         return prefix_len
 
+    def check_shared_values(self, values: dict) -> None:
+        """Per-row values the prompt's computation reads must be the same in every row."""
+        for node in self.shared_values:
+            value, batch_dim = values[node], self.part.batch_dim(node)
+            if isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1:
+                if not torch.equal(value, value.narrow(batch_dim, 0, 1).expand_as(value)):
+                    raise InputError(
+                        f"`{node.name}` differs between the rows of the group but feeds the prompt's computation "
+                        f"({describe_node(node)}): the rows would not share one prompt state. Pass one value for "
+                        "the whole group (or compute it after the prompt)."
+                    )
+
     # forward ------------------------------------------------------------
 
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
+        self.check_shared_values(values)
         prefix_len = self.prefix_len(values)
         self.last_prefix_len = prefix_len
         return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size)
@@ -169,7 +207,8 @@ class GroupRunner:
         are the traced ones except when `longstraw.explain` simulates other sizes."""
         part = self.part
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
-        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device)
+        verify = self.options.verify_state and has_values(next(iter(values.values())))
+        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify)
         rng: dict[tuple[str, int], RngState] = {}
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:
@@ -177,6 +216,8 @@ class GroupRunner:
             with _noting(f"capturing prompt chunk [{offset}, {offset + length})"):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+        if verify and (slot := state.unwritten()) is not None:
+            raise LongStrawError(f"verify_state: the prompt capture left positions of state slot {slot.index} ({slot.reason}) unwritten")
         if self.options.check_finite:
             self._check_finite(state)
         branch_len = end - prefix_len
@@ -229,6 +270,12 @@ class GroupRunner:
         for i in wanted:
             inputs[i] = inputs[i].detach().requires_grad_(True)
         leaves = [inputs[i] for i in wanted]
+        values = call.values
+        if any(i in self.import_ancestors for i in wanted):
+            # data inputs that need gradients (or values computed from parameters) reach the steps
+            # through the outer graph, which the forward ran without autograd: rerun it with it
+            with torch.enable_grad():
+                values = dict(zip(self.imports, self.outer.module(*inputs)))
         # d(state) matters only if some trainable input feeds the captured state
         exact = (
             self.options.prompt_grad == "exact" and prefix_len > 0 and any(i in self.state_ancestors for i in wanted)
@@ -243,14 +290,14 @@ class GroupRunner:
             ]
             with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
-                outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, call.values, row, prefix_len, branch_len))
+                outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
                 self._accumulate(leaves, outs, slices)
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
                 with self._replaying(call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
-                    outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, call.values, 0, offset, length))
+                    outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(leaves, outs, seeds)
         state.release()
@@ -315,6 +362,16 @@ class GroupFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():
+            raise LongStrawError(
+                "backward with create_graph=True (a gradient of the gradient) is not supported: LongStraw's backward "
+                "replays the branches and the prompt itself and its gradients are not differentiable"
+            )
+        if ctx.call is None:
+            raise LongStrawError(
+                "backward through a LongStraw loss a second time (retain_graph=True): the prompt state is freed by "
+                "the first backward. Call the compiled loss again for another backward."
+            )
         inputs = list(ctx.others)
         for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
             inputs[i] = t

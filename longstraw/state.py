@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .errors import LongStrawError
+
 
 @dataclasses.dataclass(frozen=True)
 class StateSlot:
@@ -53,16 +55,23 @@ class StateSlot:
 class PromptState:
     """Buffers and carries for all slots of one call, and (exact mode) their gradients."""
 
-    def __init__(self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device) -> None:
+    def __init__(
+        self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False
+    ) -> None:
         self.slots = slots
         self.prefix_len = prefix_len
+        self.verify = verify
         self.buffers: dict[int, torch.Tensor] = {}
         self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
             if slot.kind == "sequence":
                 shape = list(slot.shape)
                 shape[slot.token_dim] = capacity
-                self.buffers[slot.index] = torch.empty(shape, dtype=slot.dtype, device=device)
+                if verify and slot.dtype.is_floating_point:
+                    buffer = torch.full(shape, float("nan"), dtype=slot.dtype, device=device)
+                else:
+                    buffer = torch.empty(shape, dtype=slot.dtype, device=device)
+                self.buffers[slot.index] = buffer
             else:
                 self.carries[slot.index] = {0: torch.zeros(slot.shape, dtype=slot.dtype, device=device)}
         self.grads: dict[int, torch.Tensor] | None = None
@@ -84,6 +93,15 @@ class PromptState:
             return self.grads[slot.index].narrow(slot.token_dim, offset, length)
         return self.carry_grads[slot.index].pop(offset + length, None)
 
+    def unwritten(self) -> StateSlot | None:
+        """`Options.verify_state`: a slot with a prompt position the capture never wrote."""
+        for slot in self.slots:
+            buffer = self.buffers.get(slot.index)
+            if buffer is not None and buffer.is_floating_point():
+                if bool(buffer.narrow(slot.token_dim, 0, self.prefix_len).isnan().any()):
+                    return slot
+        return None
+
     def release(self) -> None:
         self.buffers, self.carries = {}, {}
         self.grads = self.carry_grads = None
@@ -104,8 +122,20 @@ class StepContext:
     def write(self, slot: int, value: torch.Tensor) -> torch.Tensor:
         """Store the step's new positions of a slot; returns `value` unchanged."""
         token_dim = self.state.slots[slot].token_dim
-        self.state.buffers[slot].narrow(token_dim, self.offset, self.length).copy_(value.detach())
+        region = self.state.buffers[slot].narrow(token_dim, self.offset, self.length)
+        if self.state.verify and self.offset < self.state.prefix_len:
+            self._verify_write(slot, region, value)
+        region.copy_(value.detach())
         return value
+
+    def _verify_write(self, slot: int, region: torch.Tensor, value: torch.Tensor) -> None:
+        """`Options.verify_state`: the capture writes only unwritten (NaN)
+        positions; a replay of a prompt chunk writes exactly what is there."""
+        where = f"state slot {slot} ({self.state.slots[slot].reason}), positions [{self.offset}, {self.offset + self.length})"
+        if not self.grad_enabled and not bool(region.isnan().all()):
+            raise LongStrawError(f"verify_state: the prompt capture wrote {where} twice")
+        if self.grad_enabled and not torch.equal(region, value.detach()):
+            raise LongStrawError(f"verify_state: the reverse pass recomputed {where} with other values than the capture")
 
     def visible(self, slot: int) -> torch.Tensor:
         """All positions up to the end of this step: `[0, offset + length)`."""

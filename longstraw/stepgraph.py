@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedGraphError, describe_node
-from .nodes import arg, is_grad_mode_switch, mutated_input, op_name, size_args, tensor_of
+from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .mask import MaskTiles
 from .partition import Partition
@@ -44,8 +44,7 @@ class StepGraph:
 
 
 def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
-    """Ancestors of `outputs`, not looking past `stop`, with the in-place
-    writes to any of them. Nodes in `positional` are emitted as query x key
+    """Ancestors of `outputs`, not looking past `stop`. Nodes in `positional` are emitted as query x key
     blocks, not as themselves: only the inputs they read from outside are needed."""
     needed: set[fx.Node] = set()
     visited: set[fx.Node] = set()
@@ -60,7 +59,6 @@ def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node]
         if n in stop:
             continue
         stack.extend(n.all_input_nodes)
-        stack.extend(u for u in n.users if mutated_input(u) is n)
     return needed
 
 

@@ -40,8 +40,8 @@ def captured_bytes(model, args, monkeypatch):
     made = []
     init = state_module.PromptState.__init__
 
-    def recording(self, slots, capacity, prefix_len, device):
-        init(self, slots, capacity, prefix_len, device)
+    def recording(self, slots, capacity, prefix_len, device, **kwargs):
+        init(self, slots, capacity, prefix_len, device, **kwargs)
         made.append((self, capacity))
 
     monkeypatch.setattr(state_module.PromptState, "__init__", recording)

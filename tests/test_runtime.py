@@ -191,7 +191,7 @@ def test_compiles_over_twenty_steps_with_changing_shapes():
             compiles.append(gm)
             return super().__call__(gm, example_inputs, options)
 
-    backend = Counting(prefix_chunk_size=16)
+    backend = Counting(prefix_chunk_size=16, plan_cache_size=32)
     step = compile_loss(grpo_loss_f64, backend)
     shapes = [(3, 20 + 7 * (i % 5), 4 + (i % 3)) for i in range(20)]
     for i, (G, P, R) in enumerate(shapes):
