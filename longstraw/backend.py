@@ -28,6 +28,7 @@ from .partition import Partition, partition
 from .runtime import GroupFunction, GroupRunner
 from .specialize import Specialization, scalar_of, specialize
 from .stepgraph import StepGraph, build_outer, build_step, build_tail
+from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
 
@@ -124,7 +125,12 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
         opts = self.options if options is None else Options.from_any(options)
-        return CompiledGroupLoss(gm, opts, self)
+        if is_ddp_split(gm):
+            if opts.on_unsupported == "error":
+                raise UnsupportedGraphError(DDP_SPLIT)
+            warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {DDP_SPLIT}", stacklevel=2)
+            return gm.forward
+        return CompiledGroupLoss(gm, opts, self, partial_graph_reason(gm))
 
 
 def longstraw_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
@@ -140,8 +146,9 @@ class CompiledGroupLoss:
     value, per that value; the cache keeps the `options.plan_cache_size`
     most recently used."""
 
-    def __init__(self, gm: fx.GraphModule, options: Options, backend: Backend) -> None:
+    def __init__(self, gm: fx.GraphModule, options: Options, backend: Backend, partial: str | None = None) -> None:
         self.gm = gm
+        self.partial = partial  # why Dynamo handed over only part of the loss, if it did
         self.options = options
         self.backend = backend
         self.plans: OrderedDict[tuple, GroupPlan | None] = OrderedDict()
@@ -182,8 +189,12 @@ class CompiledGroupLoss:
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = GroupPlan(part, runner, build_tail(part), self.options)
         except UnsupportedGraphError as err:
+            if self.partial is not None:
+                cause = err
+                err = UnsupportedGraphError(f"{self.partial}\n(The analysis of the piece it got failed: {cause})")
+                err.__cause__ = cause
             if self.options.on_unsupported == "error":
-                raise
+                raise err
             if not self.warned:
                 warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {err}", stacklevel=2)
                 self.warned = True

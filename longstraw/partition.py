@@ -120,10 +120,7 @@ def partition(
     claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
     an = DimAnalysis(graph, lambda an, n: claims[n].dim_rule(an, n) if n in claims else None)
     if not claims:
-        raise UnsupportedGraphError(
-            "no attention (or other position-mixing operator claimed by a pass) found in the loss graph: "
-            "there is no prompt state to share between the group's responses"
-        )
+        raise _nothing_claimed(graph, an)
     for node, p in claims.items():
         reason = p.unsupported_reason(node)
         if reason:
@@ -202,17 +199,68 @@ def _has_class(an: DimAnalysis, node: fx.Node, cls: int) -> bool:
     return any(cls in an.classes(d) for d in dims)
 
 
+_MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
+
+
+def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
+    """No pass claims any operator: say what mixes positions instead."""
+    for node in graph.nodes:
+        if op_name(node) == "flex_attention":
+            return _unsupported(
+                node, "is flex attention, which no pass claims: load the model with attn_implementation='sdpa' "
+                "(or call model.set_attn_implementation('sdpa'))"
+            )
+    for node in graph.nodes:
+        if op_name(node) == "softmax" and _near(node, _MATMULS, "up") and _near(node, _MATMULS, "down"):
+            return _unsupported(
+                node, "computes attention with explicit matmul and softmax (HF's attn_implementation='eager'); "
+                "LongStraw claims `scaled_dot_product_attention`: load the model with attn_implementation='sdpa' "
+                "(or call model.set_attn_implementation('sdpa')). Models that require eager attention (e.g. "
+                "attention logit soft-capping) are not supported"
+            )
+    lookups = [n for n in graph.nodes if op_name(n) == "embedding" and tensor_of(n.args[0]) is not None
+               and tensor_of(n.args[0]).dim() >= 2]
+    if lookups:
+        token = an.classes(an.dims_of(lookups[0].args[0])[-1])[0]
+        for node in graph.nodes:
+            if not is_call(node) or not _has_class(an, node, token):
+                continue
+            if node in an.unknown:
+                return _unsupported(node, "has no dimension rule and touches the sequence axis, and no attention was found")
+            if any(token in an.classes(d) for d in an.mixes.get(node, [])):
+                return _unsupported(node, "mixes sequence positions, and no attention or other operator a pass claims was found")
+    return UnsupportedGraphError(
+        "no attention (or other position-mixing operator claimed by a pass) found in the loss graph: there is no "
+        "prompt state to share between the group's responses"
+    )
+
+
+def _near(node: fx.Node, names: set[str], direction: str, hops: int = 4) -> bool:
+    """Whether an operator in `names` is within `hops` edges of `node`."""
+    frontier = {node}
+    for _ in range(hops):
+        frontier = {m for n in frontier for m in (n.all_input_nodes if direction == "up" else n.users)}
+        if any(op_name(n) in names for n in frontier):
+            return True
+    return False
+
+
 def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tuple[int, int]:
-    tokens, batches = set(), set()
+    tokens: dict[tuple[int, ...], fx.Node] = {}
+    batches = set()
     for node, p in claims.items():
         (seq_node, seq_dim), (batch_node, batch_dim) = p.position_dims(node)
-        tokens.add(an.classes(an.dims_of(seq_node)[seq_dim]))
+        tokens.setdefault(an.classes(an.dims_of(seq_node)[seq_dim]), node)
         batches.add(an.dims_of(batch_node)[batch_dim])
-    if len(tokens) != 1 or len(next(iter(tokens))) != 1:
+    if len(tokens) != 1:
+        first, second = list(tokens.values())[:2]
         raise UnsupportedGraphError(
-            "the attention operators of this graph do not share one sequence axis "
-            f"(found {len(tokens)} distinct axes); only decoder self-attention over one sequence is supported"
+            f"{describe_node(first)} and {describe_node(second)} run over two different sequences: LongStraw "
+            "shares one prompt along one sequence axis. Build the input ids once and pass the same tensor to "
+            "every model the loss runs (or compute one sequence from the other)."
         )
+    if len(next(iter(tokens))) != 1:
+        raise _unsupported(next(iter(tokens.values())), "runs over positions that are a product of several axes")
     batch_list = list(batches)
     for b in batch_list[1:]:
         an.unify(batch_list[0], b)

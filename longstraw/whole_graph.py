@@ -1,0 +1,96 @@
+"""Whether Dynamo handed the backend the whole loss or a piece of it.
+
+LongStraw needs the loss as one graph: the model's forward over the group
+and the reduction to the loss. Dynamo hands a backend pieces when the
+traced code breaks the graph (`.item()`, a function Dynamo skips, DDP's or
+FSDP2's hooks) and when DDP's optimizer splits the graph at gradient
+buckets. The analysis of a piece fails for reasons that have nothing to do
+with the piece ("no attention", "returned with its full sequence axis"),
+so the backend looks at where the graph came from while Dynamo compiles it
+and reports that instead:
+
+- `gm.compile_subgraph_reason` (Dynamo's `GraphCompileReason`): the reason
+  and user frame of a graph break that ended this graph, or DDPOptimizer's
+  split;
+- the code Dynamo traced: a `torch_dynamo_resume_in_...` frame is the rest
+  of a function after a break;
+- the Python stack: a frame up the stack running code Dynamo compiled
+  means this graph is a function called from the middle of a compiled
+  one, which broke there (a DDP- or FSDP2-wrapped model called inside the
+  loss).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import torch.fx as fx
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HOW = (
+    "LongStraw needs the whole loss in one graph; `torch._dynamo.explain(loss_fn)(*args)` lists every graph break, "
+    "and compiling with fullgraph=True stops at the first."
+)
+DDP_SPLIT = (
+    "Dynamo's DDP optimizer split the loss at gradient buckets (torch._dynamo.config.optimize_ddp). Set "
+    "`torch._dynamo.config.optimize_ddp = False` before compiling `DDP(LossModule(model))`: DDP then reduces the "
+    "gradients LongStraw returns exactly as in eager (after the backward, without overlap)."
+)
+
+
+def is_ddp_split(gm: fx.GraphModule) -> bool:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return reason is not None and reason.reason.startswith("DDPOptimizer")
+
+
+def partial_graph_reason(gm: fx.GraphModule) -> str | None:
+    """Why `gm` is only part of the compiled function, or None. Call while
+    Dynamo compiles (from the backend's `__call__`)."""
+    if is_ddp_split(gm):
+        return DDP_SPLIT
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and reason.graph_break:
+        return f"Dynamo broke the graph {_describe(reason)}. {_HOW}"
+    context = torch._guards.TracingContext.try_get()
+    code = context.traced_code[0].co_name if context is not None and context.traced_code else ""
+    if code.startswith("torch_dynamo_resume_in_"):
+        breaks = [r for r in torch._dynamo.utils.graph_break_reasons if r.graph_break]
+        last = f": Dynamo broke the graph {_describe(breaks[-1])}" if breaks else ""
+        return f"this graph is the rest of a function after a graph break (`{code}`){last}. {_HOW}"
+    caller = _compiled_caller()
+    if caller is not None:
+        return (
+            f"this graph is `{code or 'a function'}`, compiled on its own because the compiled function {caller} "
+            "broke the graph where it calls it (a model wrapped by DDP or FSDP2 called inside the loss does this: "
+            "compile `DDP(LossModule(model))` with torch._dynamo.config.optimize_ddp = False, or apply fully_shard "
+            f"to the module whose forward returns the loss). {_HOW}"
+        )
+    return None
+
+
+def _describe(reason) -> str:
+    """`at file:line (function)[, called from ...]: reason [hints]` of a GraphCompileReason."""
+    stack = reason.user_stack
+    where = f"at {_frame(stack[-1])}" if stack else "at an unknown line"
+    if len(stack) > 1:
+        where += f", called from {_frame(stack[0])}"
+    lines = [line.strip() for line in reason.reason.strip().splitlines() if line.strip()]
+    hints = [line for line in lines[1:] if line.startswith("Hint:")]
+    return f"{where}: {' '.join(lines[:1] + hints)}"
+
+
+def _frame(summary) -> str:
+    return f"{os.path.basename(summary.filename)}:{summary.lineno} ({summary.name})"
+
+
+def _compiled_caller() -> str | None:
+    """A user function up the Python stack that runs code Dynamo compiled."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        original = torch._dynamo.utils.orig_code_map.get(frame.f_code)
+        if original is not None and not original.co_filename.startswith(_TORCH_DIR):
+            return f"`{original.co_name}` ({os.path.basename(original.co_filename)}:{original.co_firstlineno})"
+        frame = frame.f_back
+    return None
