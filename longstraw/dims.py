@@ -49,7 +49,7 @@ _ALONG_DIM = {"softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "ar
 _FACTORY = {"arange", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "tensor",
             "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "linspace", "eye"}
 _LIKE = {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"}
-_NO_VALUE = {"_set_grad_enabled", "_log_api_usage_once", "size", "dim", "numel", "getattr", "stride"}
+_NO_VALUE = {"_set_grad_enabled", "_log_api_usage_once", "size", "dim", "numel", "stride"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ class DimAnalysis:
         if not is_call(node):
             return
         name = op_name(node)
-        if name in _NO_VALUE or value is None:
+        if name in _NO_VALUE or value is None or (name == "getattr" and not isinstance(value, torch.Tensor)):
             return
         out = self._claimed_rule(self, node) if self._claimed_rule is not None else None
         if out is not None:
@@ -338,11 +338,21 @@ def _getitem(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     return out
 
 
+def _as_slice(item: Any) -> Any:
+    """A constant list index of consecutive ints (`x[:, [-2]]`) selects what a
+    slice does; other lists stay lists (no rule)."""
+    if isinstance(item, list) and item and all(type(i) is int for i in item):
+        if all(i >= 0 for i in item) or all(i < 0 for i in item):
+            if all(b == a + 1 for a, b in zip(item, item[1:])):
+                return slice(item[0], item[-1] + 1 or None)
+    return item
+
+
 def _index(an: DimAnalysis, src: fx.Node, index: Any) -> tuple[list[Dim], list[Restriction], list[Dim]] | None:
     """Dimensions of `src[index]`, the restrictions the index applies, and
     the dimensions read at positions given by index tensors."""
     dims, shape = an._in(src)
-    items = list(index) if isinstance(index, tuple) else [index]
+    items = [_as_slice(i) for i in (index if isinstance(index, tuple) else [index])]
     if any(isinstance(i, (torch.Tensor, list)) for i in items):
         return None
     if any(isinstance(i, fx.Node) for i in items):
@@ -439,7 +449,8 @@ _FILLS = {"copy", "fill", "zero"}
 def _addmm(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     """`addmm(bias, a, b)` / `baddbmm(x, a, b)`: a matmul plus a broadcast term
     (HF GPT-2's Conv1D over a `[batch * positions, channels]` view)."""
-    product = _matmul_of(an, node, node.args[1], node.args[2])
+    first, second = ("batch1", "batch2") if op_name(node) == "baddbmm" else ("mat1", "mat2")
+    product = _matmul_of(an, node, arg(node, 1, first), arg(node, 2, second))
     if product is None:
         return None
     bias = node.args[0]
@@ -547,6 +558,31 @@ def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
         else:
             out.append(dim)
     return out if len(out) == len(an._out_shape(node)) else None
+
+
+def _min_max(an: DimAnalysis, node: fx.Node) -> Any:
+    """`min`/`max`: elementwise against a tensor, a full reduction, or
+    `(values, indices)` along a dimension."""
+    other = arg(node, 1, "dim")
+    if isinstance(other, fx.Node) and tensor_of(other) is not None:
+        return _broadcast(an, node)
+    if other is None:
+        return _reduce(an, node)
+    dims, shape = an._in(node.args[0])
+    d = other % len(shape)
+    an.mixes[node] = [dims[d]]
+    kept = [an.fresh(1) if i == d else dim for i, dim in enumerate(dims) if i != d or arg(node, 2, "keepdim", False)]
+    return [kept, list(kept)]
+
+
+def _tensor_attribute(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """`x.T`, `x.mT`, `x.mH`: transposes; any other tensor attribute has no rule."""
+    dims = an.dims_of(node.args[0])
+    if node.args[1] == "T":
+        return list(reversed(dims))
+    if node.args[1] in ("mT", "mH") and len(dims) >= 2:
+        return dims[:-2] + [dims[-1], dims[-2]]
+    return None
 
 
 def _diff(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -662,6 +698,8 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "split": _split, "chunk": _split, "unbind": _split,
     "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "addmm": _addmm, "baddbmm": _addmm,
     "gather": _gather,
+    "min": _min_max, "max": _min_max,
+    "getattr": _tensor_attribute,
     "diff": _diff,
     "scaled_dot_product_attention": _sdpa,
     "rms_norm": _norm, "layer_norm": _norm,

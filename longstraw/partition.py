@@ -235,7 +235,7 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
     )
 
 
-def _near(node: fx.Node, names: set[str], direction: str, hops: int = 4) -> bool:
+def _near(node: fx.Node, names: set[str], direction: str, hops: int = 8) -> bool:
     """Whether an operator in `names` is within `hops` edges of `node`."""
     frontier = {node}
     for _ in range(hops):

@@ -243,7 +243,7 @@ class _StepBuilder:
                 return self.copy(node, (node.args[0], tuple(sizes), *node.args[2:]), node.kwargs)
             kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "shape")}
             return self.copy(node, (node.args[0], tuple(self.resized(node, size_args(node)))), kwargs)
-        if node.op == "call_function" and name == "reshape":
+        if node.op == "call_function" and name in ("reshape", "broadcast_to"):
             return self.copy(node, (node.args[0], tuple(self.resized(node, list(node.args[1])))), node.kwargs)
         if node.op == "call_function" and name in _SIZED_FACTORIES:
             return self.emit_factory(node)
