@@ -59,3 +59,20 @@ def source_line(node: fx.Node) -> str | None:
         return f"{path}:{lineno} ({func})"
     except IndexError:
         return last
+
+
+# HF layers whose operators LongStraw claims only after a model module binds
+# them (class name -> the module whose `bound()` does it).
+_NEEDS_BINDING = {"Qwen3_5GatedDeltaNet": "longstraw.models.qwen3_5"}
+
+
+def binding_hint(node: fx.Node) -> str:
+    """What to bind when `node` sits in an HF layer that needs it, else ''."""
+    for _, cls in (node.meta.get("nn_module_stack") or {}).values():
+        name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
+        if name in _NEEDS_BINDING:
+            module = _NEEDS_BINDING[name]
+            return (f" HF's `{name}` runs through LongStraw's operators only when bound: `from {module.rsplit('.', 1)[0]} "
+                    f"import {module.rsplit('.', 1)[1]}` and call the model inside `with {module.rsplit('.', 1)[1]}.bound():` "
+                    f"(or `{module.rsplit('.', 1)[1]}.bind()` once).")
+    return ""

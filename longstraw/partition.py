@@ -27,7 +27,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claimi
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
-from .errors import InputError, UnsupportedGraphError, describe_node
+from .errors import InputError, UnsupportedGraphError, binding_hint, describe_node
 from .functionalize import is_updated
 from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
@@ -107,9 +107,9 @@ def _check_position_tables(graph: fx.Graph, end: int) -> None:
 
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
-        f"{describe_node(node)} {why}. LongStraw needs every operator that mixes sequence positions to be "
-        "claimed by an architecture pass (see longstraw.passes). Pass options={'on_unsupported': 'eager'} "
-        "to run this graph unchanged instead."
+        f"{describe_node(node)} {why}.{binding_hint(node)} LongStraw needs every operator that mixes sequence "
+        "positions to be claimed by an architecture pass (see longstraw.passes). Pass "
+        "options={'on_unsupported': 'eager'} to run this graph unchanged instead."
     )
 
 

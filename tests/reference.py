@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -99,6 +100,56 @@ def detached_reference(model, prompt, responses, advantages, mask, tail=grpo_tai
 
     def run():
         loss = tail(detached_logits(model, prompt, responses), responses, advantages, mask)
+        loss.backward()
+        return loss
+
+    return with_fresh_grads(model, run)
+
+
+@contextlib.contextmanager
+def prompt_state_detached(prompt_len: int) -> Iterator[None]:
+    """Inside, every `F.scaled_dot_product_attention` sees its keys and values
+    at positions 0..P-2 detached: the detached contract stated at the
+    attention, where LongStraw captures state, whatever a model's cache holds.
+    (HF DeepSeek-V3 caches the latents before `kv_b_proj` and expands the
+    cached prompt again in every step, so its cache path gives `kv_b_proj` a
+    gradient through the prompt that this contract does not.)"""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    cut = prompt_len - 1
+
+    def detached_prefix(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[..., :cut, :].detach(), x[..., cut:, :]], dim=-2)
+
+    def patched(q, k, v, *args, **kwargs):
+        return sdpa(q, detached_prefix(k), detached_prefix(v), *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = patched
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+def detached_at_attention(loss_fn, model, prompt, responses, advantages, mask):
+    """Detached-mode reference for any loss over an SDPA model: the eager
+    loss with the prompt's keys and values (positions 0..P-2) constants."""
+    with prompt_state_detached(prompt.shape[0]):
+        return eager_loss_and_grads(loss_fn, model, prompt, responses, advantages, mask)
+
+
+def hybrid_detached_reference(model, prompt, responses, advantages, mask):
+    """The detached contract with HF's hybrid cache, which cannot be repeated
+    along the batch: the prompt[:-1] cache is built for all G rows under
+    no_grad, then the branches run on [prompt[-1], responses[:, :-1]]."""
+    G = responses.shape[0]
+
+    def run():
+        cache = None
+        if prompt.shape[0] > 1:
+            with torch.no_grad():
+                cache = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True).past_key_values
+        logits = model(input_ids=branch_inputs(prompt, responses), past_key_values=cache, use_cache=cache is not None).logits
+        loss = grpo_tail(logits, responses, advantages, mask)
         loss.backward()
         return loss
 

@@ -26,7 +26,7 @@ from longstraw.report import simulate_step
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from losses import grpo_tail
-from reference import branch_inputs, eager_loss_and_grads, with_fresh_grads
+from reference import eager_loss_and_grads, hybrid_detached_reference, with_fresh_grads
 from tiny_models import make_group
 
 TOL = 1e-6
@@ -49,25 +49,6 @@ def _gdn_inputs(B=2, L=70, Hk=2, Hv=4, Dk=8, Dv=8, dtype=torch.float64, seed=0):
     g = -torch.rand(B, L, Hv, generator=gen, dtype=dtype)
     beta = torch.rand(B, L, Hv, generator=gen, dtype=dtype)
     return rand(B, L, Hk, Dk), rand(B, L, Hk, Dk), rand(B, L, Hv, Dv), g, beta
-
-
-def hybrid_detached_reference(model, prompt, responses, advantages, mask):
-    """The detached contract with HF's hybrid cache, which cannot be repeated
-    along the batch: the prompt[:-1] cache is built for all G rows under
-    no_grad, then the branches run on [prompt[-1], responses[:, :-1]]."""
-    G = responses.shape[0]
-
-    def run():
-        cache = None
-        if prompt.shape[0] > 1:
-            with torch.no_grad():
-                cache = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True).past_key_values
-        logits = model(input_ids=branch_inputs(prompt, responses), past_key_values=cache, use_cache=cache is not None).logits
-        loss = grpo_tail(logits, responses, advantages, mask)
-        loss.backward()
-        return loss
-
-    return with_fresh_grads(model, run)
 
 
 # --- the operators -------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from compare import assert_close, assert_grads_close, rel_err
 from losses import TAILS, grpo_loss_f64, logits_of
 from plain_transformer import make_plain
-from reference import detached_logits, detached_reference, eager_loss_and_grads, grads_of
+from reference import detached_at_attention, detached_logits, detached_reference, eager_loss_and_grads, grads_of
 from tiny_models import KINDS, PLAIN_KINDS, make_group, make_lora_qwen3, make_model
 
 SHAPES = [(3, 7, 9, True), (1, 1, 5, False), (2, 64, 1, False), (5, 30, 33, True)]
@@ -93,6 +93,19 @@ def test_detached_reference_matches_hook_construction(models, kind, G, P, R, pad
                 h.remove()
         assert_close(got_loss, want_loss, 1e-13, loss_fn.__name__)
         assert_grads_close(got, want, 1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("G,P,R,pad", SHAPES)
+def test_detached_at_attention_matches_the_cache_reference(models, kind, G, P, R, pad):
+    """The third construction (keys and values detached where SDPA reads
+    them), which the family suite uses for every SDPA model."""
+    model = models[kind]
+    group = make_group(G, P, R, pad=pad)
+    want_loss, want = detached_reference(model, *group)
+    got_loss, got = detached_at_attention(grpo_loss_f64, model, *group)
+    assert_close(got_loss, want_loss, 1e-13)
+    assert_grads_close(got, want, 1e-12)
 
 
 @pytest.mark.parametrize("kind", KINDS)

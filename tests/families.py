@@ -1,0 +1,184 @@
+"""The HF causal-LM families LongStraw claims, and the ones it refuses.
+
+One registry drives the differential suite (`test_families.py`) and the
+README's "supported and refused" table (`python tests/families.py` rewrites
+it; `test_readme_table_is_generated_from_the_registry` keeps them in step).
+A family is either supported, proven by float64 parity against eager in both
+modes, or refused with a message the suite matches: nothing in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from longstraw.models import qwen3_5
+
+# Small enough that a family compiles in about a second on a CPU.
+COMMON = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.2,
+)
+_NO_HEAD_DIM = {k: v for k, v in COMMON.items() if k != "head_dim"}
+_GPT_SHAPES = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+_MLA = dict(
+    _NO_HEAD_DIM, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+    v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+)
+
+# Messages of the refused families (regular expressions).
+EAGER_ATTENTION = r"explicit matmul and softmax \(HF's attn_implementation='eager'\).*attn_implementation='sdpa'"
+DATA_DEPENDENT_ROUTING = r"Dynamo broke the graph at .*Dynamic shape operator"
+_ISSUE_MOE = "Mixture-of-experts routing is a graph break today (token-dependent shapes); MoE support is planned."
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One HF model family at tiny shapes.
+
+    `refused`: the regular expression the LongStrawError must match, None
+    for a supported family. `note`: the README's words (for a refused family,
+    the cause and what to do). `bind`: a context the model runs in (eager
+    reference and compiled alike). `detached`: the detached-mode reference,
+    `(loss_fn, model, *group) -> (loss, grads)`; None: the eager loss with
+    the prompt's keys and values constants (`reference.detached_at_attention`).
+    """
+
+    name: str
+    config: Callable[[], transformers.PretrainedConfig]
+    refused: str | None = None
+    note: str = ""
+    attn_implementation: str = "sdpa"
+    bind: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    detached: Callable[..., Any] | None = None
+
+    def build(self, seed: int = 0) -> torch.nn.Module:
+        config = self.config()
+        config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation)
+        return model.double().eval()
+
+
+def _hf(config_cls: type, base: dict = COMMON, **overrides) -> Callable[[], transformers.PretrainedConfig]:
+    return lambda: config_cls(**{**base, **overrides})
+
+
+def _qwen3_5_detached(loss_fn, model, prompt, responses, advantages, mask):
+    from reference import hybrid_detached_reference
+
+    return hybrid_detached_reference(model, prompt, responses, advantages, mask)
+
+
+T = transformers
+SUPPORTED = [
+    Family("qwen3", _hf(T.Qwen3Config)),
+    Family("llama", _hf(T.LlamaConfig)),
+    Family("qwen2", _hf(T.Qwen2Config)),
+    Family("mistral", _hf(T.MistralConfig, sliding_window=6), note="sliding window 6"),
+    Family("gemma3", _hf(T.Gemma3TextConfig, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+           note="sliding and full layers"),
+    Family("phi3", _hf(T.Phi3Config, pad_token_id=0)),
+    Family("gpt_neox", _hf(T.GPTNeoXConfig, rotary_pct=0.5), note="partial rotary"),
+    Family("olmo2", _hf(T.Olmo2Config, pad_token_id=0)),
+    Family("smollm3", _hf(T.SmolLM3Config, pad_token_id=0, no_rope_layer_interval=2), note="NoPE layers"),
+    Family("gpt2", _hf(T.GPT2Config, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                       bos_token_id=0, eos_token_id=0), note="Conv1D (`addmm` over `[B*T, C]`)"),
+    Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2),
+           note="MLA, dense layers; detached holds the expanded K/V constant"),
+    Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_qwen3_5_detached,
+           note="Gated DeltaNet + gated attention, with `longstraw.models.qwen3_5.bound()`"),
+    Family("starcoder2", _hf(T.Starcoder2Config)),
+    Family("granite", _hf(T.GraniteConfig)),
+    Family("cohere", _hf(T.CohereConfig)),
+    Family("phi", _hf(T.PhiConfig, partial_rotary_factor=0.5)),
+    Family("stablelm", _hf(T.StableLmConfig)),
+    Family("olmo", _hf(T.OlmoConfig, pad_token_id=0)),
+    Family("olmo3", _hf(T.Olmo3Config, pad_token_id=0, sliding_window=6)),
+    Family("gemma", _hf(T.GemmaConfig)),
+    Family("glm4", _hf(T.Glm4Config, pad_token_id=0)),
+    Family("falcon", _hf(T.FalconConfig, _NO_HEAD_DIM, num_kv_heads=2, new_decoder_architecture=True, alibi=False),
+           note="fused QKV split with list indices, `x.T`"),
+    Family("nemotron", _hf(T.NemotronConfig)),
+    Family("helium", _hf(T.HeliumConfig)),
+    Family("ernie4_5", _hf(T.Ernie4_5Config)),
+    Family("seed_oss", _hf(T.SeedOssConfig)),
+    Family("arcee", _hf(T.ArceeConfig)),
+    Family("exaone4", _hf(T.Exaone4Config, sliding_window=6)),
+    Family("apertus", _hf(T.ApertusConfig), note="xIELU activation"),
+    Family("hunyuan_v1_dense", _hf(T.HunYuanDenseV1Config)),
+    Family("persimmon", _hf(T.PersimmonConfig)),
+    Family("bitnet", _hf(T.BitNetConfig)),
+    Family("ministral", _hf(T.MinistralConfig)),
+]
+
+REFUSED = [
+    Family("gemma2", _hf(T.Gemma2Config, sliding_window=6), refused=EAGER_ATTENTION, attn_implementation="eager",
+           note="HF runs it only with eager attention (logit soft-capping); LongStraw claims SDPA attention."),
+    Family("bloom", _hf(T.BloomConfig, _NO_HEAD_DIM, n_layer=2, n_head=4), refused=EAGER_ATTENTION,
+           attn_implementation="eager", note="ALiBi attention, eager only in HF."),
+    Family("gptj", _hf(T.GPTJConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ATTENTION,
+           attn_implementation="eager", note="Eager only in HF."),
+    Family("codegen", _hf(T.CodeGenConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ATTENTION,
+           attn_implementation="eager", note="Eager only in HF."),
+    Family("opt", _hf(T.OPTConfig, ffn_dim=48, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0),
+           refused=r"operator `cumsum` .* mixes values across sequence positions",
+           note="Position ids are a `cumsum` of the attention mask over the sequence, which no pass claims."),
+    Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
+                         chunk_size=4), refused=r"no attention \(or other position-mixing operator claimed by a pass\)",
+           attn_implementation="eager", note="No attention: a pure state-space model; no pass claims its scan."),
+    Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]),
+           refused=r"operator `conv1d` .* has no dimension rule", note="Its short convolution has no pass yet."),
+    Family("qwen3_moe", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("mixtral", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2), refused=DATA_DEPENDENT_ROUTING,
+           note=_ISSUE_MOE),
+    Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1),
+           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("qwen3_next", _hf(T.Qwen3NextConfig, **_MOE, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=8,
+                             layer_types=["linear_attention", "full_attention"]),
+           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("qwen3_5 (not bound)", qwen3_5.tiny_config,
+           refused=r"`Qwen3_5GatedDeltaNet` runs through LongStraw.s operators only when bound.*qwen3_5.bound\(\)",
+           note="HF's pure-PyTorch Gated DeltaNet loops over chunks; run under `longstraw.models.qwen3_5.bound()`."),
+]
+
+FAMILIES = {f.name: f for f in SUPPORTED + REFUSED}
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_START, _END = "<!-- families:start -->", "<!-- families:end -->"
+
+
+def readme_table() -> str:
+    """The README's table, from the registry."""
+    rows = ["| family | status | notes |", "|---|---|---|"]
+    for f in SUPPORTED:
+        rows.append(f"| {f.name} | supported | {f.note} |")
+    for f in REFUSED:
+        rows.append(f"| {f.name} | refused | {f.note} |")
+    return "\n".join(rows)
+
+
+def readme_section(text: str) -> str:
+    """The table between the README's markers."""
+    _, start, rest = text.partition(_START)
+    body, end, _ = rest.partition(_END)
+    if not start or not end:
+        raise ValueError(f"README.md has no {_START} ... {_END} section")
+    return body.strip("\n")
+
+
+if __name__ == "__main__":
+    text = README.read_text()
+    head, _, rest = text.partition(_START)
+    _, _, tail = rest.partition(_END)
+    README.write_text(f"{head}{_START}\n{readme_table()}\n{_END}{tail}")
+    print(f"rewrote the families table in {README}", file=sys.stderr)

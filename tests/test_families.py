@@ -1,0 +1,125 @@
+"""Every HF family LongStraw claims matches eager; every other one is refused
+with a message that names the cause (registry: `families.py`).
+
+Each supported family runs in both modes at one group shape, then again
+under `torch.use_deterministic_algorithms(True)` (uninitialised memory is
+NaN there, so a state position capture never wrote cannot hide) at another,
+always with `verify_state=True`. The families the issue names run both
+passes in CI; the others run the deterministic pass in CI and the rest with
+`-m slow`, which also sweeps every family over every shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import longstraw
+from compare import assert_close, assert_grads_close
+from conftest import raises_longstraw
+from families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
+from harness import compiled_loss_and_grads
+from losses import grpo_loss_f64
+from reference import detached_at_attention, eager_loss_and_grads
+from tiny_models import make_group
+
+TOL = 1e-6  # HF norms and RoPE round through float32
+
+# (G, P, R, prefix_chunk_size, pad): chunks that divide the prompt and chunks
+# that do not, one chunk, one-position chunks, a two-token prompt, G = 1.
+SHAPES = [
+    (3, 13, 5, 5, True),
+    (2, 9, 4, 3, False),
+    (4, 17, 3, 32, True),
+    (1, 6, 7, 1, True),
+    (3, 2, 4, 4, True),
+]
+CORE = ("qwen3", "llama", "qwen2", "mistral", "gemma3", "phi3", "gpt_neox", "olmo2", "smollm3", "gpt2",
+        "deepseek_v3", "qwen3_5")
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """`torch.use_deterministic_algorithms(enabled)` with uninitialised
+    memory filled (NaN for floats), restored afterwards."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(enabled)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def check_family(name: str, mode: str, shape: tuple, deterministic: bool) -> None:
+    family = FAMILIES[name]
+    G, P, R, chunk, pad = shape
+    model = family.build()
+    group = make_group(G, P, R, pad=pad)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+    with family.bind(), deterministic_algorithms(deterministic):
+        if mode == "exact":
+            want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
+        else:
+            want_loss, want = (family.detached or detached_at_attention)(grpo_loss_f64, model, *group)
+        got_loss, got = compiled_loss_and_grads(torch.compile(grpo_loss_f64, backend=backend), model, *group)
+    assert_close(got_loss, want_loss, TOL, f"{name} loss")
+    assert_grads_close(got, want, TOL)
+
+
+def _cases(deterministic: bool) -> list:
+    cases = []
+    for i, family in enumerate(SUPPORTED):
+        shape = SHAPES[(i + deterministic) % len(SHAPES)]
+        marks = [] if deterministic or family.name in CORE else [pytest.mark.slow]
+        for mode in ("exact", "detached"):
+            cases.append(pytest.param(family.name, mode, shape, id=f"{family.name}-{mode}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("name,mode,shape", _cases(deterministic=False))
+def test_family_matches_eager(name, mode, shape):
+    check_family(name, mode, shape, deterministic=False)
+
+
+@pytest.mark.parametrize("name,mode,shape", _cases(deterministic=True))
+def test_family_matches_eager_with_nan_filled_memory(name, mode, shape):
+    check_family(name, mode, shape, deterministic=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}-P{}-R{}-chunk{}{}".format(*s[:4], "-pad" * s[4]))
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("name", [f.name for f in SUPPORTED])
+def test_family_shape_sweep(name, mode, shape):
+    check_family(name, mode, shape, deterministic=True)
+
+
+@pytest.mark.parametrize("name", [f.name for f in REFUSED])
+def test_refused_family_names_the_cause(name):
+    family = FAMILIES[name]
+    model = family.build()
+    group = make_group(2, 7, 3)
+    compiled = torch.compile(grpo_loss_f64, backend=longstraw.Backend(prefix_chunk_size=4))
+    with family.bind(), raises_longstraw(family.refused):
+        compiled(model, *group)
+
+
+def test_deterministic_mode_fills_uninitialised_memory_with_nan():
+    """The premise of the second pass."""
+    with deterministic_algorithms(True):
+        assert torch.empty(16, dtype=torch.float64).isnan().all()
+
+
+def test_every_family_is_claimed_once():
+    names = [f.name for f in SUPPORTED + REFUSED]
+    assert len(names) == len(set(names))
+    assert set(CORE) <= {f.name for f in SUPPORTED}
+
+
+def test_readme_table_is_generated_from_the_registry():
+    assert readme_section(README.read_text()) == readme_table(), "run `python tests/families.py` to regenerate"
