@@ -5,6 +5,7 @@
 """
 
 from .backend import Backend, GroupPlan, longstraw_backend
+from .data_parallel import LossModule
 from .errors import InputError, LongStrawError, UnsupportedGraphError
 from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
@@ -17,6 +18,7 @@ __all__ = [
     "GroupPlan",
     "InputError",
     "LongStrawError",
+    "LossModule",
     "Options",
     "UnsupportedGraphError",
     "explain",

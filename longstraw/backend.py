@@ -22,11 +22,11 @@ import torch.fx as fx
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
-from .errors import UnsupportedGraphError
+from .errors import UnsupportedGraphError, name_arguments
 from .options import Options
 from .partition import Partition, partition
 from .runtime import GroupFunction, GroupRunner
-from .specialize import Specialization, scalar_of, specialize
+from .specialize import scalar_of, specialize
 from .stepgraph import StepGraph, build_outer, build_step, build_tail
 from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
@@ -127,10 +127,22 @@ class Backend:
         opts = self.options if options is None else Options.from_any(options)
         if is_ddp_split(gm):
             if opts.on_unsupported == "error":
-                raise UnsupportedGraphError(DDP_SPLIT)
+                return _refuse(DDP_SPLIT)
             warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {DDP_SPLIT}", stacklevel=2)
             return gm.forward
+        name_arguments(gm)
         return CompiledGroupLoss(gm, opts, self, partial_graph_reason(gm))
+
+
+def _refuse(message: str) -> Callable:
+    """A graph that raises when it runs. DDPOptimizer compiles its pieces in
+    an fx Interpreter, which appends every argument of the piece to an error
+    raised while compiling; at run time the message stays as written."""
+
+    def refuse(*args: Any) -> Any:
+        raise UnsupportedGraphError(message)
+
+    return refuse
 
 
 def longstraw_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
@@ -172,18 +184,24 @@ class CompiledGroupLoss:
             if key in self.plans:
                 self.plans.move_to_end(key)
                 return self.plans[key]
-        special = specialize(self.gm, args)
-        self.guarded[signature] = tuple(i for i, _ in special.guards)
-        key = (signature, tuple(v for _, v in special.guards))
-        self.plans[key] = self._plan(special, args)
+        guards, plan = self._plan(args)
+        self.guarded[signature] = tuple(i for i, _ in guards)
+        key = (signature, tuple(v for _, v in guards))
+        self.plans[key] = plan
         while len(self.plans) > self.options.plan_cache_size:
             self.plans.popitem(last=False)
         return self.plans[key]
 
-    def _plan(self, special: Specialization, args: Sequence[Any]) -> GroupPlan | None:
-        gm = special.gm
-        params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
+    def _plan(self, args: Sequence[Any]) -> tuple[tuple[tuple[int, Any], ...], GroupPlan | None]:
+        """(guards, plan); the plan is None when the graph runs unchanged.
+        Specialising is part of planning: a graph it refuses (an in-place
+        write into an argument, a functorch transform) follows
+        `on_unsupported` like any other."""
+        guards: tuple[tuple[int, Any], ...] = ()
         try:
+            special = specialize(self.gm, args)
+            guards, gm = special.guards, special.gm
+            params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             part = partition(gm, params, self.backend.passes)
             runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
@@ -198,10 +216,10 @@ class CompiledGroupLoss:
             if not self.warned:
                 warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {err}", stacklevel=2)
                 self.warned = True
-            return None
+            return guards, None
         self.backend.plans.append(plan)
         log.info("%s", plan.summary())
-        return plan
+        return guards, plan
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.fx as fx
 
 
@@ -15,6 +18,10 @@ class UnsupportedGraphError(LongStrawError):
 
 class InputError(LongStrawError):
     """The runtime inputs break an assumption the compiled plan relies on."""
+
+
+USE_SDPA = "load the model with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
+"""The fix for attention LongStraw does not claim (eager, flex)."""
 
 
 def describe_node(node: fx.Node) -> str:
@@ -36,22 +43,43 @@ def module_path(node: fx.Node) -> str | None:
     return _clean_module_path(list(stack.values())[-1][0]) if stack else None
 
 
+def name_arguments(gm: fx.GraphModule) -> None:
+    """Record the user's name of each graph input (`offset`,
+    `model.lm_head.weight`) from Dynamo's source while it is there: Dynamo
+    drops `grapharg` once compilation returns, before the first call plans."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if source is not None:
+            node.meta["longstraw_argument"] = _clean_module_path(source.name)
+
+
+def argument_name(node: fx.Node) -> str:
+    """The user's name of a graph input, else the node's name."""
+    return node.meta.get("longstraw_argument", node.name)
+
+
 def _clean_module_path(path: str) -> str:
     """`L['model']._modules['model'].layers[0]` -> `model.model.layers.0`."""
-    out = path.replace("L['", "").replace("']", "").replace("._modules['", ".").replace("['", ".")
+    out = path.replace("L['", "").replace("']", "")
+    for attr in ("._modules['", "._parameters['", "._buffers['"):
+        out = out.replace(attr, ".")
+    out = out.replace("['", ".")
     return out.replace("[", ".").replace("]", "")
 
 
 def source_line(node: fx.Node) -> str | None:
-    """Last `File "...", line N` entry of the recorded user stack trace."""
+    """`file:line (function)` of the recorded stack trace's innermost frame
+    outside PyTorch itself (a node traced inside `flex_attention` or `vmap`
+    is named by the user's line that called it)."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
-    lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
-    if not lines:
+    frames = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
+    if not frames:
         return None
-    # 'File "/x/y.py", line 12, in forward' -> 'y.py:12 (forward)'
-    last = lines[-1]
+    outside = [f for f in frames if not _in_torch(f)]
+    # 'File "/x/y.py", line 12, in forward' -> '/x/y.py:12 (forward)'
+    last = (outside or frames)[-1]
     try:
         path = last.split('"')[1]
         lineno = last.split("line ")[1].split(",")[0]
@@ -59,6 +87,14 @@ def source_line(node: fx.Node) -> str | None:
         return f"{path}:{lineno} ({func})"
     except IndexError:
         return last
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(frame: str) -> bool:
+    parts = frame.split('"')
+    return len(parts) > 1 and os.path.normpath(parts[1]).startswith(_TORCH_DIR)
 
 
 # HF layers whose operators LongStraw claims only after a model module binds

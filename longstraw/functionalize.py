@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .errors import UnsupportedGraphError, describe_node
+from .errors import UnsupportedGraphError, argument_name, describe_node
 from .nodes import arg, op_name
 
 
@@ -143,7 +143,9 @@ class _Functionalizer:
     Every tensor node has a *base* (the node that allocated its storage) and,
     if it is a view, a *parent* it was viewed from. `current` maps a written
     base to its latest value; nodes computed from an older value are
-    recomputed from the latest one, memoised per (node, value)."""
+    recomputed from the latest one, memoised per (node, value). Those new
+    nodes get the traced value of the node they stand for (a write keeps
+    shape and dtype): a later write through them reads its rank and dtype."""
 
     def __init__(self, graph: fx.Graph, values: dict[fx.Node, Any]) -> None:
         self.graph = graph
@@ -227,6 +229,7 @@ class _Functionalizer:
             for view in self.path(node):
                 source = value
                 value = self.graph.node_copy(view, lambda a, v=view, s=source: s if a is self.parent[v] else self.fresh(a))
+                self.values[value] = self.values[view]
                 self.register(value, base, source)
             self.memo[key] = value
         return self.memo[key]
@@ -239,7 +242,7 @@ class _Functionalizer:
         if base.op in ("placeholder", "get_attr"):
             what = "an argument of the loss" if base.op == "placeholder" else "a constant of the graph"
             raise UnsupportedGraphError(
-                f"{describe_node(node)} writes in place into `{base.name}`, {what} (a parameter, buffer or input): "
+                f"{describe_node(node)} writes in place into `{argument_name(base)}`, {what} (a parameter, buffer or input): "
                 "the caller would see the write, which LongStraw's replays cannot reproduce. Write into a copy "
                 "(`x = x.clone()`) or use the out-of-place operation."
             )
@@ -256,6 +259,7 @@ class _Functionalizer:
             if op_name(child) in _SPLIT_VIEWS:
                 child = self.parent[child]
         self.current[base] = value
+        self.values[value] = self.values[base]
         self.register(value, base, None)
         new = first_new.next
         while new is not node:
@@ -274,6 +278,8 @@ class _Functionalizer:
         source = self.latest(src)
         if name in _INDEX_VIEWS:
             return graph.call_function(updated, (source, "setitem", self.index_of(view), value))
+        if name == "view" and isinstance(arg(view, 1, "dtype"), torch.dtype):
+            return graph.call_method("view", (value, self.values[src].dtype))  # bits reinterpreted back
         if name in _RESHAPE_VIEWS:
             return graph.call_method("reshape_as", (value, source))
         if name in _IDENTITY_VIEWS:
@@ -316,7 +322,8 @@ class _Functionalizer:
         dim = arg(view, 1, "dim") % self.values[view.args[0]].dim()
         if name == "narrow":
             start, length = arg(view, 2, "start"), arg(view, 3, "length")
-            return (slice(None),) * dim + (slice(start, start + length),)
+            stop = start + length
+            return (slice(None),) * dim + (slice(start, None if start < 0 and stop == 0 else stop),)
         return (slice(None),) * dim + (arg(view, 2, "index"),)
 
 

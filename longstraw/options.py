@@ -45,9 +45,9 @@ class Options:
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
-        if not isinstance(self.prefix_chunk_size, int) or self.prefix_chunk_size < 1:
+        if not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1:
             raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
-        if not isinstance(self.plan_cache_size, int) or self.plan_cache_size < 1:
+        if not _is_int(self.plan_cache_size) or self.plan_cache_size < 1:
             raise LongStrawError(f"plan_cache_size must be a positive int, got {self.plan_cache_size!r}")
         if not isinstance(self.verify_state, bool):
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
@@ -68,3 +68,8 @@ class Options:
         if unknown:
             raise LongStrawError(f"unknown longstraw option(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(cls)]}")
         return cls(**options)
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (`True` is an int to Python, not a size to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)

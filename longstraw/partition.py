@@ -27,7 +27,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claimi
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
-from .errors import InputError, UnsupportedGraphError, binding_hint, describe_node
+from .errors import USE_SDPA, InputError, UnsupportedGraphError, binding_hint, describe_node
 from .functionalize import is_updated
 from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
@@ -207,16 +207,14 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
     for node in graph.nodes:
         if op_name(node) == "flex_attention":
             return _unsupported(
-                node, "is flex attention, which no pass claims: load the model with attn_implementation='sdpa' "
-                "(or call model.set_attn_implementation('sdpa'))"
+                node, f"is flex attention, which no pass claims: {USE_SDPA}"
             )
     for node in graph.nodes:
         if op_name(node) == "softmax" and _near(node, _MATMULS, "up") and _near(node, _MATMULS, "down"):
             return _unsupported(
                 node, "computes attention with explicit matmul and softmax (HF's attn_implementation='eager'); "
-                "LongStraw claims `scaled_dot_product_attention`: load the model with attn_implementation='sdpa' "
-                "(or call model.set_attn_implementation('sdpa')). Models that require eager attention (e.g. "
-                "attention logit soft-capping) are not supported"
+                f"LongStraw claims `scaled_dot_product_attention`: {USE_SDPA}. Models that require eager attention "
+                "(e.g. attention logit soft-capping, ALiBi) are not supported"
             )
     lookups = [n for n in graph.nodes if op_name(n) == "embedding" and tensor_of(n.args[0]) is not None
                and tensor_of(n.args[0]).dim() >= 2]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, LongStrawError, UnsupportedGraphError, describe_node, module_path
+from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, describe_node, module_path
 from .nodes import ancestors, is_random
 from .options import Options
 from .partition import Partition
@@ -88,7 +88,9 @@ class GroupRunner:
             self.position[n] for n in ancestors(s.node for s in part.slots) if n.op == "placeholder"
         }
         self.import_ancestors = {self.position[n] for n in ancestors(self.imports) if n.op == "placeholder"}
-        prefix_values = set(prefix.externals) - set(part.placeholders)
+        # data inputs the prompt's step reads directly are shared values too (a per-row
+        # offset added to the embeddings); imports never hold parameters
+        prefix_values = set(prefix.externals)
         self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
         self.last_prefix_len: int | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
@@ -109,7 +111,7 @@ class GroupRunner:
             for source in ancestors([node]):
                 if source.op == "placeholder" and source not in self.part.params and requires_grad[self.position[source]]:
                     raise UnsupportedGraphError(
-                        f"`{source.name}` requires grad and gives each row of the group its own copy of the prompt "
+                        f"`{argument_name(source)}` requires grad and gives each row of the group its own copy of the prompt "
                         f"(through `{node.name}`): exact mode computes the prompt once and cannot tell the rows' "
                         "gradients apart. Pass the prompt once and expand it inside the loss "
                         "(`torch.cat([prompt.expand(G, -1, ...), responses], 1)`), or use prompt_grad='detached'."
@@ -183,8 +185,9 @@ class GroupRunner:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1:
                 if not torch.equal(value, value.narrow(batch_dim, 0, 1).expand_as(value)):
+                    name = argument_name(node) if node.op == "placeholder" else node.name
                     raise InputError(
-                        f"`{node.name}` differs between the rows of the group but feeds the prompt's computation "
+                        f"`{name}` differs between the rows of the group but feeds the prompt's computation "
                         f"({describe_node(node)}): the rows would not share one prompt state. Pass one value for "
                         "the whole group (or compute it after the prompt)."
                     )
@@ -217,7 +220,7 @@ class GroupRunner:
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
         if verify and (slot := state.unwritten()) is not None:
-            raise LongStrawError(f"verify_state: the prompt capture left positions of state slot {slot.index} ({slot.reason}) unwritten")
+            raise LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
         if self.options.check_finite:
             self._check_finite(state)
         branch_len = end - prefix_len

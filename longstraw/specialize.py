@@ -7,7 +7,10 @@ reason about by values flowing along edges:
    what `gradient_checkpointing_enable()` and `torch.utils.checkpoint`
    trace to) and plain `wrap` regions become ordinary nodes. The prompt is
    captured without autograd and branches are replayed anyway, so
-   checkpointing buys nothing here, and gradients are the same;
+   checkpointing buys nothing here, and gradients are the same. Functorch
+   transforms (`torch.vmap`, which flex attention's block mask uses) are
+   refused: their batched values have no storage and their level
+   bookkeeping calls return integers, which step 3 would fold away;
 2. values recorded: FakeTensor propagation at these argument sizes;
 3. sizes folded: every integer the graph computes becomes a constant, so
    graphs traced with `dynamic=True` plan like static ones. An integer that
@@ -32,10 +35,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from .errors import UnsupportedGraphError, describe_node
+from .errors import USE_SDPA, UnsupportedGraphError, describe_node
 from .functionalize import functionalize
 from .dims import ELEMENTWISE
-from .nodes import ancestors, is_random, is_side_effect, op_name
+from .nodes import ancestors, is_call, is_random, is_side_effect, op_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> Specialization:
     graph.output(out)
     copy = fx.GraphModule(gm, graph)
     _inline_regions(copy)
+    _refuse_transforms(copy.graph)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     _record(copy, fake_mode, fake_args, args)
@@ -124,6 +128,24 @@ def _inline_regions(gm: fx.GraphModule) -> None:
                 graph.erase_node(body_attr)
             changed = True
     graph.lint()
+
+
+def _refuse_transforms(graph: fx.Graph) -> None:
+    """Refuse functorch transforms by name, before they break the later
+    stages; flex attention is named instead when it is what brought them."""
+    entry = next((n for n in graph.nodes if is_call(n) and op_name(n).endswith("_increment_nesting")), None)
+    if entry is None:
+        return
+    flex = next((n for n in graph.nodes if op_name(n) == "flex_attention"), None)
+    if flex is not None:
+        raise UnsupportedGraphError(
+            f"{describe_node(flex)} is flex attention, which no pass claims: {USE_SDPA}"
+        )
+    raise UnsupportedGraphError(
+        f"{describe_node(entry)} enters a functorch transform (`torch.vmap`, `torch.func.grad`...) inside the loss, "
+        "which LongStraw cannot analyse: write it with batched tensor operations, or pass "
+        "options={'on_unsupported': 'eager'} to run this graph unchanged."
+    )
 
 
 # 2. values -------------------------------------------------------------------

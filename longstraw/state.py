@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import LongStrawError
+from .errors import LongStrawError, module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,10 @@ class StateSlot:
         if self.kind != "carry":
             return 0
         return math.prod(self.shape) * self.dtype.itemsize
+
+    def label(self) -> str:
+        """The slot and the layer it belongs to, for messages."""
+        return f"state slot {self.index} ({self.reason}) of `{module_path(self.node) or self.node.name}`"
 
 
 class PromptState:
@@ -131,7 +135,7 @@ class StepContext:
     def _verify_write(self, slot: int, region: torch.Tensor, value: torch.Tensor) -> None:
         """`Options.verify_state`: the capture writes only unwritten (NaN)
         positions; a replay of a prompt chunk writes exactly what is there."""
-        where = f"state slot {slot} ({self.state.slots[slot].reason}), positions [{self.offset}, {self.offset + self.length})"
+        where = f"{self.state.slots[slot].label()}, positions [{self.offset}, {self.offset + self.length})"
         if not self.grad_enabled and not bool(region.isnan().all()):
             raise LongStrawError(f"verify_state: the prompt capture wrote {where} twice")
         if self.grad_enabled and not torch.equal(region, value.detach()):

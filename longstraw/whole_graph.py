@@ -18,6 +18,9 @@ and reports that instead:
   means this graph is a function called from the middle of a compiled
   one, which broke there (a DDP- or FSDP2-wrapped model called inside the
   loss).
+
+A break inside DDP's forward or FSDP2's hooks, and DDPOptimizer's split,
+get the recipe that avoids them (`DDP_RECIPE`, `FSDP_RECIPE`).
 """
 
 from __future__ import annotations
@@ -28,15 +31,42 @@ import os
 import torch
 import torch.fx as fx
 
+from .errors import USE_SDPA
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_FLEX_ATTENTION = os.path.join(_TORCH_DIR, "nn", "attention", "flex_attention.py")
 _HOW = (
     "LongStraw needs the whole loss in one graph; `torch._dynamo.explain(loss_fn)(*args)` lists every graph break, "
     "and compiling with fullgraph=True stops at the first."
 )
+DDP_RECIPE = (
+    "add `torch._dynamo.config.optimize_ddp = False` before the first call and compile DDP around the model and "
+    "the loss together: `torch.compile(DDP(longstraw.LossModule(model, loss_fn)), backend=\"longstraw\")`, called "
+    "with the loss's other arguments"
+)
+FSDP_RECIPE = (
+    "apply `fully_shard` only to the module whose forward returns the loss, not to its layers, and compile that "
+    "module: `module = longstraw.LossModule(model, loss_fn)`, `fully_shard(module)`, "
+    "`torch.compile(module, backend=\"longstraw\")`"
+)
 DDP_SPLIT = (
-    "Dynamo's DDP optimizer split the loss at gradient buckets (torch._dynamo.config.optimize_ddp). Set "
-    "`torch._dynamo.config.optimize_ddp = False` before compiling `DDP(LossModule(model))`: DDP then reduces the "
-    "gradients LongStraw returns exactly as in eager (after the backward, without overlap)."
+    "Dynamo's DDP optimizer split the loss at DDP's gradient buckets before LongStraw saw it "
+    "(`torch._dynamo.config.optimize_ddp`, on by default; a backend cannot turn it off). To use DDP, "
+    f"{DDP_RECIPE}. DDP then reduces the gradients LongStraw returns exactly as in eager (after the backward, "
+    "without overlap)."
+)
+# Graph breaks inside these files: the wrapper's forward or hooks ran inside the compiled function.
+_WRAPPERS = (
+    (
+        os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py"),
+        "A DistributedDataParallel module called inside the compiled function breaks the graph. To use DDP, "
+        f"{DDP_RECIPE}.",
+    ),
+    (
+        os.path.join(_TORCH_DIR, "distributed", "fsdp", "_fully_shard", ""),
+        "FSDP2 (`fully_shard`) runs its hooks outside the graph around every sharded module the compiled function "
+        f"calls, which breaks the graph there. To use FSDP2, {FSDP_RECIPE}.",
+    ),
 )
 
 
@@ -63,9 +93,8 @@ def partial_graph_reason(gm: fx.GraphModule) -> str | None:
     if caller is not None:
         return (
             f"this graph is `{code or 'a function'}`, compiled on its own because the compiled function {caller} "
-            "broke the graph where it calls it (a model wrapped by DDP or FSDP2 called inside the loss does this: "
-            "compile `DDP(LossModule(model))` with torch._dynamo.config.optimize_ddp = False, or apply fully_shard "
-            f"to the module whose forward returns the loss). {_HOW}"
+            "broke the graph where it calls it. A model wrapped by DDP or FSDP2 called inside the loss does this: "
+            f"to use DDP, {DDP_RECIPE}; to use FSDP2, {FSDP_RECIPE}. {_HOW}"
         )
     return None
 
@@ -78,7 +107,14 @@ def _describe(reason) -> str:
         where += f", called from {_frame(stack[0])}"
     lines = [line.strip() for line in reason.reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
-    return f"{where}: {' '.join(lines[:1] + hints)}"
+    if any(os.path.normpath(frame.filename) == _FLEX_ATTENTION for frame in stack):
+        # HF's flex path breaks in create_block_mask before any flex_attention node is traced
+        hints.append(
+            f"The break is inside flex attention, which LongStraw does not claim: {USE_SDPA}."
+        )
+    # a break inside DDP's forward or FSDP2's hooks: the recipe (Dynamo's hints there are about torch's internals)
+    hints += [fix for prefix, fix in _WRAPPERS if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
+    return f"{where}: {' '.join(lines[:1] + hints)}".rstrip(".")  # the caller ends the sentence
 
 
 def _frame(summary) -> str:

@@ -103,7 +103,9 @@ H200_SWEEPS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(H200_SWEEPS))
+# The hybrid's simulation runs the Gated DeltaNet reference loop on fake
+# tensors at 27B layer shapes (about three minutes on a CPU): `-m slow`.
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=[pytest.mark.slow] if k == "hybrid" else []) for k in sorted(H200_SWEEPS)])
 def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
     """(model, [(mode, measured run, plan)]) for every successful H200 sweep
     run of a benchmark model; one explain per model for every mode and P."""

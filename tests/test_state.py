@@ -1,12 +1,13 @@
 """Prompt state bookkeeping (longstraw/state.py): what carries and their
 gradients keep alive, which must not grow with the number of chunks beyond
-their own size."""
+their own size; what `verify_state` checks on every write."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
 
+from conftest import raises_longstraw
 from longstraw.state import PromptState, StateSlot, StepContext
 
 CHANNELS, WIDTH, CHUNK = 6, 3, 16
@@ -46,3 +47,49 @@ def test_a_carry_gradient_is_handed_over_once():
     torch.testing.assert_close(state.seed(slot, 0, CHUNK), grad, rtol=0, atol=0)
     assert state.seed(slot, 0, CHUNK) is None
     assert state.carry_grads[0] == {}
+
+
+# --- verify_state: every prompt position written once, replays write the same --------
+
+PROMPT, HEADS, DIM = 8, 2, 4
+
+
+def _kv_state() -> PromptState:
+    """One K-like sequence slot [1, heads, positions, dim], verified, with room for a 3-position branch."""
+    slot = StateSlot(0, "sequence", fx.Graph().placeholder("k"), 2, 0, (1, HEADS, PROMPT, DIM), torch.float64, "attention:k")
+    return PromptState([slot], capacity=PROMPT + 3, prefix_len=PROMPT, device=torch.device("cpu"), verify=True)
+
+
+def _values(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(1, HEADS, length, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def test_verify_starts_unwritten_and_accepts_one_write_per_position():
+    state = _kv_state()
+    assert state.buffers[0].isnan().all()
+    assert state.unwritten() is state.slots[0]
+    StepContext(state, 0, 5, False).write(0, _values(5))
+    assert state.unwritten() is state.slots[0]  # positions 5..7 still unwritten
+    StepContext(state, 5, 3, False).write(0, _values(3, 1))
+    assert state.unwritten() is None
+    StepContext(state, PROMPT, 3, False).write(0, _values(3, 2))  # a branch: scratch room, never checked
+    StepContext(state, PROMPT, 3, False).write(0, _values(3, 3))
+    torch.testing.assert_close(state.buffers[0][:, :, :5], _values(5), rtol=0, atol=0)
+
+
+def test_verify_refuses_a_second_capture_write():
+    state = _kv_state()
+    StepContext(state, 0, 4, False).write(0, _values(4))
+    with raises_longstraw(r"^verify_state: the prompt capture wrote state slot 0 \(attention:k\) of `k`, positions \[3, 6\) twice$"):
+        StepContext(state, 3, 3, False).write(0, _values(3, 1))
+
+
+def test_verify_refuses_a_replay_with_other_values():
+    state = _kv_state()
+    StepContext(state, 0, 4, False).write(0, _values(4))
+    StepContext(state, 0, 4, True).write(0, _values(4))  # the reverse pass recomputes the same values
+    changed = _values(4)
+    changed[0, 1, 2, 3] += 1e-12
+    with raises_longstraw(r"^verify_state: the reverse pass recomputed state slot 0 \(attention:k\) of `k`, positions \[0, 4\) "
+                          r"with other values than the capture$"):
+        StepContext(state, 0, 4, True).write(0, changed)
