@@ -40,7 +40,7 @@ def describe_node(node: fx.Node) -> str:
 def module_path(node: fx.Node) -> str | None:
     """The innermost module the node was traced in (`model.layers.0.self_attn`)."""
     stack = node.meta.get("nn_module_stack")
-    return _clean_module_path(list(stack.values())[-1][0]) if stack else None
+    return clean_module_path(list(stack.values())[-1][0]) if stack else None
 
 
 def name_arguments(gm: fx.GraphModule) -> None:
@@ -50,7 +50,7 @@ def name_arguments(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="placeholder"):
         source = getattr(node.meta.get("grapharg"), "source", None)
         if source is not None:
-            node.meta["longstraw_argument"] = _clean_module_path(source.name)
+            node.meta["longstraw_argument"] = clean_module_path(source.name)
 
 
 def argument_name(node: fx.Node) -> str:
@@ -58,7 +58,7 @@ def argument_name(node: fx.Node) -> str:
     return node.meta.get("longstraw_argument", node.name)
 
 
-def _clean_module_path(path: str) -> str:
+def clean_module_path(path: str) -> str:
     """`L['model']._modules['model'].layers[0]` -> `model.model.layers.0`."""
     out = path.replace("L['", "").replace("']", "")
     for attr in ("._modules['", "._parameters['", "._buffers['"):

@@ -42,6 +42,12 @@ class Options:
     positions, none is left unwritten), and that replays and the reverse
     pass never change a captured value. Costs a pass over the state per write."""
 
+    recompute_layers: bool = False
+    """Run each branch replay and reverse-pass chunk layer by layer under
+    `torch.utils.checkpoint`: what one step holds under autograd no longer
+    grows with depth (the layers' inputs stay), for one more forward of the
+    replayed positions."""
+
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
@@ -51,6 +57,8 @@ class Options:
             raise LongStrawError(f"plan_cache_size must be a positive int, got {self.plan_cache_size!r}")
         if not isinstance(self.verify_state, bool):
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
+        if not isinstance(self.recompute_layers, bool):
+            raise LongStrawError(f"recompute_layers must be a bool, got {self.recompute_layers!r}")
         if not isinstance(self.check_finite, bool):
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):

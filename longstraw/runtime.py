@@ -29,6 +29,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .partition import Partition
+from .recompute import LayerwiseStep
 from .state import PromptState, StepContext, has_values
 from .stepgraph import StepGraph, step_imports
 
@@ -94,6 +95,17 @@ class GroupRunner:
         self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
         self.last_prefix_len: int | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
+        self.replayed: dict[str, torch.nn.Module] = {}
+
+    def replay_module(self, which: str) -> torch.nn.Module:
+        """The step run under autograd: the step graph itself, or with
+        `recompute_layers` the same graph layer by layer (built once)."""
+        step = self.branch if which == "branch" else self.prefix
+        if not self.options.recompute_layers:
+            return step.module
+        if which not in self.replayed:
+            self.replayed[which] = LayerwiseStep(step.module)
+        return self.replayed[which]
 
     def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
         """Exact mode cannot give per-row gradients to per-row inputs of the
@@ -293,14 +305,14 @@ class GroupRunner:
             ]
             with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
-                outs = self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
+                outs = self.replay_module("branch")(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
                 self._accumulate(leaves, outs, slices)
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
                 with self._replaying(call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
-                    outs = self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+                    outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(leaves, outs, seeds)
         state.release()

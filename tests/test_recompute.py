@@ -1,0 +1,110 @@
+"""`recompute_layers`: branch replays and reverse-pass chunks run layer by
+layer under checkpoint. Same gradients as without (bit for bit on the CPU,
+dropout included), and what a step holds under autograd stops growing with
+depth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import longstraw
+from compare import assert_close, assert_grads_close
+from harness import compile_loss, compiled_loss_and_grads
+from losses import grpo_loss_f64
+from longstraw.models import qwen3_5
+from longstraw.recompute import LayerwiseStep, segment_ids
+from plain_transformer import make_plain
+from reference import eager_loss_and_grads
+from tiny_models import make_group, make_model
+
+
+def make_hybrid() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config()).double()
+
+
+MODELS = {
+    "plain": lambda: make_model("plain"),
+    "qwen3": lambda: make_model("qwen3"),
+    "plain_dropout": lambda: make_plain(dropout=0.3).train(),
+    "qwen3_5": make_hybrid,
+}
+
+
+def run(model, group, mode: str, recompute: bool):
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4, recompute_layers=recompute, verify_state=True)
+    torch.manual_seed(7)  # the same dropout masks in both runs
+    loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    return loss, grads, backend.plans[-1].runner
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_recomputing_replay_gives_the_same_gradients(kind, mode):
+    model = MODELS[kind]()
+    group = make_group(3, 13, 5, pad=True)
+    with qwen3_5.bound():
+        loss, grads, _ = run(model, group, mode, recompute=False)
+        torch._dynamo.reset()
+        loss_rc, grads_rc, runner = run(model, group, mode, recompute=True)
+    assert torch.equal(loss_rc, loss)
+    for name in grads:
+        assert torch.equal(grads_rc[name], grads[name]), f"{name} differs when recomputing"
+    layers = model.config.num_hidden_layers if hasattr(model, "config") else model.cfg.num_layers
+    # one segment before the first layer, then one per layer (the head joins the last)
+    assert runner.replay_module("branch").depth == layers + 1
+    if kind in ("plain", "qwen3") and mode == "exact":
+        want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
+        assert_close(loss_rc, want_loss, 1e-6)
+        assert_grads_close(grads_rc, want, 1e-6)
+
+
+def test_segments_are_contiguous_and_follow_the_layers():
+    model = make_model("qwen3")
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=True)
+    compile_loss(grpo_loss_f64, backend)(model, *make_group(2, 9, 3)).backward()
+    graph = backend.plans[-1].runner.prefix.module.graph
+    ids = segment_ids(graph)
+    order = [ids[n] for n in graph.nodes if n in ids]
+    assert order == sorted(order) and set(order) == {0, 1, 2}
+    layer_nodes = [n for n in graph.nodes if "layers.1" in str(n.meta.get("nn_module_stack", ""))]
+    assert layer_nodes and {ids[n] for n in layer_nodes} == {2}
+
+
+def _activations(layers: int, recompute: bool, mode: str) -> int:
+    torch._dynamo.reset()
+    model = make_plain(num_layers=layers, hidden_size=64, intermediate_size=256)
+    report = longstraw.explain(
+        grpo_loss_f64, model, *make_group(2, 65, 64), options={"prefix_chunk_size": 32, "recompute_layers": recompute}
+    )
+    return report.plan(P=65, G=2, R=64, prompt_grad=mode).activations
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_what_a_replay_holds_stops_growing_with_depth(mode):
+    """Simulated peak of a step under autograd, 2 against 8 layers: without
+    recomputation every layer's activations stay; with it only each layer's
+    input (the residual stream, 64 x 64 x 8 bytes per layer here) does."""
+    grow = _activations(8, False, mode) - _activations(2, False, mode)
+    grow_rc = _activations(8, True, mode) - _activations(2, True, mode)
+    residual = 64 * 64 * 8
+    assert grow > 40 * residual
+    assert grow_rc <= 6 * (2 * residual + 64 * 64 * 8), (grow_rc, grow)
+    assert _activations(8, True, mode) < 0.4 * _activations(8, False, mode)
+
+
+def test_layerwise_step_is_only_used_under_autograd():
+    model = make_model("plain")
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=True)
+    step = compile_loss(grpo_loss_f64, backend)
+    with torch.no_grad():
+        step(model, *make_group(2, 9, 3))
+    assert backend.plans[-1].runner.replayed == {}
+    assert isinstance(backend.plans[-1].runner.replay_module("prefix"), LayerwiseStep)
+
+
+def test_option_is_validated():
+    with pytest.raises(longstraw.LongStrawError, match="recompute_layers must be a bool"):
+        longstraw.Backend(recompute_layers="yes")
