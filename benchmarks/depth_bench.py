@@ -53,7 +53,7 @@ def config(layers: int, tiny: bool) -> transformers.PretrainedConfig:
 def build(layers: int, tiny: bool, dtype: torch.dtype, device: torch.device, lora: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen3_5ForCausalLM._from_config(config(layers, tiny), torch_dtype=dtype)
+        model = transformers.Qwen3_5ForCausalLM._from_config(config(layers, tiny), dtype=dtype)
     model.train()
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -70,21 +70,29 @@ class Phases:
 
     def __init__(self) -> None:
         self.seconds = {"plan": 0.0, "forward": 0.0, "backward": 0.0}
+        self.peak_gb: dict[str, float] = {}  # allocated at the phase's start, and its peak
         self._originals = {}
 
     def _timed(self, owner: type, name: str, phase: str) -> None:
         original = getattr(owner, name)
         self._originals[(owner, name)] = original
-        seconds = self.seconds
+        seconds, peaks = self.seconds, self.peak_gb
+        cuda = torch.cuda.is_available()
 
         def timed(*args, **kwargs):
             sync()
+            if cuda:
+                peaks[f"{phase}_start"] = torch.cuda.memory_allocated() / GiB
+                peaks[f"{phase}_peak"] = max(peaks.get(f"{phase}_peak", 0.0), torch.cuda.max_memory_allocated() / GiB)
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 sync()
                 seconds[phase] += time.perf_counter() - start
+                if cuda:
+                    peaks[f"{phase}_peak"] = torch.cuda.max_memory_allocated() / GiB
 
         setattr(owner, name, timed)
 
@@ -123,8 +131,9 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["where"] = [n for n in getattr(error, "__notes__", [])]
     run["seconds"] = time.perf_counter() - start
     run["phases"] = phases.seconds
+    run["phase_memory_gb"] = phases.peak_gb
     if torch.cuda.is_available():
-        run["peak_gb"] = torch.cuda.max_memory_allocated() / GiB
+        run["peak_gb"] = max([torch.cuda.max_memory_allocated() / GiB, *phases.peak_gb.values()])
     if backend.plans:
         report = ExplainReport(backend.plans[-1])
         per_position = report.state_bytes_per_position
@@ -143,7 +152,7 @@ def main() -> None:
     parser.add_argument("--runs", required=True, help="MODE:P,... in order (mode: exact or detached)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size")
+    parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size (MODE:P:CHUNK in --runs overrides it)")
     parser.add_argument("--recompute-layers", action="store_true")
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
@@ -164,17 +173,20 @@ def main() -> None:
         model = build(args.layers, args.tiny, dtype, device, lora=not args.no_lora)
         result["build_seconds"] = time.perf_counter() - started
         for item in args.runs.split(","):
-            mode, P = item.split(":")
+            mode, P, *chunk = item.split(":")
             if time.perf_counter() - started > args.budget_s:
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
                 continue
-            result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, options, device))
+            run_options = {**options, "prefix_chunk_size": int(chunk[0])} if chunk else options
+            result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'mode':9} {'P':>9} {'ok':>3} {'peak GB':>8} {'floor GB':>8} {'s':>7} {'plan':>6} {'fwd':>7} {'bwd':>7}")
+    print(f"{'mode':9} {'P':>9} {'chunk':>6} {'ok':>3} {'peak GB':>8} {'floor GB':>8} {'fwd pk':>7} {'bwd pk':>7} "
+          f"{'s':>7} {'plan':>6} {'fwd':>7} {'bwd':>7}")
     for r in result["runs"]:
-        ph = r.get("phases", {})
-        print(f"{r['mode']:9} {r['P']:>9} {str(r['ok'])[0]:>3} {r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} "
+        ph, mem = r.get("phases", {}), r.get("phase_memory_gb", {})
+        print(f"{r['mode']:9} {r['P']:>9} {r.get('options', {}).get('prefix_chunk_size', 0):>6} {str(r['ok'])[0]:>3} "
+              f"{r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} {mem.get('forward_peak', 0):7.1f} {mem.get('backward_peak', 0):7.1f} "
               f"{r.get('seconds', 0):7.1f} {ph.get('plan', 0):6.1f} {ph.get('forward', 0):7.1f} {ph.get('backward', 0):7.1f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))
 
