@@ -40,16 +40,27 @@ def recompute_grads(
     return [next(grads) if x is not None and x.requires_grad else None for x in leaves]
 
 
+RECOMPUTE_SPAN = 1024
+"""Positions recomputed at once in `CarryStep.backward`: the operator's own
+intermediates under autograd grow with the positions it sees (Gated
+DeltaNet's chunked rule holds about 3 MB per position at Qwen3.5-27B
+shapes), so a long step is differentiated span by span from the carry."""
+
+
 class CarryStep(torch.autograd.Function):
     """`fn(carry, *inputs) -> (out, new_carry)` with the carry taken from and
-    kept in the step's `StepContext`."""
+    kept in the step's `StepContext`. `token_dims[0]` is the output's
+    position dimension, `token_dims[1:]` the inputs' (None: not per
+    position, such as a weight). `fn` must be causal through the carry:
+    running it over positions `[a, c)` equals running it over `[a, b)` and
+    then over `[b, c)` from the carry it returned."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, slot: int, fn: CarryFn, *inputs):
+    def forward(ctx, step: StepContext, slot: int, fn: CarryFn, token_dims: tuple[int | None, ...], *inputs):
         carry = step.carry_in(slot)
         out, new_carry = fn(carry, *inputs)
         step.carry_out(slot, new_carry)
-        ctx.step, ctx.slot, ctx.fn = step, slot, fn
+        ctx.step, ctx.slot, ctx.fn, ctx.token_dims = step, slot, fn, token_dims
         ctx.save_for_backward(*inputs)
         return out, new_carry
 
@@ -58,7 +69,55 @@ class CarryStep(torch.autograd.Function):
         step: StepContext = ctx.step
         inputs = ctx.saved_tensors
         carry = step.carry_in(ctx.slot)
-        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[3:])
-        grads = recompute_grads(ctx.fn, [carry, *inputs], [grad_out, grad_carry], wanted)
+        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[4:])
+        grads = _spanwise_grads(ctx.fn, ctx.token_dims, carry, inputs, grad_out, grad_carry, wanted)
         step.accumulate_carry_grad(ctx.slot, grads[0])
-        return (None, None, None, *grads[1:])
+        return (None, None, None, None, *grads[1:])
+
+
+def _spanwise_grads(
+    fn: CarryFn,
+    token_dims: tuple[int | None, ...],
+    carry: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    grad_out: torch.Tensor | None,
+    grad_carry: torch.Tensor | None,
+    wanted: list[bool],
+) -> list[torch.Tensor | None]:
+    """Gradients of `fn(carry, *inputs)` for `[carry, *inputs]`, recomputed
+    `RECOMPUTE_SPAN` positions at a time: a forward without autograd keeps
+    the carry at each span's start, then the spans are differentiated last
+    to first, each passing the gradient of its incoming carry to the span
+    before (as the reverse pass does with prompt chunks)."""
+    out_dim, in_dims = token_dims[0], token_dims[1:]
+    length = next(x.shape[d] for x, d in zip(inputs, in_dims) if d is not None)
+    spans = [(s, min(RECOMPUTE_SPAN, length - s)) for s in range(0, length, RECOMPUTE_SPAN)]
+    if len(spans) == 1:
+        return recompute_grads(fn, [carry, *inputs], [grad_out, grad_carry], wanted)
+
+    def piece(start: int, size: int) -> list[torch.Tensor]:
+        return [x if d is None else x.narrow(d, start, size) for x, d in zip(inputs, in_dims)]
+
+    carries = [carry]
+    with torch.no_grad():
+        for start, size in spans[:-1]:
+            carries.append(fn(carries[-1], *piece(start, size))[1])
+    pieces: list[list[torch.Tensor | None]] = []
+    d_carry = grad_carry
+    for i in reversed(range(len(spans))):
+        start, size = spans[i]
+        g_out = None if grad_out is None else grad_out.narrow(out_dim, start, size)
+        g = recompute_grads(fn, [carries[i], *piece(start, size)], [g_out, d_carry], [i > 0 or wanted[0], *wanted[1:]])
+        d_carry = g[0]
+        pieces.append(g[1:])
+    pieces.reverse()
+    out: list[torch.Tensor | None] = [d_carry if wanted[0] else None]
+    for j, d in enumerate(in_dims):
+        parts = [p[j] for p in pieces if p[j] is not None]
+        if not parts:
+            out.append(None)
+        elif d is None:
+            out.append(torch.stack(parts).sum(0))
+        else:
+            out.append(torch.cat(parts, dim=d))
+    return out

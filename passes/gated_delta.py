@@ -168,7 +168,7 @@ def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     )
     kernel = _fla_forward if capture else gated_delta_rule_reference
     fn = lambda state, *x: kernel(*x, state, use_qk_l2norm)  # noqa: E731
-    return CarryStep.apply(ctx, slot, fn, q, k, v, g, beta)
+    return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), q, k, v, g, beta)
 
 
 class GatedDeltaPass(ArchitecturePass):
