@@ -107,7 +107,32 @@ class Phases:
             setattr(owner, name, original)
 
 
-def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device) -> dict:
+def peak_allocations(snapshot: dict, top: int = 20) -> list[dict]:
+    """The allocations live at the peak of a `torch.cuda.memory._snapshot()`
+    trace, grouped by the innermost frame in LongStraw, its passes, HF or peft."""
+    live: dict[int, tuple[int, list]] = {}
+    total = peak = 0
+    at_peak: list[tuple[int, list]] = []
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], event.get("frames", []))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups: dict[str, int] = {}
+    for size, frames in at_peak:
+        names = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
+                 if any(k in f["filename"] for k in ("longstraw", "passes", "transformers", "peft", "grpo_bench"))]
+        key = " <- ".join(names[:3]) or "?"
+        groups[key] = groups.get(key, 0) + size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    return [{"gb": size / GiB, "where": where} for where, size in ranked]
+
+
+def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device,
+            trace: bool = False) -> dict:
     run = {"layers": layers, "mode": mode, "P": P, "G": G, "R": R, "options": options, "ok": False}
     group = make_group(G, P, R, model.config.vocab_size, device)
     backend = longstraw.Backend(prompt_grad=mode, **options)
@@ -117,6 +142,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
     run["grads_gb"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad) / GiB
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    if trace:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     start = time.perf_counter()
     try:
         with Phases() as phases:
@@ -130,6 +157,9 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         run["where"] = [n for n in getattr(error, "__notes__", [])]
     run["seconds"] = time.perf_counter() - start
+    if trace:
+        run["peak_allocations"] = peak_allocations(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
     run["phases"] = phases.seconds
     run["phase_memory_gb"] = phases.peak_gb
     if torch.cuda.is_available():
@@ -156,6 +186,7 @@ def main() -> None:
     parser.add_argument("--recompute-layers", action="store_true")
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
+    parser.add_argument("--memory-trace", action="store_true", help="record allocations; list those live at the peak")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--out", required=True, help="result JSON path")
     args = parser.parse_args()
@@ -178,7 +209,8 @@ def main() -> None:
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
                 continue
             run_options = {**options, "prefix_chunk_size": int(chunk[0])} if chunk else options
-            result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device))
+            result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
+                                          trace=args.memory_trace))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'mode':9} {'P':>9} {'chunk':>6} {'ok':>3} {'peak GB':>8} {'floor GB':>8} {'fwd pk':>7} {'bwd pk':>7} "
@@ -189,6 +221,8 @@ def main() -> None:
               f"{r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} {mem.get('forward_peak', 0):7.1f} {mem.get('backward_peak', 0):7.1f} "
               f"{r.get('seconds', 0):7.1f} {ph.get('plan', 0):6.1f} {ph.get('forward', 0):7.1f} {ph.get('backward', 0):7.1f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))
+        for a in r.get("peak_allocations", [])[:12]:
+            print(f"    {a['gb']:7.2f} GB  {a['where'][:150]}")
 
 
 if __name__ == "__main__":
