@@ -119,6 +119,8 @@ def test_empty_responses(kind):
         {"prompt_grad": "bogus"},
         {"prefix_chunk_size": 0},
         {"prefix_chunk_size": -3},
+        {"prefix_chunk_size": True},  # a bool is an int to Python, not a size
+        {"plan_cache_size": True},
         {"on_unsupported": "maybe"},
     ],
 )
