@@ -224,7 +224,9 @@ def _view(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     """Map the input's factors, in order, onto the output sizes: whole
     factors are kept, merged into products, or split where a size requires
     it (the split factor is recorded; splitting the token axis is an error
-    later). Size-1 dimensions stay aligned where both sides have one."""
+    later). Size-1 dimensions stay aligned where both sides have one, and a
+    size-1 factor merged into a larger dimension stays one of its factors
+    (GPT-2 flattens `[G, T, C]` to `[G * T, C]` at G = 1 too)."""
     in_dims, _ = an._in(node.args[0])
     out_shape = an._out_shape(node)
     queue = [(f, an.factor_size(f)) for dim in in_dims for f in dim]
@@ -237,7 +239,8 @@ def _view(an: DimAnalysis, node: fx.Node) -> list[Dim]:
         product = 1
         while product < size and queue:
             factor, factor_size = queue.pop(0)
-            if factor_size == 1:
+            if factor_size == 1:  # kept in the product: a group of one merged with positions stays the group
+                taken.append(factor)
                 continue
             if size % (product * factor_size) == 0:
                 taken.append(factor)

@@ -123,3 +123,9 @@ def test_every_family_is_claimed_once():
 
 def test_readme_table_is_generated_from_the_registry():
     assert readme_section(README.read_text()) == readme_table(), "run `python tests/families.py` to regenerate"
+
+
+def test_gpt2_with_one_response():
+    """Conv1D flattens `[G, T, C]` to `[G * T, C]`; at G = 1 the group axis
+    is a size-1 factor of that product and must survive the view back."""
+    check_family("gpt2", "exact", (1, 6, 7, 1, True), deterministic=True)
