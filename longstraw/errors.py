@@ -89,12 +89,12 @@ def source_line(node: fx.Node) -> str | None:
         return last
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def _in_torch(frame: str) -> bool:
     parts = frame.split('"')
-    return len(parts) > 1 and os.path.normpath(parts[1]).startswith(_TORCH_DIR)
+    return len(parts) > 1 and os.path.normpath(parts[1]).startswith(TORCH_DIR + os.sep)
 
 
 # HF layers whose operators LongStraw claims only after a model module binds
@@ -107,8 +107,7 @@ def binding_hint(node: fx.Node) -> str:
     for _, cls in (node.meta.get("nn_module_stack") or {}).values():
         name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
         if name in _NEEDS_BINDING:
-            module = _NEEDS_BINDING[name]
-            return (f" HF's `{name}` runs through LongStraw's operators only when bound: `from {module.rsplit('.', 1)[0]} "
-                    f"import {module.rsplit('.', 1)[1]}` and call the model inside `with {module.rsplit('.', 1)[1]}.bound():` "
-                    f"(or `{module.rsplit('.', 1)[1]}.bind()` once).")
+            package, _, module = _NEEDS_BINDING[name].rpartition(".")
+            return (f" HF's `{name}` runs through LongStraw's operators only when bound: `from {package} import {module}` "
+                    f"and call the model inside `with {module}.bound():` (or `{module}.bind()` once).")
     return ""

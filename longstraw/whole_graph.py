@@ -31,10 +31,8 @@ import os
 import torch
 import torch.fx as fx
 
-from .errors import USE_SDPA
+from .errors import TORCH_DIR, USE_SDPA
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FLEX_ATTENTION = os.path.join(_TORCH_DIR, "nn", "attention", "flex_attention.py")
 _HOW = (
     "LongStraw needs the whole loss in one graph; `torch._dynamo.explain(loss_fn)(*args)` lists every graph break, "
     "and compiling with fullgraph=True stops at the first."
@@ -55,15 +53,21 @@ DDP_SPLIT = (
     f"{DDP_RECIPE}. DDP then reduces the gradients LongStraw returns exactly as in eager (after the backward, "
     "without overlap)."
 )
-# Graph breaks inside these files: the wrapper's forward or hooks ran inside the compiled function.
-_WRAPPERS = (
+# Graph breaks inside these files, and what to do: HF's flex path breaks in create_block_mask before any
+# flex_attention node is traced; in DDP's forward or FSDP2's hooks, the wrapper ran inside the compiled
+# function (Dynamo's own hints there are about torch's internals).
+_BREAK_FIXES = (
     (
-        os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py"),
+        os.path.join(TORCH_DIR, "nn", "attention", "flex_attention.py"),
+        f"The break is inside flex attention, which LongStraw does not claim: {USE_SDPA}.",
+    ),
+    (
+        os.path.join(TORCH_DIR, "nn", "parallel", "distributed.py"),
         "A DistributedDataParallel module called inside the compiled function breaks the graph. To use DDP, "
         f"{DDP_RECIPE}.",
     ),
     (
-        os.path.join(_TORCH_DIR, "distributed", "fsdp", "_fully_shard", ""),
+        os.path.join(TORCH_DIR, "distributed", "fsdp", "_fully_shard", ""),
         "FSDP2 (`fully_shard`) runs its hooks outside the graph around every sharded module the compiled function "
         f"calls, which breaks the graph there. To use FSDP2, {FSDP_RECIPE}.",
     ),
@@ -107,13 +111,7 @@ def _describe(reason) -> str:
         where += f", called from {_frame(stack[0])}"
     lines = [line.strip() for line in reason.reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
-    if any(os.path.normpath(frame.filename) == _FLEX_ATTENTION for frame in stack):
-        # HF's flex path breaks in create_block_mask before any flex_attention node is traced
-        hints.append(
-            f"The break is inside flex attention, which LongStraw does not claim: {USE_SDPA}."
-        )
-    # a break inside DDP's forward or FSDP2's hooks: the recipe (Dynamo's hints there are about torch's internals)
-    hints += [fix for prefix, fix in _WRAPPERS if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
+    hints += [fix for prefix, fix in _BREAK_FIXES if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
     return f"{where}: {' '.join(lines[:1] + hints)}".rstrip(".")  # the caller ends the sentence
 
 
@@ -126,7 +124,7 @@ def _compiled_caller() -> str | None:
     frame = inspect.currentframe()
     while frame is not None:
         original = torch._dynamo.utils.orig_code_map.get(frame.f_code)
-        if original is not None and not original.co_filename.startswith(_TORCH_DIR):
+        if original is not None and not original.co_filename.startswith(TORCH_DIR):
             return f"`{original.co_name}` ({os.path.basename(original.co_filename)}:{original.co_firstlineno})"
         frame = frame.f_back
     return None
