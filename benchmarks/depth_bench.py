@@ -15,18 +15,24 @@ the floor it should sit near: weights + trainable grads + state (+ d(state)).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.utils._pytree as pytree
 import transformers
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
 from grpo_bench import GiB, git_commit, grpo_loss, is_oom, make_group, release, sync  # noqa: E402
+from longstraw import runtime  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
@@ -107,32 +113,122 @@ class Phases:
             setattr(owner, name, original)
 
 
-def peak_allocations(snapshot: dict, top: int = 20) -> list[dict]:
-    """The allocations live at the peak of a `torch.cuda.memory._snapshot()`
-    trace, grouped by the innermost frame in LongStraw, its passes, HF or peft."""
-    live: dict[int, tuple[int, list]] = {}
-    total = peak = 0
-    at_peak: list[tuple[int, list]] = []
-    for event in snapshot["device_traces"][0]:
-        if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], event.get("frames", []))
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, list(live.values())
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])[0]
-    groups: dict[str, int] = {}
-    for size, frames in at_peak:
-        names = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames
-                 if any(k in f["filename"] for k in ("longstraw", "passes", "transformers", "peft", "grpo_bench"))]
-        key = " <- ".join(names[:3]) or "?"
-        groups[key] = groups.get(key, 0) + size
-    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-    return [{"gb": size / GiB, "where": where} for where, size in ranked]
+def phase_of(where: str) -> str:
+    """`replaying branch 3 of 8` -> `replaying branch`: the phase a runtime note names."""
+    words = itertools.takewhile(lambda w: not (w[0].isdigit() or w[0] == "["), where.split())
+    return " ".join(list(words)[:4])
+
+
+class MemoryByPhase(TorchDispatchMode):
+    """What is live at each phase's peak of allocated CUDA memory, grouped
+    by the operator, shape and phase that created each storage (tensors
+    made before the step, the weights, are `untracked`). The peak inside
+    an operator (a kernel's workspace) counts as the operator's."""
+
+    STEP = 0.25 * GiB  # re-list the live tensors only when the peak rose by this much
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.names: dict[int, tuple[StorageWeakRef, str, int]] = {}
+        self.best: dict[str, dict] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        torch.cuda.reset_peak_memory_stats()
+        out = func(*args, **(kwargs or {}))
+        peak = torch.cuda.max_memory_allocated()
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                ref = StorageWeakRef(t.untyped_storage())
+                known = self.names.get(ref.cdata)
+                if ref.cdata not in inputs and (known is None or known[0].expired()):  # new storage, not a view
+                    label = f"{func.__name__} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} @{self.phase}"
+                    self.names[ref.cdata] = (ref, label, t.untyped_storage().nbytes())
+        best = self.best.setdefault(self.phase, {"peak_gb": 0.0})
+        if peak > (best["peak_gb"] * GiB) + self.STEP:
+            groups: dict[str, int] = {}
+            live = 0
+            for key in list(self.names):
+                ref, label, nbytes = self.names[key]
+                if ref.expired():
+                    del self.names[key]
+                    continue
+                groups[label] = groups.get(label, 0) + nbytes
+                live += nbytes
+            top = sorted(groups.items(), key=lambda kv: -kv[1])[:14]
+            best.update(peak_gb=peak / GiB, op=str(func), untracked_gb=(torch.cuda.memory_allocated() - live) / GiB,
+                        in_op_gb=(peak - torch.cuda.memory_allocated()) / GiB,
+                        live=[{"gb": b / GiB, "what": w} for w, b in top])
+        return out
+
+    @contextlib.contextmanager
+    def around_the_runner(self):
+        """Active inside GroupRunner.forward and backward only: Dynamo and the
+        planner's FakeTensor propagation run outside it."""
+        originals = {name: getattr(GroupRunner, name) for name in ("forward", "backward")}
+
+        def wrapped(original):
+            def run(*args, **kwargs):
+                with self:
+                    return original(*args, **kwargs)
+            return run
+
+        for name, original in originals.items():
+            setattr(GroupRunner, name, wrapped(original))
+        try:
+            yield self
+        finally:
+            for name, original in originals.items():
+                setattr(GroupRunner, name, original)
+
+    def __enter__(self):
+        self._noting = runtime._noting
+        mode = self
+
+        @contextlib.contextmanager
+        def noting(where: str):
+            previous, mode.phase = mode.phase, phase_of(where)
+            try:
+                with self._noting(where):
+                    yield
+            finally:
+                mode.phase = previous
+
+        runtime._noting = noting
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        runtime._noting = self._noting
+        return super().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def profiled(run: dict):
+    """torch.profiler over the step: self CUDA time per operator, and per phase."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    original = runtime._noting
+
+    @contextlib.contextmanager
+    def noting(where: str):
+        with original(where), record_function("phase: " + phase_of(where)):
+            yield
+
+    runtime._noting = noting
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            yield
+    finally:
+        runtime._noting = original
+    events = prof.key_averages()
+    run["profile"] = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
+    run["profile_phases"] = {e.key: e.device_time_total / 1e6 for e in events if e.key.startswith("phase: ")}
 
 
 def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device,
-            trace: bool = False) -> dict:
+            diagnose: str | None = None) -> dict:
     run = {"layers": layers, "mode": mode, "P": P, "G": G, "R": R, "options": options, "ok": False}
     group = make_group(G, P, R, model.config.vocab_size, device)
     backend = longstraw.Backend(prompt_grad=mode, **options)
@@ -142,14 +238,15 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
     run["grads_gb"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad) / GiB
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    if trace:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     start = time.perf_counter()
     try:
-        with Phases() as phases:
+        diagnostics = {"memory": lambda: MemoryByPhase().around_the_runner(), "profile": lambda: profiled(run)}
+        with Phases() as phases, (diagnostics[diagnose]() if diagnose else contextlib.nullcontext()) as diagnosis:
             loss = compiled(model, group.input_ids, group.advantages, group.mask, R)
             loss.backward()
             sync()
+        if diagnose == "memory":
+            run["memory_by_phase"] = diagnosis.best
         run.update(ok=True, loss=loss.item())
     except Exception as error:  # noqa: BLE001 - every failure is a result here
         if not is_oom(error):
@@ -157,9 +254,6 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         run["where"] = [n for n in getattr(error, "__notes__", [])]
     run["seconds"] = time.perf_counter() - start
-    if trace:
-        run["peak_allocations"] = peak_allocations(torch.cuda.memory._snapshot())
-        torch.cuda.memory._record_memory_history(enabled=None)
     run["phases"] = phases.seconds
     run["phase_memory_gb"] = phases.peak_gb
     if torch.cuda.is_available():
@@ -179,14 +273,15 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--runs", required=True, help="MODE:P,... in order (mode: exact or detached)")
+    parser.add_argument("--runs", required=True,
+                        help="MODE:P[:CHUNK][:memory|:profile],... in order (mode: exact or detached; memory: "
+                             "what is live at each phase's peak; profile: CUDA time per operator and phase)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size (MODE:P:CHUNK in --runs overrides it)")
     parser.add_argument("--recompute-layers", action="store_true")
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
-    parser.add_argument("--memory-trace", action="store_true", help="record allocations; list those live at the peak")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--out", required=True, help="result JSON path")
     args = parser.parse_args()
@@ -204,13 +299,15 @@ def main() -> None:
         model = build(args.layers, args.tiny, dtype, device, lora=not args.no_lora)
         result["build_seconds"] = time.perf_counter() - started
         for item in args.runs.split(","):
-            mode, P, *chunk = item.split(":")
+            mode, P, *rest = item.split(":")
+            chunk = [x for x in rest if x.isdigit()]
+            diagnose = next((x for x in rest if x in ("memory", "profile")), None)
             if time.perf_counter() - started > args.budget_s:
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
                 continue
             run_options = {**options, "prefix_chunk_size": int(chunk[0])} if chunk else options
             result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
-                                          trace=args.memory_trace))
+                                          diagnose=diagnose))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'mode':9} {'P':>9} {'chunk':>6} {'ok':>3} {'peak GB':>8} {'floor GB':>8} {'fwd pk':>7} {'bwd pk':>7} "
@@ -221,8 +318,14 @@ def main() -> None:
               f"{r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} {mem.get('forward_peak', 0):7.1f} {mem.get('backward_peak', 0):7.1f} "
               f"{r.get('seconds', 0):7.1f} {ph.get('plan', 0):6.1f} {ph.get('forward', 0):7.1f} {ph.get('backward', 0):7.1f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))
-        for a in r.get("peak_allocations", [])[:12]:
-            print(f"    {a['gb']:7.2f} GB  {a['where'][:150]}")
+        for phase, best in r.get("memory_by_phase", {}).items():
+            print(f"  [{phase}] peak {best['peak_gb']:.1f} GB at {best.get('op')} (untracked {best.get('untracked_gb', 0):.1f}, "
+                  f"inside the op {best.get('in_op_gb', 0):.2f})")
+            for a in best.get("live", [])[:10]:
+                print(f"    {a['gb']:7.2f} GB  {a['what'][:140]}")
+        if "profile" in r:
+            print(r["profile"])
+            print({k: round(v, 1) for k, v in r["profile_phases"].items()})
 
 
 if __name__ == "__main__":
