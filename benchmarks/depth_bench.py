@@ -132,6 +132,7 @@ class MemoryByPhase(TorchDispatchMode):
         self.phase = "setup"
         self.names: dict[int, tuple[StorageWeakRef, str, int]] = {}
         self.best: dict[str, dict] = {}
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         torch.cuda.reset_peak_memory_stats()
@@ -146,6 +147,9 @@ class MemoryByPhase(TorchDispatchMode):
                 if ref.cdata not in inputs and (known is None or known[0].expired()):  # new storage, not a view
                     label = f"{func.__name__} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} @{self.phase}"
                     self.names[ref.cdata] = (ref, label, t.untyped_storage().nbytes())
+        self.ops += 1
+        if self.ops % 4096 == 0:
+            self.names = {k: v for k, v in self.names.items() if not v[0].expired()}
         best = self.best.setdefault(self.phase, {"peak_gb": 0.0})
         if peak > (best["peak_gb"] * GiB) + self.STEP:
             groups: dict[str, int] = {}
