@@ -59,6 +59,11 @@ class CarryStep(torch.autograd.Function):
     def forward(ctx, step: StepContext, slot: int, fn: CarryFn, token_dims: tuple[int | None, ...], *inputs):
         carry = step.carry_in(slot)
         out, new_carry = fn(carry, *inputs)
+        if new_carry._base is not None:
+            # a view (a conv's last inputs, sliced from the whole chunk's) would keep
+            # the chunk-sized storage alive as long as the step's outputs, which under
+            # layer-wise recomputation is the whole reverse chunk: every layer's
+            new_carry = new_carry.clone()
         step.carry_out(slot, new_carry)
         ctx.step, ctx.slot, ctx.fn, ctx.token_dims = step, slot, fn, token_dims
         ctx.save_for_backward(*inputs)

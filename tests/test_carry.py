@@ -68,3 +68,29 @@ def test_hybrid_parity_with_short_spans(mode, monkeypatch):
         got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
     assert_close(got_loss, want_loss, 1e-6)
     assert_grads_close(got, want, 1e-6)
+
+
+class _OneStep:
+    """The two StepContext methods `CarryStep.forward` calls."""
+
+    def __init__(self, carry: torch.Tensor) -> None:
+        self.carry, self.kept = carry, None
+
+    def carry_in(self, slot: int) -> torch.Tensor:
+        return self.carry
+
+    def carry_out(self, slot: int, value: torch.Tensor) -> None:
+        self.kept = value
+
+
+def test_the_carry_a_step_returns_holds_no_chunk_sized_storage():
+    """The conv's carry is a slice of `cat([tail, x])`: returned as a view it
+    kept that chunk-sized tensor alive as long as the step's outputs, which
+    under layer-wise recomputation is the whole reverse chunk (20 KB per
+    position per Gated DeltaNet layer at Qwen3.5-27B shapes)."""
+    fn, dims, tail, inputs, _, _ = _conv_case(4096, torch.Generator().manual_seed(0))
+    step = _OneStep(tail)
+    out, new_carry = carry.CarryStep.apply(step, 0, fn, dims, *inputs)
+    assert new_carry.shape == tail.shape
+    assert new_carry.untyped_storage().nbytes() == new_carry.numel() * new_carry.element_size()
+    assert_close(new_carry, inputs[0][..., -3:], 0.0)
