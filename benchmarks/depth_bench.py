@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
-from grpo_bench import GiB, git_commit, grpo_loss, is_oom, make_group, release, sync  # noqa: E402
+from grpo_bench import PEAK_FLOPS, FlopModel, GiB, git_commit, grpo_loss, is_oom, make_group, release, sync  # noqa: E402
 from longstraw import runtime  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
@@ -106,11 +106,48 @@ class Phases:
         self._timed(CompiledGroupLoss, "_plan", "plan")
         self._timed(GroupRunner, "forward", "forward")
         self._timed(GroupRunner, "backward", "backward")
+        self.steps: dict[str, float] = {}  # seconds per runtime phase (prompt capture, branches, replays, reverse pass)
+        self._noting = runtime._noting
+        steps, original = self.steps, self._noting
+
+        @contextlib.contextmanager
+        def noting(where: str):
+            sync()
+            start = time.perf_counter()
+            try:
+                with original(where):
+                    yield
+            finally:
+                sync()
+                phase = phase_of(where)
+                steps[phase] = steps.get(phase, 0.0) + time.perf_counter() - start
+
+        runtime._noting = noting
         return self
 
     def __exit__(self, *exc) -> None:
+        runtime._noting = self._noting
         for (owner, name), original in self._originals.items():
             setattr(owner, name, original)
+
+
+def step_flops(flops: FlopModel, mode: str, G: int, P: int, R: int, lora: bool) -> float:
+    """The FLOPs a step needs, without recomputation: the prompt's forward
+    (its state only, at the last layer), the G branches' forward and
+    backward, and in exact mode the prompt's backward. A frozen linear's
+    backward is the input's gradient alone (1x its forward, LoRA), a trained
+    one's 2x; attention and the recurrence have no weights (2x)."""
+    weights = 1 if lora else 2
+    pairs = P * (P + 1) / 2
+    prompt_linear = (flops.linear_per_token + flops.recurrent_per_token - flops.dead_per_token) * P
+    prompt_attention = (flops.attention_per_pair - flops.dead_per_pair) * pairs
+    tokens, branch_pairs = G * R, G * (R * P + R * (R + 1) / 2)
+    branch_linear = (flops.linear_per_token + flops.recurrent_per_token + flops.head_per_token) * tokens
+    branch_attention = flops.attention_per_pair * branch_pairs
+    total = prompt_linear + prompt_attention + (1 + weights) * branch_linear + 3 * branch_attention
+    if mode == "exact":
+        total += weights * prompt_linear + 2 * prompt_attention
+    return total
 
 
 def phase_of(where: str) -> str:
@@ -259,6 +296,12 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["where"] = [n for n in getattr(error, "__notes__", [])]
     run["seconds"] = time.perf_counter() - start
     run["phases"] = phases.seconds
+    run["steps"] = phases.steps
+    if run["ok"]:
+        # MFU over the runtime's work (forward and backward), against the measured bf16 ceiling
+        lora = any("lora_" in n for n, _ in model.named_parameters())
+        run["model_tflop"] = step_flops(FlopModel.of(model.get_base_model() if lora else model), mode, G, P, R, lora) / 1e12
+        run["mfu"] = run["model_tflop"] * 1e12 / (phases.seconds["forward"] + phases.seconds["backward"]) / PEAK_FLOPS
     run["phase_memory_gb"] = phases.peak_gb
     if torch.cuda.is_available():
         run["peak_gb"] = max([torch.cuda.max_memory_allocated() / GiB, *phases.peak_gb.values()])
@@ -322,6 +365,8 @@ def main() -> None:
               f"{r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} {mem.get('forward_peak', 0):7.1f} {mem.get('backward_peak', 0):7.1f} "
               f"{r.get('seconds', 0):7.1f} {ph.get('plan', 0):6.1f} {ph.get('forward', 0):7.1f} {ph.get('backward', 0):7.1f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))
+        if r.get("steps"):
+            print("    seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["steps"].items()) + f"; MFU {r.get('mfu', 0):.1%}")
         for phase, best in r.get("memory_by_phase", {}).items():
             print(f"  [{phase}] peak {best['peak_gb']:.1f} GB at {best.get('op')} (untracked {best.get('untracked_gb', 0):.1f}, "
                   f"inside the op {best.get('in_op_gb', 0):.2f})")
