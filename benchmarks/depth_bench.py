@@ -338,7 +338,9 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     options = {"prefix_chunk_size": args.chunk, "recompute_layers": args.recompute_layers, "progress": False}
     result = {
-        "command": " ".join(["python", *sys.argv]), "commit": git_commit(),
+        # the output named where the repository keeps it, not the machine's own folder
+        "command": " ".join(["python", *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv]]),
+        "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora, "runs": [],
     }
