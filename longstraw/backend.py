@@ -25,6 +25,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 from .errors import UnsupportedGraphError, name_arguments
 from .options import Options
 from .partition import Partition, partition
+from .planner import DEFAULT_CHUNK, MemoryModel, available_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .stepgraph import StepGraph, build_outer, build_step, build_tail
@@ -205,7 +206,7 @@ class CompiledGroupLoss:
             part = partition(gm, params, self.backend.passes)
             runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
-            plan = GroupPlan(part, runner, build_tail(part), self.options)
+            plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args)
         except UnsupportedGraphError as err:
             if self.partial is not None:
                 cause = err
@@ -220,6 +221,35 @@ class CompiledGroupLoss:
         self.backend.plans.append(plan)
         log.info("%s", plan.summary())
         return guards, plan
+
+
+def _sized(plan: GroupPlan, args: Sequence[Any]) -> GroupPlan:
+    """The plan with `prefix_chunk_size` and `recompute_layers` decided: the
+    user's where given, else the planner's choice for `memory_budget_gb`
+    (`longstraw.planner`), else 8192 without recomputation."""
+    opts = plan.options
+    if opts.prefix_chunk_size is not None and opts.recompute_layers is not None:
+        return plan
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    budget = None if opts.memory_budget_gb is None else min(int(opts.memory_budget_gb * 1e9), available_budget(device))
+    chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
+    if budget is None:
+        chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
+    else:
+        model = MemoryModel(plan)
+        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        params = [a for p, a in zip(plan.partition.placeholders, args) if p in plan.partition.params and isinstance(a, torch.Tensor)]
+        grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)
+        others = max(held - model.weights - grads, 0)  # what the process holds besides the weights and their grads
+        chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute)
+        chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
+        log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
+                 "recompute_layers=%s, predicted peak %.1f GB", budget / 1e9, others / 1e9, chunk, recompute,
+                 (chosen.peak + others) / 1e9)
+    opts = dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute)
+    plan.runner.options = opts
+    return dataclasses.replace(plan, options=opts)
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

@@ -15,8 +15,10 @@ class Options:
     `detached`: the state of prompt positions 0..P-2 is a constant (the
     reference system's objective); the last prompt token runs in every branch."""
 
-    prefix_chunk_size: int = 8192
-    """Prompt positions evaluated per chunk during capture and the reverse pass."""
+    prefix_chunk_size: int | None = None
+    """Prompt positions evaluated per chunk during capture and the reverse
+    pass. None: planned for `memory_budget_gb` (`longstraw.planner`) when
+    it is set, else 8192."""
 
     on_unsupported: Literal["error", "eager"] = "error"
     """`error`: raise, naming the operator, module and source line.
@@ -42,23 +44,33 @@ class Options:
     positions, none is left unwritten), and that replays and the reverse
     pass never change a captured value. Costs a pass over the state per write."""
 
-    recompute_layers: bool = False
+    recompute_layers: bool | None = None
     """Run each branch replay and reverse-pass chunk layer by layer under
     `torch.utils.checkpoint`: what one step holds under autograd no longer
     grows with depth (the layers' inputs stay), for one more forward of the
-    replayed positions."""
+    replayed positions. None: planned with the chunk size (off without a budget)."""
+
+    memory_budget_gb: float | None = None
+    """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
+    process's other tensors included: the chunk size and recomputation left
+    None are planned for it (on CUDA at most what is allocated at planning
+    time plus the device's free memory, less 5% of it). None: no planning
+    (8192, no recomputation)."""
 
     def __post_init__(self) -> None:
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
-        if not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1:
-            raise LongStrawError(f"prefix_chunk_size must be a positive int, got {self.prefix_chunk_size!r}")
+        if self.prefix_chunk_size is not None and (not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1):
+            raise LongStrawError(f"prefix_chunk_size must be a positive int or None, got {self.prefix_chunk_size!r}")
+        budget = self.memory_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise LongStrawError(f"memory_budget_gb must be a positive number or None, got {budget!r}")
         if not _is_int(self.plan_cache_size) or self.plan_cache_size < 1:
             raise LongStrawError(f"plan_cache_size must be a positive int, got {self.plan_cache_size!r}")
         if not isinstance(self.verify_state, bool):
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
-        if not isinstance(self.recompute_layers, bool):
-            raise LongStrawError(f"recompute_layers must be a bool, got {self.recompute_layers!r}")
+        if self.recompute_layers not in (None, True, False):
+            raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
         if not isinstance(self.check_finite, bool):
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):

@@ -9,16 +9,12 @@ with its layer, operator and source line, and a memory model:
 
     peak = weights + grads + state(P) [+ d(state)(P), exact mode] + activations
 
-State sizes are exact (they are the planned buffers). The activations (one
-branch replay or one reverse chunk, whichever is larger, and kernel
-workspaces) come from a simulation: the planned runtime runs a whole step
-(capture, branches, replays, reverse pass) on fake tensors, and the bytes
-of live storages are sampled after every operator; flash attention's backward workspace (dK/dV expanded to the query
-heads, the float32 dQ accumulator), invisible to fake tensors, is added.
-The simulation runs at the example's sizes, and its activation share is
-reused for other P and G: trace the example at the real model shapes and
-response length (on the meta device this costs nothing) with a prompt of a
-few chunks, so one chunk and one flash key block are full size.
+State sizes are exact (they are the planned buffers); the activations
+(the largest of one branch replay, one prompt chunk and one reverse chunk,
+and kernel workspaces) come from simulating the planned runtime on fake
+tensors at short sizes (`longstraw.planner`), so the example can be small:
+trace it at the real model shapes and response length (on the meta device
+this costs nothing).
 """
 
 from __future__ import annotations
@@ -26,17 +22,12 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
@@ -44,7 +35,7 @@ from .backend import Backend, GroupPlan, PlanningDone
 from .errors import LongStrawError, module_path, source_line
 from .nodes import op_name, tensor_of
 from .options import Options
-from .runtime import GroupRunner
+from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan
 
 REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
 REGION_TITLES = {
@@ -74,69 +65,23 @@ class CapturedTensor:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """Predicted peak memory of one GRPO step (bytes)."""
-
-    P: int
-    G: int
-    R: int
-    prompt_grad: str
-    prefix_chunk_size: int
-    weights: int
-    grads: int
-    state: int
-    state_grad: int
-    activations: int  # simulated: one branch replay or one reverse chunk, and kernel workspaces
-    budget: int | None
-    largest_prompt: int | None
-    simulated_at: tuple[int, int, int]  # (P, G, R) of the traced example the activations come from
-
-    @property
-    def peak(self) -> int:
-        return self.weights + self.grads + self.state + self.state_grad + self.activations
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.budget is None else self.peak <= self.budget
-
-    def table(self) -> str:
-        gb = lambda b: f"{b / 1e9:10.3f} GB"  # noqa: E731
-        rows = [
-            ("weights", self.weights),
-            ("grads (trainable)", self.grads),
-            (f"state, {self.P - 1 + self.R} positions", self.state),
-            ("d(state)" + ("" if self.prompt_grad == "exact" else " (detached: none)"), self.state_grad),
-            ("activations (simulated at P={}, G={}, R={})".format(*self.simulated_at), self.activations),
-        ]
-        lines = [f"P={self.P} G={self.G} R={self.R} prompt_grad={self.prompt_grad}"]
-        lines += [f"  {name:44} {gb(size)}" for name, size in rows]
-        lines.append(f"  {'predicted peak (independent of G)':44} {gb(self.peak)}")
-        if self.budget is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {'budget':44} {gb(self.budget)}  -> {verdict}")
-            lines.append(f"  {'largest P that fits':44} {self.largest_prompt if self.largest_prompt else 'none'}")
-        return "\n".join(lines)
-
-
 class ExplainReport:
     """What `explain` found; see the module docstring for the memory model."""
 
-    def __init__(self, plan: GroupPlan) -> None:
+    def __init__(self, plan: GroupPlan, options: Options | None = None) -> None:
         self.group_plan = plan
-        self.options: Options = plan.options
+        # the options asked for: the plan's have the chunk size and recomputation decided
+        self.options: Options = options or plan.options
         part = plan.partition
         self.graph = _graph_model(plan)
         self.state = [_describe_slot(part, slot) for slot in part.slots]
-        params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
-        self.weights_bytes = sum(_nbytes(v) for v in params)
-        self.grads_bytes = sum(_nbytes(v) for v in params if v.requires_grad)
+        self.memory = MemoryModel(plan)
+        self.weights_bytes, self.grads_bytes = self.memory.weights, self.memory.grads
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size
-        self.traced_response_len = part.end - _traced_prefix_len(plan)
-        self.float_dtype = _float_dtype(part)
+        self.traced_response_len = self.memory.branch_len
+        params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
         self.example_device = params[0].device if params else torch.device("cpu")
-        self._activations: dict[tuple, int] = {}
 
     @property
     def traced_prompt_len(self) -> int:
@@ -163,47 +108,30 @@ class ExplainReport:
         prefix_chunk_size: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        recompute_layers: bool | None = None,
     ) -> MemoryPlan:
         """Predicted peak for a group of G branches of R positions after a
         P-token prompt (R as in the plan summary: the positions one branch
         runs). `device` (default: the example's) decides the attention
         kernels; `dtype` recasts the example's floating parameters and
-        activations (state keeps its own dtype: float32 recurrent state)."""
+        activations (state keeps its own dtype: float32 recurrent state).
+
+        The chunk size and recomputation are the arguments', else the
+        options'; where both leave one open and a budget is given, it is
+        chosen as the backend would choose it for that budget (the
+        `prefix_chunk_size` and `recompute_layers` of the result)."""
         G = self.traced_group_size if G is None else G
         R = self.traced_response_len if R is None else R
         mode = prompt_grad or self.options.prompt_grad
         chunk = prefix_chunk_size or self.options.prefix_chunk_size
+        recompute = self.options.recompute_layers if recompute_layers is None else recompute_layers
         device = torch.device(device) if device is not None else self.example_device
-        scale = _scale(self.float_dtype, dtype)
         budget = None if budget_gb is None else int(budget_gb * 1e9)
-        activations = self._simulated_activations(mode, chunk, device, dtype)
-        fixed = (int(self.weights_bytes * scale), int(self.grads_bytes * scale))
-        parts = (*fixed, *self._state(P, R, mode, chunk, scale))
-        largest = None
-        if budget is not None:
-            fits = lambda p: sum(fixed) + sum(self._state(p, R, mode, chunk, scale)) + activations <= budget  # noqa: E731
-            largest = _largest(fits)
-        simulated = (self.traced_prompt_len, self.traced_group_size, self.traced_response_len)
-        return MemoryPlan(P, G, R, mode, min(chunk, max(P - 1, 1)), *parts, activations, budget, largest, simulated)
-
-    def _state(self, P: int, R: int, mode: str, chunk: int, scale: float) -> tuple[int, int]:
-        chunks = math.ceil(max(P - 1, 0) / chunk)
-        per_position = sum(t.bytes_per_position * (scale if t.dtype == self.float_dtype else 1) for t in self.state)
-        state = int(per_position * (P - 1 + R)) + self.state_fixed_bytes * (chunks + 1)
-        state_grad = int(per_position * (P - 1)) + 2 * self.state_fixed_bytes if mode == "exact" else 0
-        return state, state_grad
-
-    def _simulated_activations(self, mode, chunk, device, dtype) -> int:
-        """Peak of a simulated step at the traced sizes, less what the
-        formula already counts there."""
-        key = (mode, chunk, str(device), dtype)
-        if key not in self._activations:
-            peak = simulate_step(self.group_plan, mode, chunk, device, dtype)
-            scale = _scale(self.float_dtype, dtype)
-            state = self._state(self.traced_prompt_len, self.traced_response_len, mode, chunk, scale)
-            known = int((self.weights_bytes + self.grads_bytes) * scale) + sum(state)
-            self._activations[key] = max(peak - known, 0)
-        return self._activations[key]
+        if budget is not None and (chunk is None or recompute is None):
+            chosen = self.memory.choose(P, R, mode, device, budget, chunk, recompute, dtype)
+            chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
+        chunk = DEFAULT_CHUNK if chunk is None else chunk
+        return self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget)
 
     # views ---------------------------------------------------------------
 
@@ -287,7 +215,7 @@ def explain(
     try:
         compiled(*example_args, **example_kwargs)
     except PlanningDone as done:
-        return ExplainReport(done.plan)
+        return ExplainReport(done.plan, opts)
     raise LongStrawError(
         "explain: the loss ran without a graph reaching the backend (was it compiled before with another "
         "backend in a way Dynamo reuses, or does it contain no tensor operations?)"
@@ -368,139 +296,6 @@ def _describe_slot(part, slot) -> CapturedTensor:
         source=source_line(reader), dtype=slot.dtype, shape=tuple(slot.shape),
         bytes_per_position=slot.bytes_per_position(), fixed_bytes=slot.fixed_bytes(), reason=slot.reason,
     )
-
-
-def _nbytes(value: torch.Tensor) -> int:
-    return value.numel() * value.element_size()
-
-
-def _scale(traced: torch.dtype, target: torch.dtype | None) -> float:
-    return 1.0 if target is None else target.itemsize / traced.itemsize
-
-
-def _largest(fits: Callable[[int], bool]) -> int | None:
-    """The largest P with fits(P), by doubling then bisection (fits is monotone)."""
-    if not fits(2):
-        return None
-    lo, hi = 2, 4
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the storages alive while operators run, and their peak.
-
-    Storages are held by weak reference (autograd keeps tensors alive in
-    C++, so Python object lifetimes would undercount). Dead ones are
-    dropped before every large allocation (where peaks happen) and every
-    `PRUNE_EVERY` operators otherwise; between two prunes, small storages
-    freed meanwhile still count."""
-
-    PRUNE_EVERY = 16
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = 0
-        self.peak = 0
-        self.ops = 0
-
-    def _prune(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-
-    def transient(self, nbytes: int) -> None:
-        """A kernel's workspace that fake tensors do not allocate."""
-        self._prune()
-        self.peak = max(self.peak, self.current + nbytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        large = any(t.untyped_storage().nbytes() * 64 > self.current for t in tensors)
-        if large or self.ops % self.PRUNE_EVERY == 0:  # peaks happen at large allocations: be exact there
-            self._prune()
-        for t in tensors:
-            ref = StorageWeakRef(t.untyped_storage())
-            known = self.live.get(ref.cdata)
-            if known is None or known[0].expired():  # new, or a freed storage's address reused
-                nbytes = t.untyped_storage().nbytes()
-                self.current += nbytes - (known[1] if known else 0)
-                self.live[ref.cdata] = (ref, nbytes)
-        self.peak = max(self.peak, self.current)
-        return out
-
-
-def _traced_prefix_len(plan: GroupPlan) -> int:
-    """The traced example's captured prompt positions. Where they depend on
-    values the example does not have (token ids on the meta device), every
-    position before the first the loss reads: the shared prompt of any real
-    group of these shapes, since the responses' own logits start there."""
-    return plan.prefix_len if plan.prefix_len >= 0 else plan.partition.first_consumed
-
-
-def simulate_step(plan: GroupPlan, mode: str, chunk: int, device: torch.device, dtype: torch.dtype | None) -> int:
-    """Peak bytes of one step (forward and backward of the group) at the
-    traced sizes, run on fake tensors of the example's device (the graph
-    names it) with the attention kernels `device` would choose."""
-    from longstraw.passes import attention
-
-    part = plan.partition
-    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, progress=False, check_finite=False, verify_state=False)
-    runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
-    prefix_len = _traced_prefix_len(plan)
-    tracker = _LiveBytes()
-    cuda = torch.device(device).type == "cuda"
-    select = attention._kernel_for
-
-    class _FlashWithWorkspace(type(attention._FLASH)):
-        def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-            # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
-            hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
-            expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
-            tracker.transient(expanded + n * hq * d * 4)
-            return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
-
-    flash = _FlashWithWorkspace()
-
-    def kernel_for(q, mask):
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if cuda and half and mask is None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
-            return flash
-        return select(q, mask)
-
-    floating = _float_dtype(part)
-
-    def fake(value: Any, requires_grad: bool = False) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        cast = dtype if dtype is not None and value.dtype == floating else value.dtype
-        return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
-
-    attention._kernel_for = kernel_for
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-            inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
-            values = dict(zip(runner.imports, runner.outer.module(*inputs)))
-            outputs, call = runner.run(inputs, values, prefix_len, part.end, part.group_size)
-            grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
-            grads = runner.backward(call, inputs, grad_outputs)
-            del call, outputs, grad_outputs, grads
-    finally:
-        attention._kernel_for = select
-    return tracker.peak
-
-
-def _float_dtype(part) -> torch.dtype:
-    floats = [tensor_of(p) for p in part.params if tensor_of(p) is not None and tensor_of(p).is_floating_point()]
-    return floats[0].dtype if floats else torch.float32
 
 
 _PAGE = """<!DOCTYPE html>

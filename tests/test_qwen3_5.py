@@ -22,7 +22,7 @@ from compare import assert_close, assert_grads_close, rel_err
 from harness import compile_loss, compiled_loss_and_grads
 from losses import grpo_loss_f64
 from longstraw.models import qwen3_5
-from longstraw.report import simulate_step
+from longstraw.planner import simulate_step
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from losses import grpo_tail
@@ -238,7 +238,8 @@ def test_carries_do_not_hold_their_chunks(mode):
         weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
         report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
                                    options={"prefix_chunk_size": 256})
-        peaks.append(simulate_step(report.group_plan, mode, 256, torch.device("meta"), None))
+        plan = report.group_plan
+        peaks.append(simulate_step(plan, mode, 256, False, None, torch.device("meta"), None).peak)
         reports.append(report)
     per_position = reports[0].state_bytes_per_position * (2 if mode == "exact" else 1)
     state_growth = per_position * 12 * 256 + reports[0].state_fixed_bytes * 12

@@ -106,5 +106,5 @@ def test_layerwise_step_is_only_used_under_autograd():
 
 
 def test_option_is_validated():
-    with pytest.raises(longstraw.LongStrawError, match="recompute_layers must be a bool"):
+    with pytest.raises(longstraw.LongStrawError, match="recompute_layers must be a bool or None"):
         longstraw.Backend(recompute_layers="yes")

@@ -1,0 +1,100 @@
+"""The memory planner: its activation model (lines per operator, fitted
+from two short simulations) against a simulation of the whole step, and
+the chunk size and recomputation the backend chooses for a budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import longstraw
+from harness import compile_loss, compiled_loss_and_grads
+from compare import assert_close
+from losses import grpo_loss_f64
+from longstraw.models import qwen3_5
+from longstraw.planner import simulate_step
+from tiny_models import make_group, make_model
+
+
+def make_hybrid() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(num_hidden_layers=4)).double()
+
+
+MODELS = {"qwen3": lambda: make_model("qwen3"), "qwen3_5": make_hybrid}
+P, R = 257, 6  # a branch runs R + 1 positions
+
+
+def explain(kind: str, **options) -> longstraw.ExplainReport:
+    with qwen3_5.bound():
+        return longstraw.explain(grpo_loss_f64, MODELS[kind](), *make_group(2, P, R), options=options or None)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_fitted_lines_reproduce_a_simulation_of_the_whole_step(kind, mode, recompute):
+    """At the chunk the lines were fitted at (64: a prompt of 257 is four
+    such chunks), the prediction equals a fake-tensor run of the whole step
+    (every prompt chunk, two branches) to 2%: one chunk holds what the
+    chunks before it leave, and the phases' floors are counted right."""
+    report = explain(kind)
+    predicted = report.plan(P=P, G=2, prompt_grad=mode, prefix_chunk_size=64, recompute_layers=recompute)
+    with qwen3_5.bound():
+        simulated = simulate_step(report.group_plan, mode, 64, recompute, None, torch.device("cpu"), None).peak
+    assert abs(predicted.peak - simulated) <= 0.02 * simulated, (predicted.table(), simulated)
+
+
+def test_a_budget_chooses_the_chunk_and_recomputation():
+    """The fastest choice that fits: the largest chunk without
+    recomputation; with less memory recomputation or a smaller chunk; and
+    the backend runs what `explain(...).plan(P, budget_gb=...)` reports."""
+    report = explain("qwen3_5")
+    roomy = report.plan(P=P, budget_gb=100.0)
+    assert (roomy.prefix_chunk_size, roomy.recompute_layers) == (P - 1, False)
+    tight_budget = (roomy.peak - 4096) / 1e9
+    tight = report.plan(P=P, budget_gb=tight_budget)
+    assert (tight.prefix_chunk_size, tight.recompute_layers) != (P - 1, False)
+    assert tight.fits and tight.peak < roomy.peak
+    # what the backend chooses for the same budget, and it computes what the default plan computes
+    model, group = make_hybrid(), make_group(2, P, R)
+    with qwen3_5.bound():
+        backend = longstraw.Backend(memory_budget_gb=tight_budget)
+        loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+        chosen = backend.plans[-1].options
+        assert (chosen.prefix_chunk_size, chosen.recompute_layers) == (tight.prefix_chunk_size, tight.recompute_layers)
+        fixed = longstraw.Backend(prefix_chunk_size=8192, recompute_layers=False)
+        want_loss, want = compiled_loss_and_grads(compile_loss(grpo_loss_f64, fixed), model, *group)
+    assert_close(loss, want_loss, 1e-12)
+    for name in want:
+        assert_close(grads[name], want[name], 1e-10)
+
+
+def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
+    report = explain("qwen3")
+    with caplog.at_level("WARNING", logger="longstraw.planner"):
+        plan = report.plan(P=P, budget_gb=1e-6)
+    assert not plan.fits
+    candidates = [report.plan(P=P, prefix_chunk_size=c, recompute_layers=r) for c in (P - 1, 128) for r in (False, True)]
+    assert plan.peak == min(c.peak for c in candidates)
+    assert "no prompt chunk fits the memory budget" in caplog.text
+
+
+def test_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
+    """No `memory_budget_gb`: chunks of 8192, no recomputation, no simulation at planning."""
+    from longstraw import planner
+
+    monkeypatch.setattr(planner, "simulate_step", lambda *a, **k: pytest.fail("simulated without a budget"))
+    backend = longstraw.Backend()
+    step = compile_loss(grpo_loss_f64, backend)
+    with torch.no_grad():
+        step(make_model("qwen3"), *make_group(2, 20, 4))
+    options = backend.plans[-1].options
+    assert (options.prefix_chunk_size, options.recompute_layers) == (8192, False)
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, "8", True])
+def test_budget_is_validated(budget):
+    with pytest.raises(longstraw.LongStrawError, match="memory_budget_gb must be a positive number"):
+        longstraw.Backend(memory_budget_gb=budget)
