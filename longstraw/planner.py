@@ -4,23 +4,18 @@ chunk size and layer-wise recomputation that keep it inside a budget.
     peak = weights + grads + state(P) [+ d(state)(P), exact mode] + activations
 
 Weights, grads and state are counted from the plan (the state buffers are
-exact). Activations are what one phase of the step holds beyond them, the
-largest of: one branch's forward and replay, the capture of one prompt
-chunk, one chunk of the reverse pass. They come from running the planned
-runtime on fake tensors (no memory, no compute) while a dispatch mode
-samples the bytes of live storages after every operator, at short sizes:
+exact). Activations are what the largest phase of the step holds beyond
+them: one branch's replay or one chunk of the reverse pass (or of the
+capture), and kernel workspaces. They come from running the planned
+runtime over the whole step at the traced sizes on fake tensors (no
+memory, no compute) while a dispatch mode samples the bytes of live
+storages after every operator; flash attention's backward workspace,
+which fake kernels do not allocate, is added where it runs (dK/dV expanded
+to the query heads, the float32 dQ accumulator). The activations are
+reused for other P and G: neither phase grows with P.
 
-- a branch of the plan's own length after a short prompt;
-- two prompts of two chunks each, at two small chunk lengths: what a chunk
-  holds is linear in its length (every tensor of a chunk is per position,
-  or fixed like a recurrent carry), so two points give it at any length.
-
-Flash attention's backward workspace, which fake kernels do not allocate,
-is added at the real sizes: dK/dV expanded to the query heads for one key
-block (`FLASH_KEY_BLOCK` keys at most) and the float32 dQ accumulator.
-
-`choose` takes the largest chunk that fits without recomputation (down to
-`FAST_CHUNK`), then the largest that fits with it.
+`MemoryModel.choose` takes the largest chunk that fits without
+recomputation (down to `FAST_CHUNK`), then the largest that fits with it.
 """
 
 from __future__ import annotations
@@ -49,44 +44,6 @@ FAST_CHUNK = 2048
 launches) than recomputing each layer once, so recomputation is preferred."""
 BUDGET_MARGIN = 0.05
 """Kept free of the device's memory by the default budget (allocator fragmentation)."""
-SIMULATED_CHUNK = 64
-"""The longer of the two chunk lengths the activations are simulated at
-(their operators must be the same: one Gated DeltaNet chunk of 64)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationModel:
-    """Bytes the phases of the step hold beyond what is allocated then:
-    weights and state in the forward (capture, branches), also the grads
-    and d(state) in the backward (replays, reverse pass).
-
-    A prompt chunk's phases are kept as lines, one per operator of the
-    simulated phase: the bytes live after operator t are `base[t] +
-    per_position[t] * chunk`, from two simulations at chunk lengths whose
-    operators are the same; the phase's peak at any chunk is the highest
-    line there (what a chunk holds is linear in its length at every
-    operator, not at the peak: a fixed transient, such as a parameter's
-    gradient, can be the peak of a short chunk)."""
-
-    branch_forward: int  # one branch's forward, at the plan's branch length
-    branch_replay: int  # its replay
-    branch_len: int
-    capture: tuple[torch.Tensor, torch.Tensor]  # (base, per_position), float64 [operators]
-    reverse: tuple[torch.Tensor, torch.Tensor]
-    flash_per_key: int  # flash backward: dK/dV expanded to the query heads, per key of a block
-    flash_per_query: int  # flash backward: the float32 dQ accumulator, per query
-
-    def bytes(self, chunk: int, P: int, backward_held: int) -> int:
-        """Beyond weights, grads, state and d(state) (`backward_held`: the
-        grads and d(state), which the forward phases do not hold yet)."""
-        from longstraw.passes.attention import FLASH_KEY_BLOCK
-
-        line = lambda phase: float((phase[0] + phase[1] * chunk).max())  # noqa: E731
-        flash = self.flash_per_key * min(P + self.branch_len, FLASH_KEY_BLOCK)
-        forward = max(self.branch_forward, line(self.capture))
-        backward = max(self.branch_replay + self.flash_per_query * self.branch_len,
-                       line(self.reverse) + self.flash_per_query * chunk) + flash
-        return int(max(forward - backward_held, backward, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +104,7 @@ class MemoryModel:
         self.float_dtype = float_dtype(part)
         self.prompt_len = traced_prefix_len(plan)
         self.branch_len = part.end - self.prompt_len
-        self._activations: dict[tuple, ActivationModel] = {}
+        self._activations: dict[tuple, int] = {}
 
     def state(self, P: int, R: int, mode: str, chunk: int, scale: float = 1.0) -> tuple[int, int]:
         """(state, d(state)) bytes for a P-token prompt and branches of R positions."""
@@ -159,10 +116,15 @@ class MemoryModel:
         state_grad = int(per_position * (P - 1)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad
 
-    def activations(self, mode: str, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> ActivationModel:
-        key = (mode, recompute, str(device), dtype)
+    def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> int:
+        """A simulated step's peak at the traced sizes, less what the formula counts there."""
+        key = (mode, chunk, recompute, str(device), dtype)
         if key not in self._activations:
-            self._activations[key] = self._simulate_activations(mode, recompute, device, dtype)
+            peak = simulate_step(self.plan, mode, chunk, recompute, device, dtype)
+            scale = _scale(self.float_dtype, dtype)
+            known = int((self.weights + self.grads) * scale)
+            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, scale))
+            self._activations[key] = max(peak - known, 0)
         return self._activations[key]
 
     def predict(
@@ -171,15 +133,12 @@ class MemoryModel:
     ) -> MemoryPlan:
         scale = _scale(self.float_dtype, dtype)
         chunk = min(chunk, max(P - 1, 1))
-        model = self.activations(mode, recompute, device, dtype)
+        activations = self.activations(mode, chunk, recompute, device, dtype)
         fixed = int(self.weights * scale), int(self.grads * scale)
-
-        def peak(p: int) -> tuple[int, int, int]:
-            state, state_grad = self.state(p, R, mode, chunk, scale)
-            return state, state_grad, model.bytes(min(chunk, max(p - 1, 1)), p, fixed[1] + state_grad)
-
-        largest = None if budget is None else _largest(lambda p: sum(fixed) + sum(peak(p)) <= budget)
-        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *peak(P), budget, largest)
+        fits = lambda p: sum(fixed) + sum(self.state(p, R, mode, chunk, scale)) + activations <= budget  # noqa: E731
+        largest = None if budget is None else _largest(fits)
+        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *self.state(P, R, mode, chunk, scale),
+                          activations, budget, largest)
 
     def choose(self, P: int, R: int, mode: str, device: torch.device, budget: int, chunk: int | None = None,
                recompute: bool | None = None, dtype: torch.dtype | None = None) -> MemoryPlan:
@@ -208,40 +167,6 @@ class MemoryModel:
                     "of memory: shorten the prompt, use prompt_grad='detached', or raise memory_budget_gb.",
                     budget / 1e9, P, mode, best.peak / 1e9, best.prefix_chunk_size, best.recompute_layers)
         return best
-
-    def _simulate_activations(self, mode: str, recompute: bool, device: torch.device,
-                              dtype: torch.dtype | None) -> ActivationModel:
-        long = max(1, min(SIMULATED_CHUNK, self.prompt_len // 2))
-        short = max(1, long // 2)
-        scale = _scale(self.float_dtype, dtype)
-        state, state_grad = self.state(self.prompt_len + 1, self.branch_len, mode, self.prompt_len, scale)
-        forward = int(self.weights * scale) + state
-        known = {"capture": forward, "branch": forward, "replay": forward + int(self.grads * scale) + state_grad}
-        known["reverse"] = known["replay"]
-        lines: dict[str, dict[int, torch.Tensor]] = {"capture": {}, "reverse": {}}
-        branch = {"branch": 0, "replay": 0}
-        flash = (0, 0)
-        for c in sorted({short, long}):
-            sim = simulate_step(self.plan, mode, c, recompute, 1, device, dtype)
-            flash = sim.flash
-            for phase in branch:
-                branch[phase] = max(branch[phase], max(sim.traces.get(phase, [0])) - known[phase])
-            for phase in lines:
-                lines[phase][c] = torch.tensor(sim.traces.get(phase, [known[phase]]), dtype=torch.float64) - known[phase]
-        fitted = {phase: _fit(by_chunk, short, long) for phase, by_chunk in lines.items()}
-        return ActivationModel(branch["branch"], branch["replay"], self.branch_len, fitted["capture"], fitted["reverse"], *flash)
-
-
-def _fit(by_chunk: dict[int, torch.Tensor], short: int, long: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(base, per_position) of the lines through the two simulations' traces."""
-    a, b = by_chunk[short], by_chunk[long]
-    if long == short:
-        return torch.zeros_like(b), b / long
-    if a.shape != b.shape:  # the two runs' operators differ (blocked attention): a line through the peaks
-        a, b = a.max().reshape(1), b.max().reshape(1)
-    per_position = (b - a) / (long - short)
-    return a - per_position * short, per_position
-
 
 def available_budget(device: torch.device) -> int:
     """The most a step may hold: on CUDA what is allocated now plus free, less a margin; elsewhere no limit."""
@@ -272,14 +197,11 @@ class _LiveBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.ops = 0
-        self.phase = "setup"
-        self.traces: dict[str, list[int]] = {}  # per phase, the live bytes after each of its operators
 
-    def enter(self, phase: str) -> None:
-        """A new phase of the step starts: later operators count for it."""
+    def transient(self, nbytes: int) -> None:
+        """A kernel's workspace that fake tensors do not allocate."""
         self._prune()
-        self.phase = phase
-        self.traces.setdefault(phase, []).append(self.current)
+        self.peak = max(self.peak, self.current + nbytes)
 
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
@@ -300,7 +222,6 @@ class _LiveBytes(TorchDispatchMode):
                 self.current += nbytes - (known[1] if known else 0)
                 self.live[ref.cdata] = (ref, nbytes)
         self.peak = max(self.peak, self.current)
-        self.traces.setdefault(self.phase, []).append(self.current)
         return out
 
 
@@ -312,22 +233,12 @@ def traced_prefix_len(plan: Any) -> int:
     return plan.prefix_len if plan.prefix_len >= 0 else plan.partition.first_consumed
 
 
-@dataclasses.dataclass
-class Simulation:
-    peak: int
-    traces: dict[str, list[int]]  # per phase (`GroupRunner.on_phase`), the live bytes after each operator
-    flash: tuple[int, int]  # flash backward workspace per key and per query
-
-
-def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, last_chunks: int | None,
-                  device: torch.device, dtype: torch.dtype | None) -> Simulation:
-    """Peak bytes of one step of (at most) two branches at the traced sizes, run on
+def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
+                  dtype: torch.dtype | None) -> int:
+    """Peak bytes of one step at the traced sizes (at most two branches: the
+    second replay adds its parameter gradients into the first's), run on
     fake tensors of the example's device with the attention kernels
-    `device` would choose, with the bytes live after every operator of each
-    phase and the flash backward's workspace (not allocated by fake kernels). With `last_chunks`, only the last that many full
-    chunks of the prompt run (what they hold does not depend on the chunks
-    before; a simulated operator costs the same at any size, but a Python
-    loop over positions does not)."""
+    `device` would choose."""
     from longstraw.passes import attention
 
     part = plan.partition
@@ -335,20 +246,18 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, last_chunks
                                   progress=False, check_finite=False, verify_state=False)
     runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
     tracker = _LiveBytes()
-    runner.on_phase = tracker.enter
     cuda = torch.device(device).type == "cuda"
     select = attention._kernel_for
-    flash_workspace = [0, 0]
 
-    class _FlashWorkspace(type(attention._FLASH)):
+    class _FlashWithWorkspace(type(attention._FLASH)):
         def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-            hq, d = q.shape[-3], q.shape[-1]
-            if keys.shape[-3] != hq:  # the real kernel expands grouped dK/dV to the query heads
-                flash_workspace[0] = max(flash_workspace[0], 2 * hq * d * q.element_size())
-            flash_workspace[1] = max(flash_workspace[1], hq * d * 4)
+            # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
+            hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
+            expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
+            tracker.transient(expanded + n * hq * d * 4)
             return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
 
-    flash = _FlashWorkspace()
+    flash = _FlashWithWorkspace()
 
     def kernel_for(q, mask):
         half = q.dtype in (torch.float16, torch.bfloat16)
@@ -369,19 +278,13 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, last_chunks
         with FakeTensorMode(allow_non_fake_inputs=True), tracker:
             inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
             values = dict(zip(runner.imports, runner.outer.module(*inputs)))
-            prefix_len = traced_prefix_len(plan)
-            chunks = None
-            if last_chunks is not None:
-                first = max(prefix_len - last_chunks * chunk, 0)
-                chunks = [(o, min(chunk, prefix_len - o)) for o in range(first, prefix_len, chunk)]
-            # two branches: the second replay adds its parameter gradients into the first's
-            outputs, call = runner.run(inputs, values, prefix_len, part.end, min(part.group_size, 2), chunks)
+            outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
             grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
             grads = runner.backward(call, inputs, grad_outputs)
             del call, outputs, grad_outputs, grads
     finally:
         attention._kernel_for = select
-    return Simulation(tracker.peak, tracker.traces, (flash_workspace[0], flash_workspace[1]))
+    return tracker.peak
 
 
 def float_dtype(part: Any) -> torch.dtype:

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,7 +71,6 @@ class CallState:
     end: int
     group_size: int
     rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
-    chunks: list[tuple[int, int]]  # the prompt chunks captured, (offset, length)
 
 
 class GroupRunner:
@@ -97,8 +96,6 @@ class GroupRunner:
         self.last_prefix_len: int | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
         self.replayed: dict[str, torch.nn.Module] = {}
-        self.on_phase: Callable[[str], None] | None = None
-        """Called as each phase starts: `capture`, `branch`, `replay`, `reverse` (the memory planner's simulation)."""
 
     def replay_module(self, which: str) -> torch.nn.Module:
         """The step run under autograd: the step graph itself, or with
@@ -219,26 +216,19 @@ class GroupRunner:
 
     @torch.no_grad()
     def run(
-        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int,
-        chunks: list[tuple[int, int]] | None = None,
+        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int
     ) -> tuple[list[torch.Tensor], CallState]:
         """Capture and branches from the outer values; `end` and `group_size`
-        are the traced ones except when `longstraw.explain` simulates other
-        sizes. `chunks` (default: every chunk of the prompt) lets the memory
-        planner's simulation run only the last chunks, from initial carries."""
+        are the traced ones except when `longstraw.explain` simulates other sizes."""
         part = self.part
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         verify = self.options.verify_state and has_values(next(iter(values.values())))
         state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify)
-        chunks = self._chunks(prefix_len) if chunks is None else chunks
-        if chunks and chunks[0][0] > 0:
-            for carries in state.carries.values():
-                carries[chunks[0][0]] = carries[0]
         rng: dict[tuple[str, int], RngState] = {}
-        for offset, length in self._walk(chunks, "prompt capture"):
+        for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:
                 rng["chunk", offset] = RngState.capture(device)
-            with self._phase("capture"), _noting(f"capturing prompt chunk [{offset}, {offset + length})"):
+            with _noting(f"capturing prompt chunk [{offset}, {offset + length})"):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
         if verify and (slot := state.unwritten()) is not None:
@@ -250,7 +240,7 @@ class GroupRunner:
         for row in range(group_size):
             if self.random:
                 rng["branch", row] = RngState.capture(device)
-            with self._phase("branch"), _noting(f"running branch {row} of {group_size}"):
+            with _noting(f"running branch {row} of {group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
                 per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
         outputs = [
@@ -259,9 +249,9 @@ class GroupRunner:
         ]
         log.info(
             "forward: G=%d, %d prompt positions captured in %d chunks, %d positions per branch",
-            group_size, prefix_len, len(chunks), branch_len,
+            group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
         )
-        return outputs, CallState(values, state, prefix_len, end, group_size, rng, chunks)
+        return outputs, CallState(values, state, prefix_len, end, group_size, rng)
 
     def _check_finite(self, state: PromptState) -> None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
@@ -313,14 +303,14 @@ class GroupRunner:
                 None if g is None else g.narrow(part.batch_dim(node), row, 1)
                 for g, node in zip(grad_outputs, part.branch_outputs)
             ]
-            with self._phase("replay"), self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
+            with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
                 outs = self.replay_module("branch")(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
                 self._accumulate(leaves, outs, slices)
         if exact:
-            for offset, length in self._walk(call.chunks[::-1], "reverse pass"):
+            for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
-                with self._phase("reverse"), self._replaying(call, ("chunk", offset), where):
+                with self._replaying(call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
@@ -330,12 +320,6 @@ class GroupRunner:
         for i, leaf in zip(wanted, leaves):
             grads[i], leaf.grad = leaf.grad, None
         return grads
-
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
-        if self.on_phase is not None:
-            self.on_phase(name)
-        yield
 
     @contextlib.contextmanager
     def _replaying(self, call: CallState, key: tuple[str, int], where: str) -> Iterator[None]:

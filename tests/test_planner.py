@@ -1,6 +1,6 @@
-"""The memory planner: its activation model (lines per operator, fitted
-from two short simulations) against a simulation of the whole step, and
-the chunk size and recomputation the backend chooses for a budget."""
+"""The memory planner: the chunk size and recomputation the backend
+chooses for a budget, as `explain(...).plan()` reports them. (The
+predicted peaks are checked against the H200 in `test_explain.py`.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from harness import compile_loss, compiled_loss_and_grads
 from compare import assert_close
 from losses import grpo_loss_f64
 from longstraw.models import qwen3_5
-from longstraw.planner import simulate_step
 from tiny_models import make_group, make_model
 
 
@@ -29,21 +28,6 @@ P, R = 257, 6  # a branch runs R + 1 positions
 def explain(kind: str, **options) -> longstraw.ExplainReport:
     with qwen3_5.bound():
         return longstraw.explain(grpo_loss_f64, MODELS[kind](), *make_group(2, P, R), options=options or None)
-
-
-@pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("mode", ["exact", "detached"])
-@pytest.mark.parametrize("recompute", [False, True])
-def test_the_fitted_lines_reproduce_a_simulation_of_the_whole_step(kind, mode, recompute):
-    """At the chunk the lines were fitted at (64: a prompt of 257 is four
-    such chunks), the prediction equals a fake-tensor run of the whole step
-    (every prompt chunk, two branches) to 2%: one chunk holds what the
-    chunks before it leave, and the phases' floors are counted right."""
-    report = explain(kind)
-    predicted = report.plan(P=P, G=2, prompt_grad=mode, prefix_chunk_size=64, recompute_layers=recompute)
-    with qwen3_5.bound():
-        simulated = simulate_step(report.group_plan, mode, 64, recompute, None, torch.device("cpu"), None).peak
-    assert abs(predicted.peak - simulated) <= 0.02 * simulated, (predicted.table(), simulated)
 
 
 def test_a_budget_chooses_the_chunk_and_recomputation():
