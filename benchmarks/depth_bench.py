@@ -9,7 +9,14 @@ the floor it should sit near: weights + trainable grads + state (+ d(state)).
 
     python benchmarks/depth_bench.py --layers 64 --runs exact:131072,detached:524288 --recompute-layers \
         --out benchmarks/results/depth_bench_a_h200.json
+    python benchmarks/depth_bench.py --layers 64 --runs exact:32768:8192:memory,exact:32768:8192:profile ...
+    python benchmarks/depth_bench.py --layers 64 --budget-gb 135 --runs exact:131072 ...   # the planner chooses
     python benchmarks/depth_bench.py --tiny --layers 8 --runs exact:64,detached:64   # CPU smoke run
+
+`:memory` lists what is live at each runtime phase's peak (a dispatch mode:
+slow, keep it to short runs), `:profile` the CUDA time per operator and
+phase. Every run records seconds per phase (prompt capture, branch
+forwards, replays, reverse pass) and MFU against 790 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -306,6 +313,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
     if torch.cuda.is_available():
         run["peak_gb"] = max([torch.cuda.max_memory_allocated() / GiB, *phases.peak_gb.values()])
     if backend.plans:
+        chosen = backend.plans[-1].options  # the planner's choice where options left it open
+        run["chosen"] = {"prefix_chunk_size": chosen.prefix_chunk_size, "recompute_layers": chosen.recompute_layers}
         report = ExplainReport(backend.plans[-1])
         per_position = report.state_bytes_per_position
         run["state_gb"] = (per_position * (P - 1 + R) + report.state_fixed_bytes) / GiB
@@ -327,6 +336,8 @@ def main() -> None:
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size (MODE:P:CHUNK in --runs overrides it)")
     parser.add_argument("--recompute-layers", action="store_true")
+    parser.add_argument("--budget-gb", type=float, default=None,
+                        help="memory_budget_gb: the planner chooses the chunk (unless MODE:P:CHUNK gives it) and recomputation")
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
@@ -337,6 +348,8 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     options = {"prefix_chunk_size": args.chunk, "recompute_layers": args.recompute_layers, "progress": False}
+    if args.budget_gb is not None:
+        options = {"prefix_chunk_size": None, "recompute_layers": None, "memory_budget_gb": args.budget_gb, "progress": False}
     result = {
         # the output named where the repository keeps it, not the machine's own folder
         "command": " ".join(["python", *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv]]),
@@ -363,7 +376,7 @@ def main() -> None:
           f"{'s':>7} {'plan':>6} {'fwd':>7} {'bwd':>7}")
     for r in result["runs"]:
         ph, mem = r.get("phases", {}), r.get("phase_memory_gb", {})
-        print(f"{r['mode']:9} {r['P']:>9} {r.get('options', {}).get('prefix_chunk_size', 0):>6} {str(r['ok'])[0]:>3} "
+        print(f"{r['mode']:9} {r['P']:>9} {r.get('chosen', r.get('options', {})).get('prefix_chunk_size') or 0:>6} {str(r['ok'])[0]:>3} "
               f"{r.get('peak_gb', 0):8.1f} {r.get('floor_gb', 0):8.1f} {mem.get('forward_peak', 0):7.1f} {mem.get('backward_peak', 0):7.1f} "
               f"{r.get('seconds', 0):7.1f} {ph.get('plan', 0):6.1f} {ph.get('forward', 0):7.1f} {ph.get('backward', 0):7.1f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))

@@ -268,3 +268,25 @@ def test_parity_measures_both_float32_runs_against_float64():
     fp32 = out["float32"]
     assert fp32["max_rel_l2"] < 1e-3 and fp32["longstraw_vs_float64"] < 1e-3 and fp32["eager_vs_float64"] < 1e-3, fp32
     assert out["bfloat16"]["min_cosine"] > 0.99, out
+
+
+def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/depth_bench.py's smoke run (tiny shapes, CPU): every run
+    records its phases' seconds and, with a budget, the planner's choice."""
+    import json
+
+    import depth_bench
+
+    out = tmp_path / "depth.json"
+    argv = ["depth_bench.py", "--tiny", "--layers", "4", "--G", "2", "--R", "8", "--runs", "exact:40,detached:40:16",
+            "--budget-gb", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    depth_bench.main()
+    result = json.loads(out.read_text())
+    assert result["command"].endswith(f"--out benchmarks/results/{out.name}")
+    exact, detached = result["runs"]
+    assert exact["ok"] and detached["ok"]
+    assert exact["chosen"] == {"prefix_chunk_size": 39, "recompute_layers": False}  # a roomy budget: one chunk
+    assert detached["chosen"]["prefix_chunk_size"] == 16  # given in the run, kept
+    assert set(exact["steps"]) == {"capturing prompt chunk", "running branch", "replaying branch", "in the reverse pass"}
+    assert "in the reverse pass" not in detached["steps"]
