@@ -6,7 +6,10 @@ layers one 1,024-token branch held about 34 GB. `LayerwiseStep` cuts a step
 graph into one segment per model layer and runs each under non-reentrant
 `torch.utils.checkpoint`: autograd keeps the segments' inputs (the residual
 stream between layers, and what later layers read from earlier ones) and
-recomputes one layer's activations at a time during the backward.
+recomputes one layer's activations at a time during the backward. The last
+segment (the last layer with the LM head and the loss's per-position part,
+in a branch) is not checkpointed: the backward starts there right after
+its forward, so recomputing it would only repeat the head.
 
 Recomputing a segment is safe because everything a step does besides
 computing is idempotent: it writes the same state values at the same
@@ -90,9 +93,13 @@ class LayerwiseStep(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, args))
-        for segment in self.segments:
+        for segment in self.segments[:-1]:
             values = checkpoint(segment.module, *[env[n] for n in segment.inputs], use_reentrant=False)
             env.update(zip(segment.outputs, values))
+        # the last segment (the last layer and the head) runs as is: its backward comes
+        # first, right after its forward, so recomputing it would hold no less
+        last = self.segments[-1]
+        env.update(zip(last.outputs, last.module(*[env[n] for n in last.inputs])))
         return fx.node.map_arg(self.output.args[0], lambda n: env[n])
 
 

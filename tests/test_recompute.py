@@ -95,6 +95,24 @@ def test_what_a_replay_holds_stops_growing_with_depth(mode):
     assert _activations(8, True, mode) < 0.4 * _activations(8, False, mode)
 
 
+def test_every_segment_but_the_last_is_recomputed(monkeypatch):
+    """Each checkpointed segment runs twice (forward, recomputation in
+    backward); the last one (the last layer and the head) once: it is
+    differentiated right after its forward, so recomputing it saves nothing."""
+    from longstraw import recompute
+
+    calls: list[int] = []
+    original = recompute.checkpoint
+    monkeypatch.setattr(recompute, "checkpoint", lambda fn, *a, **k: (calls.append(id(fn)), original(fn, *a, **k))[1])
+    model = make_model("qwen3")
+    backend = longstraw.Backend(prefix_chunk_size=64, recompute_layers=True, prompt_grad="detached")
+    compile_loss(grpo_loss_f64, backend)(model, *make_group(2, 9, 3)).backward()
+    branch = backend.plans[-1].runner.replay_module("branch")
+    checkpointed = {id(s.module) for s in branch.segments[:-1]}
+    assert set(calls) == checkpointed and id(branch.segments[-1].module) not in calls
+    assert len(calls) == 2 * len(checkpointed)  # two branches replayed
+
+
 def test_layerwise_step_is_only_used_under_autograd():
     model = make_model("plain")
     backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=True)
