@@ -27,6 +27,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,28 +115,42 @@ class Phases:
         self._timed(GroupRunner, "forward", "forward")
         self._timed(GroupRunner, "backward", "backward")
         self.steps: dict[str, float] = {}  # seconds per runtime phase (prompt capture, branches, replays, reverse pass)
-        self._noting = runtime._noting
-        steps, original = self.steps, self._noting
-
-        @contextlib.contextmanager
-        def noting(where: str):
-            sync()
-            start = time.perf_counter()
-            try:
-                with original(where):
-                    yield
-            finally:
-                sync()
-                phase = phase_of(where)
-                steps[phase] = steps.get(phase, 0.0) + time.perf_counter() - start
-
-        runtime._noting = noting
+        self._hook = each_phase(self._timed_phase)
+        self._hook.__enter__()
         return self
 
+    @contextlib.contextmanager
+    def _timed_phase(self, phase: str):
+        sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            self.steps[phase] = self.steps.get(phase, 0.0) + time.perf_counter() - start
+
     def __exit__(self, *exc) -> None:
-        runtime._noting = self._noting
+        self._hook.__exit__(*exc)
         for (owner, name), original in self._originals.items():
             setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def each_phase(around: Callable[[str], contextlib.AbstractContextManager]):
+    """Run `around(phase)` around every runtime phase: the runtime names
+    each step it runs (`runtime._noting`, for its error notes)."""
+    original = runtime._noting
+
+    @contextlib.contextmanager
+    def noting(where: str):
+        with original(where), around(phase_of(where)):
+            yield
+
+    runtime._noting = noting
+    try:
+        yield
+    finally:
+        runtime._noting = original
 
 
 def step_flops(flops: FlopModel, mode: str, G: int, P: int, R: int, lora: bool) -> float:
@@ -226,30 +241,19 @@ class MemoryByPhase(TorchDispatchMode):
         for name, original in originals.items():
             setattr(GroupRunner, name, wrapped(original))
         try:
-            yield self
+            with each_phase(self._in_phase):
+                yield self
         finally:
             for name, original in originals.items():
                 setattr(GroupRunner, name, original)
 
-    def __enter__(self):
-        self._noting = runtime._noting
-        mode = self
-
-        @contextlib.contextmanager
-        def noting(where: str):
-            previous, mode.phase = mode.phase, phase_of(where)
-            try:
-                with self._noting(where):
-                    yield
-            finally:
-                mode.phase = previous
-
-        runtime._noting = noting
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        runtime._noting = self._noting
-        return super().__exit__(*exc)
+    @contextlib.contextmanager
+    def _in_phase(self, phase: str):
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
 
 
 @contextlib.contextmanager
@@ -257,19 +261,9 @@ def profiled(run: dict):
     """torch.profiler over the step: self CUDA time per operator, and per phase."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    original = runtime._noting
-
-    @contextlib.contextmanager
-    def noting(where: str):
-        with original(where), record_function("phase: " + phase_of(where)):
-            yield
-
-    runtime._noting = noting
-    try:
+    with each_phase(lambda phase: record_function("phase: " + phase)):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             yield
-    finally:
-        runtime._noting = original
     events = prof.key_averages()
     run["profile"] = events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60)
     run["profile_phases"] = {e.key: e.device_time_total / 1e6 for e in events if e.key.startswith("phase: ")}

@@ -43,7 +43,7 @@ FAST_CHUNK = 2048
 """Smaller chunks than this cost more speed (smaller matrix products, more
 launches) than recomputing each layer once, so recomputation is preferred."""
 BUDGET_MARGIN = 0.05
-"""Kept free of the device's memory by the default budget (allocator fragmentation)."""
+"""Kept free of the device's memory when capping a budget (allocator fragmentation)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,7 @@ class MemoryModel:
 
     def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> int:
         """A simulated step's peak at the traced sizes, less what the formula counts there."""
+        chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
         key = (mode, chunk, recompute, str(device), dtype)
         if key not in self._activations:
             peak = simulate_step(self.plan, mode, chunk, recompute, device, dtype)
@@ -167,6 +168,7 @@ class MemoryModel:
                     "of memory: shorten the prompt, use prompt_grad='detached', or raise memory_budget_gb.",
                     budget / 1e9, P, mode, best.peak / 1e9, best.prefix_chunk_size, best.recompute_layers)
         return best
+
 
 def available_budget(device: torch.device) -> int:
     """The most a step may hold: on CUDA what is allocated now plus free, less a margin; elsewhere no limit."""

@@ -10,11 +10,12 @@ with its layer, operator and source line, and a memory model:
     peak = weights + grads + state(P) [+ d(state)(P), exact mode] + activations
 
 State sizes are exact (they are the planned buffers); the activations
-(the largest of one branch replay, one prompt chunk and one reverse chunk,
-and kernel workspaces) come from simulating the planned runtime on fake
-tensors at short sizes (`longstraw.planner`), so the example can be small:
-trace it at the real model shapes and response length (on the meta device
-this costs nothing).
+(one branch replay or one prompt or reverse chunk, whichever is larger,
+and kernel workspaces) come from simulating the whole planned step on fake
+tensors at the example's sizes (`longstraw.planner`), and are reused for
+other P and G: trace the example at the real model shapes and response
+length (on the meta device this costs nothing) with a prompt of a few
+chunks, so one chunk and one flash key block are full size.
 """
 
 from __future__ import annotations
