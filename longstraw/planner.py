@@ -106,13 +106,16 @@ class MemoryModel:
         self.branch_len = part.end - self.prompt_len
         self._activations: dict[tuple, int] = {}
 
-    def state(self, P: int, R: int, mode: str, chunk: int, scale: float = 1.0) -> tuple[int, int]:
-        """(state, d(state)) bytes for a P-token prompt and branches of R positions."""
+    def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0) -> tuple[int, int]:
+        """(state, d(state)) bytes on `device` for a P-token prompt and
+        branches of R positions. Carries: the latest, and in exact mode off
+        a GPU every chunk boundary (a GPU keeps those on the host)."""
         slots = self.plan.partition.slots
         chunks = math.ceil(max(P - 1, 0) / chunk)
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
-        state = int(per_position * (P - 1 + R)) + fixed * (chunks + 1)
+        boundaries = chunks + 1 if mode == "exact" and torch.device(device).type != "cuda" else 1
+        state = int(per_position * (P - 1 + R)) + fixed * boundaries
         state_grad = int(per_position * (P - 1)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad
 
@@ -124,7 +127,7 @@ class MemoryModel:
             peak = simulate_step(self.plan, mode, chunk, recompute, device, dtype)
             scale = _scale(self.float_dtype, dtype)
             known = int((self.weights + self.grads) * scale)
-            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, scale))
+            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale))
             self._activations[key] = max(peak - known, 0)
         return self._activations[key]
 
@@ -136,9 +139,9 @@ class MemoryModel:
         chunk = min(chunk, max(P - 1, 1))
         activations = self.activations(mode, chunk, recompute, device, dtype)
         fixed = int(self.weights * scale), int(self.grads * scale)
-        fits = lambda p: sum(fixed) + sum(self.state(p, R, mode, chunk, scale)) + activations <= budget  # noqa: E731
+        fits = lambda p: sum(fixed) + sum(self.state(p, R, mode, chunk, device, scale)) + activations <= budget  # noqa: E731
         largest = None if budget is None else _largest(fits)
-        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *self.state(P, R, mode, chunk, scale),
+        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *self.state(P, R, mode, chunk, device, scale),
                           activations, budget, largest)
 
     def choose(self, P: int, R: int, mode: str, device: torch.device, budget: int, chunk: int | None = None,

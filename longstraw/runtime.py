@@ -223,7 +223,8 @@ class GroupRunner:
         part = self.part
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         verify = self.options.verify_state and has_values(next(iter(values.values())))
-        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify)
+        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify,
+                            boundaries=self.options.prompt_grad == "exact")
         rng: dict[tuple[str, int], RngState] = {}
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:
@@ -257,7 +258,8 @@ class GroupRunner:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
         tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
                    if slot.kind == "sequence"]
-        tensors += [(slot, c) for slot in self.part.slots if slot.kind == "carry" for c in state.carries[slot.index].values()]
+        # the carries branches read (a non-finite earlier boundary reaches the state after it)
+        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.kind == "carry"]
         if not tensors or not has_values(tensors[0][1]):
             return
         finite = torch.stack([t.isfinite().all() for _, t in tensors])

@@ -10,9 +10,12 @@ Two kinds of `StateSlot` are decided at compile time:
   the scratch region.
 - `carry`: a fixed-size state carried from one position range to the next
   (a recurrent matrix, a convolution's last inputs), produced by a claimed
-  operator. At run time it is kept at every chunk boundary of the prompt
-  (the reverse pass restarts each chunk from its boundary); branches read
-  the one at `s` and never write it.
+  operator. At run time the capture keeps the latest on the device; in
+  exact mode the earlier chunk boundaries are kept too, for the reverse
+  pass restarts each chunk from its own (on a GPU in pinned host memory:
+  at Qwen3.5-27B shapes they are 151 MB per boundary, 7 GB for 393K
+  positions in chunks of 8192). Branches read the one at `s` and never
+  write it.
 """
 
 from __future__ import annotations
@@ -60,11 +63,15 @@ class PromptState:
     """Buffers and carries for all slots of one call, and (exact mode) their gradients."""
 
     def __init__(
-        self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False
+        self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
+        boundaries: bool = True,
     ) -> None:
         self.slots = slots
         self.prefix_len = prefix_len
         self.verify = verify
+        self.device = device
+        self.boundaries = boundaries  # keep the carries at every chunk boundary (exact mode's reverse pass)
+        self.offload = boundaries and device.type == "cuda"
         self.buffers: dict[int, torch.Tensor] = {}
         self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
@@ -88,6 +95,26 @@ class PromptState:
             for i, buf in self.buffers.items()
         }
         self.carry_grads = {i: {} for i in self.carries}
+
+    def keep_carry(self, slot: int, position: int, value: torch.Tensor) -> None:
+        """Keep a carry the capture produced at `position` (a copy: it is often
+        a slice of a chunk-sized tensor, a conv tail, and a view would keep
+        that storage alive). The one it supersedes is dropped, or kept as a
+        boundary (on the host on a GPU)."""
+        carries = self.carries[slot]
+        latest = max(carries)
+        if not self.boundaries:
+            del carries[latest]
+        elif self.offload:
+            carries[latest] = _on_host(carries[latest])
+        carries[position] = value.detach().clone()
+
+    def carry_at(self, slot: int, position: int) -> torch.Tensor:
+        """The carry at a chunk boundary, on the device (a host copy comes back asynchronously)."""
+        value = self.carries[slot][position]
+        if value.device != self.device and not has_values(value):  # a simulation: the shape is all there is
+            return torch.empty(value.shape, dtype=value.dtype, device=self.device)
+        return value.to(self.device, non_blocking=True)
 
     def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
         """The accumulated gradient of what a prompt chunk `[offset, offset+length)`
@@ -160,15 +187,15 @@ class StepContext:
 
     def carry_in(self, slot: int) -> torch.Tensor:
         """The carry at the start of this step (the prompt's, for a branch)."""
-        return self.state.carries[slot][min(self.offset, self.state.prefix_len)]
+        return self.state.carry_at(slot, min(self.offset, self.state.prefix_len))
 
     def carry_out(self, slot: int, value: torch.Tensor) -> None:
-        """Keep the carry at the end of a prompt chunk; branches keep nothing.
-        A copy: the carry is often a slice of a chunk-sized tensor (a conv
-        tail), and a view would keep that whole storage alive per chunk."""
+        """Keep the carry at the end of a prompt chunk during the capture;
+        branches keep nothing, and the reverse pass recomputes what the
+        capture kept."""
         end = self.offset + self.length
-        if end <= self.state.prefix_len:
-            self.state.carries[slot][end] = value.detach().clone()
+        if end <= self.state.prefix_len and not self.grad_enabled:
+            self.state.keep_carry(slot, end, value)
 
     def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
         """Add the gradient of the carry this step started from. Kept as a
@@ -179,6 +206,13 @@ class StepContext:
             return
         at = grads[slot]
         at[self.offset] = grad.clone() if self.offset not in at else at[self.offset] + grad
+
+
+def _on_host(value: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy in pinned host memory (plain memory for shape-only tensors)."""
+    pinned = has_values(value) and torch.cuda.is_available()
+    host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+    return host.copy_(value, non_blocking=pinned)
 
 
 def has_values(tensor: torch.Tensor) -> bool:

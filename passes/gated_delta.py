@@ -82,13 +82,74 @@ def gated_delta_rule_reference(
         if initial_state is None
         else initial_state.to(work)
     )
-    outs = []
-    for n in range(chunks):
-        fresh = values[:, :, n] - keys_in[:, :, n] @ state  # the part the state does not already predict
-        outs.append(q_decayed[:, :, n] @ state + inner[:, :, n] @ fresh)
-        state = state * decay[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ fresh
-    out = torch.stack(outs, 2).reshape(batch, heads_v, -1, dim_v)[:, :, :length]
-    return out.transpose(1, 2).to(out_dtype).contiguous(), state
+    rows = batch * heads_v  # the scan works on [B*H, ...] matrices
+    flat = lambda x: x.reshape(rows, chunks, *x.shape[3:])  # noqa: E731
+    out, state = _ChunkScan.apply(
+        flat(values), flat(keys_in), flat(q_decayed), flat(inner), flat(k_to_end),
+        decay[..., -1].exp().reshape(rows, chunks), state.reshape(rows, dim_k, dim_v),
+    )
+    out = out.reshape(batch, heads_v, -1, dim_v)[:, :, :length]
+    return out.transpose(1, 2).to(out_dtype).contiguous(), state.reshape(batch, heads_v, dim_k, dim_v)
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The sequential part of the chunked rule: the state passed from one
+    64-position chunk to the next, per row of `[B*H]`,
+
+        fresh_n = values_n - keys_in_n @ S_n
+        out_n   = q_decayed_n @ S_n + inner_n @ fresh_n
+        S_n+1   = S_n * a_n + k_to_end_n^T @ fresh_n
+
+    with a hand-written backward: autograd through this loop recorded about
+    thirty operators per chunk (the selects, the matmuls' reshapes, their
+    backward nodes), which made replays and the reverse pass launch-bound.
+    Here each direction runs five to seven kernels per chunk, and every
+    gradient but d(fresh) and d(S) is one batched product after the loop.
+    Saves the state at every chunk start ([chunks, Dk, Dv] per row)."""
+
+    @staticmethod
+    def forward(ctx, values, keys_in, q_decayed, inner, k_to_end, decay_last, state):
+        outs, states, fresh_all = [], [], []
+        bmm = torch.bmm  # not `@`: matmul's reshapes around bmm were most of the operators per chunk
+        for v, kin, qd, inn, kte_t, last in zip(
+            *(x.unbind(1) for x in (values, keys_in, q_decayed, inner, k_to_end.transpose(-1, -2), decay_last[..., None, None]))
+        ):
+            states.append(state)
+            fresh = v - bmm(kin, state)  # the part the state does not already predict
+            outs.append(bmm(qd, state) + bmm(inn, fresh))
+            state = state * last + bmm(kte_t, fresh)
+            fresh_all.append(fresh)
+        ctx.save_for_backward(keys_in, q_decayed, inner, k_to_end, decay_last, torch.stack(states, 1),
+                              torch.stack(fresh_all, 1))
+        return torch.stack(outs, 1), state
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        keys_in, q_decayed, inner, k_to_end, decay_last, states, fresh = ctx.saved_tensors
+        d_state = torch.zeros_like(states[:, 0]) if grad_state is None else grad_state
+        if grad_out is None:
+            grad_out = torch.zeros_like(fresh)
+        d_fresh, d_next = [], []  # per chunk, last to first
+        bmm, t = torch.bmm, lambda x: x.transpose(-1, -2)  # noqa: E731
+        for kin_t, qd_t, inn_t, kte, last, dout in zip(
+            *(x.unbind(1)[::-1] for x in (t(keys_in), t(q_decayed), t(inner), k_to_end, decay_last[..., None, None], grad_out))
+        ):
+            d_next.append(d_state)
+            df = bmm(inn_t, dout) + bmm(kte, d_state)
+            d_state = d_state * last + bmm(qd_t, dout) - bmm(kin_t, df)
+            d_fresh.append(df)
+        d_fresh = torch.stack(d_fresh[::-1], 1)
+        d_next = torch.stack(d_next[::-1], 1)  # the gradient of the state after each chunk
+        states_t = states.transpose(-1, -2)
+        return (
+            d_fresh,
+            -(d_fresh @ states_t),
+            grad_out @ states_t,
+            grad_out @ fresh.transpose(-1, -2),
+            fresh @ d_next.transpose(-1, -2),
+            (d_next * states).sum((-1, -2)),
+            d_state,
+        )
 
 
 @torch.library.custom_op("longstraw::gated_delta_rule", mutates_args=())
@@ -152,22 +213,24 @@ def _fla_forward(q, k, v, g, beta, initial_state, use_qk_l2norm):
     return out, state
 
 
+def _step_kernel(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    """fla's fused forward where nothing is differentiated through the call
+    and fla applies (CUDA, fp16/bf16 inputs: fla would compute float32
+    inputs in TF32); the PyTorch kernel otherwise."""
+    fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
+    kernel = _fla_forward if fused and _fla_kernel() is not None else gated_delta_rule_reference
+    return kernel(q, k, v, g, beta, initial_state, use_qk_l2norm)
+
+
 def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     """The step version: the initial state is the carry at the step's start.
 
-    Prompt capture on a GPU with fla installed runs fla's fused forward (for
-    fp16/bf16 inputs: fla rounds float32 matmuls to TF32); its
-    values only seed later chunks and branches. Everything that is
-    differentiated (replays, the reverse pass) runs the PyTorch kernel."""
-    capture = (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)  # fla computes float32 inputs in TF32
-        and not torch.is_grad_enabled()
-        and ctx.offset + ctx.length <= ctx.state.prefix_len
-        and _fla_kernel() is not None
-    )
-    kernel = _fla_forward if capture else gated_delta_rule_reference
-    fn = lambda state, *x: kernel(*x, state, use_qk_l2norm)  # noqa: E731
+    Every run without autograd takes fla's fused forward on a GPU (prompt
+    capture, branch forwards, `CarryStep.forward` in replays and the reverse
+    pass, and its carry pass between spans); only the spans that
+    `CarryStep.backward` differentiates run the PyTorch kernel. Eager HF
+    with fla installed computes its forward with the same kernel."""
+    fn = lambda state, *x: _step_kernel(*x, state, use_qk_l2norm)  # noqa: E731
     return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), q, k, v, g, beta)
 
 

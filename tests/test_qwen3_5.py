@@ -43,10 +43,11 @@ def make_qwen3_5(seed: int = 0, **overrides) -> torch.nn.Module:
     return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**overrides)).double()
 
 
-def _gdn_inputs(B=2, L=70, Hk=2, Hv=4, Dk=8, Dv=8, dtype=torch.float64, seed=0):
+def _gdn_inputs(B=2, L=70, Hk=2, Hv=4, Dk=8, Dv=8, dtype=torch.float64, seed=0, decay=1.0):
+    """`decay`: the log decay per position is uniform in [-decay, 0]."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
-    g = -torch.rand(B, L, Hv, generator=gen, dtype=dtype)
+    g = -decay * torch.rand(B, L, Hv, generator=gen, dtype=dtype)
     beta = torch.rand(B, L, Hv, generator=gen, dtype=dtype)
     return rand(B, L, Hk, Dk), rand(B, L, Hk, Dk), rand(B, L, Hv, Dv), g, beta
 
@@ -76,10 +77,15 @@ def test_gated_delta_from_carried_state(cut):
     assert rel_err(state_b, state) < 1e-12
 
 
-def test_gated_delta_op_gradients():
-    inputs = [x.requires_grad_() for x in _gdn_inputs(L=20)]
+@pytest.mark.parametrize("L", [20, 150], ids=["one_chunk", "three_chunks"])
+def test_gated_delta_op_gradients(L):
+    """The chunk scan's hand-written backward, across chunk boundaries too."""
+    # a slow decay, so the state carried over a 64-position chunk is not negligible
+    inputs = [x.requires_grad_() for x in _gdn_inputs(L=L, decay=0.02)]
     state0 = torch.randn(2, 4, 8, 8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *x: gated_delta_rule(*x, True), (*inputs, state0), eps=1e-6, atol=1e-6)
+    # fast mode checks random directions through every input: the full Jacobian at 150 positions takes minutes
+    assert torch.autograd.gradcheck(lambda *x: gated_delta_rule(*x, True), (*inputs, state0), eps=1e-6, atol=1e-6,
+                                    fast_mode=L > 64)
 
 
 def test_causal_conv_op():

@@ -93,3 +93,39 @@ def test_verify_refuses_a_replay_with_other_values():
     with raises_longstraw(r"^verify_state: the reverse pass recomputed state slot 0 \(attention:k\) of `k`, positions \[0, 4\) "
                           r"with other values than the capture$"):
         StepContext(state, 0, 4, True).write(0, changed)
+
+
+# --- which chunk boundaries the capture keeps, and where -------------------------------
+
+
+def _capture_three_chunks(state: PromptState) -> None:
+    for offset in range(0, 3 * CHUNK, CHUNK):
+        ctx = StepContext(state, offset, CHUNK, False)
+        ctx.carry_out(0, ctx.carry_in(0) + 1)
+
+
+def test_detached_capture_keeps_only_the_latest_carry():
+    slot = StateSlot(0, "carry", fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
+    state = PromptState([slot], capacity=3 * CHUNK + 4, prefix_len=3 * CHUNK, device=torch.device("cpu"),
+                        boundaries=False)
+    _capture_three_chunks(state)
+    assert list(state.carries[0]) == [3 * CHUNK]
+    torch.testing.assert_close(state.carries[0][3 * CHUNK], torch.full((1, CHANNELS, WIDTH), 3.0, dtype=torch.float64))
+
+
+def test_exact_capture_keeps_every_boundary_on_the_host_of_a_gpu():
+    """Shapes only (fake CUDA tensors): the latest carry stays on the device,
+    the earlier boundaries go to the host and come back on the device when
+    a reverse-pass chunk starts from them; a recomputing step stores nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    slot = StateSlot(0, "carry", fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        state = PromptState([slot], capacity=3 * CHUNK + 4, prefix_len=3 * CHUNK, device=torch.device("cuda"))
+        _capture_three_chunks(state)
+        where = {position: c.device.type for position, c in state.carries[0].items()}
+        assert where == {0: "cpu", CHUNK: "cpu", 2 * CHUNK: "cpu", 3 * CHUNK: "cuda"}
+        reverse = StepContext(state, CHUNK, CHUNK, True)
+        assert reverse.carry_in(0).device.type == "cuda"
+        reverse.carry_out(0, reverse.carry_in(0))
+        assert state.carries[0][2 * CHUNK].device.type == "cpu"
