@@ -345,8 +345,9 @@ def main() -> None:
     if args.budget_gb is not None:
         options = {"prefix_chunk_size": None, "recompute_layers": None, "memory_budget_gb": args.budget_gb, "progress": False}
     result = {
-        # the output named where the repository keeps it, not the machine's own folder
-        "command": " ".join(["python", *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv]]),
+        # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
+        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",
+                             *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv[1:]]]),
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora, "runs": [],
