@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from longstraw.carry import CarryStep, recompute_grads
 from longstraw.nodes import arg
+from longstraw.state import has_values
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 
@@ -103,52 +104,64 @@ class _ChunkScan(torch.autograd.Function):
     with a hand-written backward: autograd through this loop recorded about
     thirty operators per chunk (the selects, the matmuls' reshapes, their
     backward nodes), which made replays and the reverse pass launch-bound.
-    Here each direction runs five to seven kernels per chunk, and every
-    gradient but d(fresh) and d(S) is one batched product after the loop.
-    Saves the state at every chunk start ([chunks, Dk, Dv] per row)."""
+    Forward runs eight kernels per chunk (the same arithmetic as HF's loop),
+    backward five (fused multiply-adds), writing into buffers laid out
+    chunk-major, and every gradient but d(fresh) and d(S) is one batched
+    product after the loop. Saves the state at every chunk start.
+
+    Shape-only runs (the memory planner's fake tensors) skip the loops:
+    the buffers are all they hold, and on fake tensors the loops were most
+    of a simulated step's time."""
 
     @staticmethod
     def forward(ctx, values, keys_in, q_decayed, inner, k_to_end, decay_last, state):
-        outs, states, fresh_all = [], [], []
-        bmm = torch.bmm  # not `@`: matmul's reshapes around bmm were most of the operators per chunk
-        for v, kin, qd, inn, kte_t, last in zip(
-            *(x.unbind(1) for x in (values, keys_in, q_decayed, inner, k_to_end.transpose(-1, -2), decay_last[..., None, None]))
-        ):
-            states.append(state)
-            fresh = v - bmm(kin, state)  # the part the state does not already predict
-            outs.append(bmm(qd, state) + bmm(inn, fresh))
-            state = state * last + bmm(kte_t, fresh)
-            fresh_all.append(fresh)
-        ctx.save_for_backward(keys_in, q_decayed, inner, k_to_end, decay_last, torch.stack(states, 1),
-                              torch.stack(fresh_all, 1))
-        return torch.stack(outs, 1), state
+        rows, chunks = values.shape[:2]
+        fresh = values.new_empty(chunks, *values.shape[:1], *values.shape[2:])  # [N, rows, C, Dv]
+        out = torch.empty_like(fresh)
+        states = state.new_empty(chunks + 1, *state.shape)  # [N + 1, rows, Dk, Dv]
+        states[0] = state
+        if has_values(values):
+            bmm = torch.bmm  # not `@`: matmul's reshapes around bmm were most of the operators per chunk
+            # one unbind per tensor, not an index per chunk: every operator here costs a launch's worth of time
+            per_chunk = zip(*(x.unbind(1) for x in (values, keys_in, q_decayed, inner, k_to_end.transpose(-1, -2),
+                                                    decay_last[..., None, None])))
+            fresh_n, out_n, state_n = fresh.unbind(0), out.unbind(0), states.unbind(0)
+            for n, (v, kin, qd, inn, kte_t, last) in enumerate(per_chunk):
+                f = torch.sub(v, bmm(kin, state_n[n]), out=fresh_n[n])  # the part the state does not already predict
+                torch.add(bmm(qd, state_n[n]), bmm(inn, f), out=out_n[n])
+                torch.add(state_n[n] * last, bmm(kte_t, f), out=state_n[n + 1])
+        ctx.save_for_backward(keys_in, q_decayed, inner, k_to_end, decay_last, states, fresh)
+        return out.transpose(0, 1), states[chunks].clone()
 
     @staticmethod
     def backward(ctx, grad_out, grad_state):
         keys_in, q_decayed, inner, k_to_end, decay_last, states, fresh = ctx.saved_tensors
-        d_state = torch.zeros_like(states[:, 0]) if grad_state is None else grad_state
-        if grad_out is None:
-            grad_out = torch.zeros_like(fresh)
-        d_fresh, d_next = [], []  # per chunk, last to first
-        bmm, t = torch.bmm, lambda x: x.transpose(-1, -2)  # noqa: E731
-        for kin_t, qd_t, inn_t, kte, last, dout in zip(
-            *(x.unbind(1)[::-1] for x in (t(keys_in), t(q_decayed), t(inner), k_to_end, decay_last[..., None, None], grad_out))
-        ):
-            d_next.append(d_state)
-            df = bmm(inn_t, dout) + bmm(kte, d_state)
-            d_state = d_state * last + bmm(qd_t, dout) - bmm(kin_t, df)
-            d_fresh.append(df)
-        d_fresh = torch.stack(d_fresh[::-1], 1)
-        d_next = torch.stack(d_next[::-1], 1)  # the gradient of the state after each chunk
-        states_t = states.transpose(-1, -2)
+        chunks = fresh.shape[0]
+        grad_out = torch.zeros_like(fresh) if grad_out is None else grad_out.transpose(0, 1)  # [N, rows, C, Dv]
+        d_fresh = torch.empty_like(fresh)
+        d_states = torch.empty_like(states)  # the gradient of the state at every chunk boundary
+        d_states[chunks] = 0 if grad_state is None else grad_state
+        if has_values(fresh):
+            bmm, t = torch.bmm, lambda x: x.transpose(-1, -2)  # noqa: E731
+            per_chunk = zip(*(x.unbind(1) for x in (t(keys_in), t(q_decayed), t(inner), k_to_end,
+                                                    decay_last[..., None, None])))
+            d_fresh_n, d_state_n, dout_n = d_fresh.unbind(0), d_states.unbind(0), grad_out.unbind(0)
+            for n, (kin_t, qd_t, inn_t, kte, last) in reversed(list(enumerate(per_chunk))):
+                df = torch.baddbmm(bmm(inn_t, dout_n[n]), kte, d_state_n[n + 1], out=d_fresh_n[n])
+                d_state = torch.baddbmm(d_state_n[n + 1] * last, qd_t, dout_n[n])
+                torch.baddbmm(d_state, kin_t, df, alpha=-1, out=d_state_n[n])
+        # back to [rows, N, ...]
+        d_fresh, grad_out, fresh = (x.transpose(0, 1) for x in (d_fresh, grad_out, fresh))
+        before, after = states[:chunks].transpose(0, 1), d_states[1:].transpose(0, 1)
+        before_t = before.transpose(-1, -2)
         return (
             d_fresh,
-            -(d_fresh @ states_t),
-            grad_out @ states_t,
+            -(d_fresh @ before_t),
+            grad_out @ before_t,
             grad_out @ fresh.transpose(-1, -2),
-            fresh @ d_next.transpose(-1, -2),
-            (d_next * states).sum((-1, -2)),
-            d_state,
+            fresh @ after.transpose(-1, -2),
+            (after * before).sum((-1, -2)),
+            d_states[0],
         )
 
 

@@ -232,8 +232,8 @@ def test_carries_do_not_hold_their_chunks(mode):
     gradient in the reverse pass (a slice of the chunk's input gradient),
     which is dropped once the chunk before has used it. Simulated on fake
     tensors: from 4 to 16 prompt chunks the step's peak grows by the
-    captured state alone, its gradient in exact mode, and one carry per
-    added chunk boundary."""
+    captured state alone, and in exact mode by its gradient and one carry
+    per added chunk boundary (off a GPU, where they stay on the device)."""
     with torch.device("meta"):
         model = transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**QWEN3_6_27B)).to(torch.bfloat16)
     model.config.use_cache = False
