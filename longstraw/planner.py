@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .nodes import tensor_of
 from .runtime import GroupRunner
+from .state import boundaries_on_host
 
 log = logging.getLogger("longstraw.planner")
 
@@ -114,7 +115,7 @@ class MemoryModel:
         chunks = math.ceil(max(P - 1, 0) / chunk)
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
-        boundaries = chunks + 1 if mode == "exact" and torch.device(device).type != "cuda" else 1
+        boundaries = chunks + 1 if mode == "exact" and not boundaries_on_host(device) else 1
         state = int(per_position * (P - 1 + R)) + fixed * boundaries
         state_grad = int(per_position * (P - 1)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad

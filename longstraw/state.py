@@ -71,7 +71,7 @@ class PromptState:
         self.verify = verify
         self.device = device
         self.boundaries = boundaries  # keep the carries at every chunk boundary (exact mode's reverse pass)
-        self.offload = boundaries and device.type == "cuda"
+        self.offload = boundaries and boundaries_on_host(device)
         self.buffers: dict[int, torch.Tensor] = {}
         self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
@@ -206,6 +206,12 @@ class StepContext:
             return
         at = grads[slot]
         at[self.offset] = grad.clone() if self.offset not in at else at[self.offset] + grad
+
+
+def boundaries_on_host(device: torch.device) -> bool:
+    """Where exact mode keeps its earlier chunk-boundary carries: in pinned
+    host memory on a GPU (the runtime and the memory planner both ask)."""
+    return torch.device(device).type == "cuda"
 
 
 def _on_host(value: torch.Tensor) -> torch.Tensor:
