@@ -6,15 +6,22 @@ an autograd input of the step, so `CarryStep` is: its backward recomputes
 the operator with autograd, returns the gradients of the step's own inputs,
 and adds the gradient of the incoming carry into d(state) (exact mode).
 Forward saves only the step's inputs.
+
+On a GPU the recomputation of each span, forward and backward, runs as one
+CUDA graph (`SpanGraphs`): a carried operator's reference kernel loops over
+small blocks (Gated DeltaNet's over 64-position chunks), and dispatching
+its few hundred small operators per span from Python, not the arithmetic,
+was most of the reverse pass's time at full depth.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+from typing import Callable, Hashable, Sequence
 
 import torch
 
-from .state import StepContext
+from .state import StepContext, has_values
 
 CarryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -47,16 +54,77 @@ DeltaNet's chunked rule holds about 0.76 MB per position at Qwen3.5-27B
 shapes), so a long step is differentiated span by span from the carry."""
 
 
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor | None]  # static copies of [carry, *inputs] and the outputs' gradients
+    grads: list[torch.Tensor | None]
+
+
+class SpanGraphs:
+    """One span's recomputation under autograd and its backward, captured
+    as one CUDA graph per signature (the operator's `graph_key`, the
+    shapes and dtypes, which gradients flow) and replayed from static
+    copies of the inputs. A reverse pass sees a handful of signatures: the
+    full spans, a chunk's last span, the first chunk's (no carry gradient),
+    a branch's. The graphs share one memory pool: they replay one at a
+    time and their outputs are copied out before the next replay.
+
+    `fn` must be capturable: no host synchronisation, shapes that depend
+    on the inputs' shapes only, and the same computation for the same key."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captured: dict[Hashable, _Captured] = {}
+
+    def grads(
+        self, key: Hashable, fn: CarryFn, inputs: Sequence[torch.Tensor | None],
+        grad_outputs: Sequence[torch.Tensor | None], wanted: Sequence[bool],
+    ) -> list[torch.Tensor | None]:
+        """`recompute_grads(fn, inputs, grad_outputs, wanted)`, replayed."""
+        values = [*inputs, *grad_outputs]
+        signature = (key, tuple(wanted), *((None,) if x is None else (tuple(x.shape), x.dtype) for x in values))
+        entry = self.captured.get(signature)
+        if entry is None:
+            entry = self.captured[signature] = self._capture(fn, values, len(inputs), wanted)
+        for static, x in zip(entry.inputs, values):
+            if static is not None:
+                static.copy_(x)
+        entry.graph.replay()
+        return [None if g is None else g.clone() for g in entry.grads]
+
+    def _capture(self, fn: CarryFn, values: list[torch.Tensor | None], n_inputs: int, wanted: Sequence[bool]) -> _Captured:
+        static = [None if x is None else x.detach().clone(memory_format=torch.contiguous_format) for x in values]
+        run = lambda: recompute_grads(fn, static[:n_inputs], static[n_inputs:], wanted)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up off the graph: library handles, workspaces, lazy initialisation
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            grads = run()
+        return _Captured(graph, static, grads)
+
+
 class CarryStep(torch.autograd.Function):
     """`fn(carry, *inputs) -> (out, new_carry)` with the carry taken from and
     kept in the step's `StepContext`. `token_dims[0]` is the output's
     position dimension, `token_dims[1:]` the inputs' (None: not per
     position, such as a weight). `fn` must be causal through the carry:
     running it over positions `[a, c)` equals running it over `[a, b)` and
-    then over `[b, c)` from the carry it returned."""
+    then over `[b, c)` from the carry it returned.
+
+    `graph_key` names what `fn` computes (the operator and the constants
+    it closes over): steps with the same key and input shapes share one
+    CUDA graph of a span's backward (`SpanGraphs`). None: never graphed."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, slot: int, fn: CarryFn, token_dims: tuple[int | None, ...], *inputs):
+    def forward(
+        ctx, step: StepContext, slot: int, fn: CarryFn, token_dims: tuple[int | None, ...], graph_key: Hashable | None,
+        *inputs,
+    ):
         carry = step.carry_in(slot)
         out, new_carry = fn(carry, *inputs)
         if new_carry._base is not None:
@@ -65,7 +133,7 @@ class CarryStep(torch.autograd.Function):
             # layer-wise recomputation is the whole reverse chunk: every layer's
             new_carry = new_carry.clone()
         step.carry_out(slot, new_carry)
-        ctx.step, ctx.slot, ctx.fn, ctx.token_dims = step, slot, fn, token_dims
+        ctx.step, ctx.slot, ctx.fn, ctx.token_dims, ctx.graph_key = step, slot, fn, token_dims, graph_key
         ctx.save_for_backward(*inputs)
         return out, new_carry
 
@@ -74,10 +142,14 @@ class CarryStep(torch.autograd.Function):
         step: StepContext = ctx.step
         inputs = ctx.saved_tensors
         carry = step.carry_in(ctx.slot)
-        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[4:])
-        grads = _spanwise_grads(ctx.fn, ctx.token_dims, carry, inputs, grad_out, grad_carry, wanted)
+        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[5:])
+        graphs = step.state.span_graphs
+        span_grads = recompute_grads
+        if graphs is not None and ctx.graph_key is not None and has_values(carry):
+            span_grads = lambda *a: graphs.grads(ctx.graph_key, *a)  # noqa: E731
+        grads = _spanwise_grads(ctx.fn, ctx.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads)
         step.accumulate_carry_grad(ctx.slot, grads[0])
-        return (None, None, None, None, *grads[1:])
+        return (None, None, None, None, None, *grads[1:])
 
 
 def _spanwise_grads(
@@ -88,17 +160,19 @@ def _spanwise_grads(
     grad_out: torch.Tensor | None,
     grad_carry: torch.Tensor | None,
     wanted: list[bool],
+    span_grads: Callable[..., list[torch.Tensor | None]] = recompute_grads,
 ) -> list[torch.Tensor | None]:
     """Gradients of `fn(carry, *inputs)` for `[carry, *inputs]`, recomputed
     `RECOMPUTE_SPAN` positions at a time: a forward without autograd keeps
     the carry at each span's start, then the spans are differentiated last
-    to first, each passing the gradient of its incoming carry to the span
-    before (as the reverse pass does with prompt chunks)."""
+    to first (`span_grads`, called like `recompute_grads`), each passing
+    the gradient of its incoming carry to the span before (as the reverse
+    pass does with prompt chunks)."""
     out_dim, in_dims = token_dims[0], token_dims[1:]
     length = next(x.shape[d] for x, d in zip(inputs, in_dims) if d is not None)
     spans = [(s, min(RECOMPUTE_SPAN, length - s)) for s in range(0, length, RECOMPUTE_SPAN)]
     if len(spans) == 1:
-        return recompute_grads(fn, [carry, *inputs], [grad_out, grad_carry], wanted)
+        return span_grads(fn, [carry, *inputs], [grad_out, grad_carry], wanted)
 
     def piece(start: int, size: int) -> list[torch.Tensor]:
         return [x if d is None else x.narrow(d, start, size) for x, d in zip(inputs, in_dims)]
@@ -112,7 +186,7 @@ def _spanwise_grads(
     for i in reversed(range(len(spans))):
         start, size = spans[i]
         g_out = None if grad_out is None else grad_out.narrow(out_dim, start, size)
-        g = recompute_grads(fn, [carries[i], *piece(start, size)], [g_out, d_carry], [i > 0 or wanted[0], *wanted[1:]])
+        g = span_grads(fn, [carries[i], *piece(start, size)], [g_out, d_carry], [i > 0 or wanted[0], *wanted[1:]])
         d_carry = g[0]
         pieces.append(g[1:])
     pieces.reverse()

@@ -50,6 +50,12 @@ class Options:
     grows with depth (the layers' inputs stay), for one more forward of the
     replayed positions. None: planned with the chunk size (off without a budget)."""
 
+    cuda_graphs: bool = True
+    """On a GPU, replay the backward of carried operators (Gated DeltaNet,
+    causal convolutions) span by span as CUDA graphs: their reference
+    kernels dispatch hundreds of small operators per span. False: run them
+    eagerly (debugging, or a custom carried operator that cannot be captured)."""
+
     memory_budget_gb: float | None = None
     """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
     process's other tensors included: the chunk size and recomputation left
@@ -71,6 +77,8 @@ class Options:
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
         if self.recompute_layers not in (None, True, False):
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise LongStrawError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.check_finite, bool):
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):

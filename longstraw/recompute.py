@@ -11,6 +11,13 @@ segment (the last layer with the LM head and the loss's per-position part,
 in a branch) is not checkpointed: the backward starts there right after
 its forward, so recomputing it would only repeat the head.
 
+What recomputation would repeat at a high price is kept instead: a pass
+registers the operator (`keep_through_recomputation`), and the segments
+whose graph calls its step function run under selective checkpointing
+that saves that operator's outputs (attention's forward over a long
+prompt: without it, each reverse chunk ran every attention layer's
+forward over all earlier positions twice).
+
 Recomputing a segment is safe because everything a step does besides
 computing is idempotent: it writes the same state values at the same
 positions (`StepContext.write`, `carry_out`), and gradients into d(state)
@@ -20,15 +27,25 @@ are only added by backward functions, which recomputation does not run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from .errors import clean_module_path
 from .nodes import is_grad_mode_switch
+
+
+_KEPT: dict[Callable[..., Any], torch._ops.OpOverload] = {}
+
+
+def keep_through_recomputation(step_function: Callable[..., Any], op: torch._ops.OpOverload) -> None:
+    """Keep the outputs of `op`, which `step_function` (a call in step
+    graphs) dispatches, through layer-wise recomputation."""
+    _KEPT[step_function] = op
 
 
 def layer_of(node: fx.Node) -> str | None:
@@ -68,6 +85,14 @@ class _Segment:
     module: fx.GraphModule
     inputs: list[fx.Node]  # values of the original graph it reads
     outputs: list[fx.Node]  # values of the original graph it defines and later segments or the output read
+    kept: list[torch._ops.OpOverload]  # operators whose outputs recomputation reuses
+
+    def run(self, *args: Any) -> Any:
+        """Under `checkpoint`, selective when the segment has outputs to keep."""
+        if not self.kept:
+            return checkpoint(self.module, *args, use_reentrant=False)
+        contexts = functools.partial(create_selective_checkpoint_contexts, self.kept)
+        return checkpoint(self.module, *args, use_reentrant=False, context_fn=contexts)
 
 
 class LayerwiseStep(torch.nn.Module):
@@ -94,7 +119,7 @@ class LayerwiseStep(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         env: dict[fx.Node, Any] = dict(zip(self.placeholders, args))
         for segment in self.segments[:-1]:
-            values = checkpoint(segment.module, *[env[n] for n in segment.inputs], use_reentrant=False)
+            values = segment.run(*[env[n] for n in segment.inputs])
             env.update(zip(segment.outputs, values))
         # the last segment (the last layer and the head) runs as is: its backward comes
         # first, right after its forward, so recomputing it would hold no less
@@ -122,4 +147,5 @@ def _build_segment(step: fx.GraphModule, nodes: list[fx.Node], members: set[fx.N
     outputs = [n for n in nodes if any(u not in members for u in n.users)]
     graph.output(tuple(env[n] for n in outputs))
     graph.lint()
-    return _Segment(fx.GraphModule(step, graph, class_name="LayerSegment"), inputs, outputs)
+    kept = list(dict.fromkeys(_KEPT[n.target] for n in nodes if n.op == "call_function" and n.target in _KEPT))
+    return _Segment(fx.GraphModule(step, graph, class_name="LayerSegment"), inputs, outputs, kept)

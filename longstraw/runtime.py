@@ -28,6 +28,7 @@ import torch
 from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, describe_node, module_path
 from .nodes import ancestors, is_random
 from .options import Options
+from .carry import SpanGraphs
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .state import PromptState, StepContext, has_values
@@ -221,10 +222,12 @@ class GroupRunner:
         """Capture and branches from the outer values; `end` and `group_size`
         are the traced ones except when `longstraw.explain` simulates other sizes."""
         part = self.part
-        device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
-        verify = self.options.verify_state and has_values(next(iter(values.values())))
+        probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
+        device, real = probe.device, has_values(probe)
+        verify = self.options.verify_state and real
+        graphs = self.options.cuda_graphs and device.type == "cuda" and real
         state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify,
-                            boundaries=self.options.prompt_grad == "exact")
+                            boundaries=self.options.prompt_grad == "exact", span_graphs=SpanGraphs() if graphs else None)
         rng: dict[tuple[str, int], RngState] = {}
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:

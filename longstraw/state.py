@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .errors import LongStrawError, module_path
+
+if TYPE_CHECKING:
+    from .carry import SpanGraphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +67,10 @@ class PromptState:
 
     def __init__(
         self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
-        boundaries: bool = True,
+        boundaries: bool = True, span_graphs: "SpanGraphs | None" = None,
     ) -> None:
         self.slots = slots
+        self.span_graphs = span_graphs  # CUDA graphs of carried operators' spanwise backward (carry.py)
         self.prefix_len = prefix_len
         self.verify = verify
         self.device = device
@@ -134,7 +138,7 @@ class PromptState:
         return None
 
     def release(self) -> None:
-        self.buffers, self.carries = {}, {}
+        self.buffers, self.carries, self.span_graphs = {}, {}, None
         self.grads = self.carry_grads = None
 
 

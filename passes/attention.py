@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend
 
 from longstraw.mask import MaskBlock
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
+from longstraw.recompute import keep_through_recomputation
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
@@ -203,7 +204,11 @@ class _AttentionOverState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
         kernel = _kernel_for(q, mask)
-        out, lse = kernel.forward(q, step.visible(k_slot), step.visible(v_slot), mask, scale, step.offset)
+        keys, values = step.visible(k_slot), step.visible(v_slot)
+        if mask is None:
+            out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
+        else:
+            out, lse = kernel.forward(q, keys, values, mask, scale, step.offset)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -235,6 +240,26 @@ class _AttentionOverState(torch.autograd.Function):
                 step.accumulate_grad(k_slot, gk, start)
                 step.accumulate_grad(v_slot, gv, start)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+@torch.library.custom_op("longstraw::causal_attention_forward", mutates_args=())
+def causal_attention_forward(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None, q_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal forward over all keys (output, log-sum-exp) as one
+    operator, so that layer-wise recomputation keeps its outputs instead of
+    running it again (`keep_through_recomputation`): over a long prompt it
+    is most of an attention layer's forward."""
+    return _kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
+
+
+@causal_attention_forward.register_fake
+def _(q, keys, values, scale, q_start):
+    # the kernels run on fake tensors too: the memory planner sees their temporaries
+    return _kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
+
+
+keep_through_recomputation(attention_step, torch.ops.longstraw.causal_attention_forward.default)
 
 
 class _AttentionKernel:

@@ -65,7 +65,7 @@ causal_conv1d.register_autograd(_backward, setup_context=_setup)
 def causal_conv_step(ctx, slot: int, x, weight, bias, *, activation: str | None):
     """The step version: the tail is the carry at the step's start. Returns (out, new tail)."""
     fn = lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail)  # noqa: E731
-    return CarryStep.apply(ctx, slot, fn, (2, 2, None, None), x, weight, bias)
+    return CarryStep.apply(ctx, slot, fn, (2, 2, None, None), ("causal_conv", activation), x, weight, bias)
 
 
 class CausalConvPass(ArchitecturePass):

@@ -244,7 +244,7 @@ def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     `CarryStep.backward` differentiates run the PyTorch kernel. Eager HF
     with fla installed computes its forward with the same kernel."""
     fn = lambda state, *x: _step_kernel(*x, state, use_qk_l2norm)  # noqa: E731
-    return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), q, k, v, g, beta)
+    return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), ("gated_delta", use_qk_l2norm), q, k, v, g, beta)
 
 
 class GatedDeltaPass(ArchitecturePass):

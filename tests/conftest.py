@@ -24,7 +24,12 @@ def _reset_dynamo():
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests run only when a marker expression is given (`-m slow`)."""
+    """`slow` tests run only when a marker expression is given (`-m slow`);
+    `gpu` tests only where CUDA is (`-m gpu` on the GPU machine)."""
+    no_gpu = pytest.mark.skip(reason="needs CUDA: run with -m gpu on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
     if config.getoption("-m"):
         return
     skip = pytest.mark.skip(reason="slow sweep: run with -m slow")

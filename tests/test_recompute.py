@@ -113,6 +113,30 @@ def test_every_segment_but_the_last_is_recomputed(monkeypatch):
     assert len(calls) == 2 * len(checkpointed)  # two branches replayed
 
 
+def test_attention_forward_is_kept_through_recomputation(monkeypatch):
+    """Selective checkpointing keeps the causal attention forward's outputs:
+    under recomputation a replayed step runs it once per layer, as without
+    (over a long prompt it is most of an attention layer's forward)."""
+    from longstraw import recompute
+    from longstraw.passes import attention
+
+    calls: list[int] = []
+    original = attention._MathKernel.forward
+    monkeypatch.setattr(attention._MathKernel, "forward", lambda self, *a: (calls.append(1), original(self, *a))[1])
+
+    def backward_calls(recompute: bool) -> int:
+        torch._dynamo.reset()
+        backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=recompute)
+        loss = compile_loss(grpo_loss_f64, backend)(make_model("qwen3"), *make_group(2, 9, 3))
+        before = len(calls)
+        loss.backward()
+        return len(calls) - before
+
+    kept, plain = backward_calls(True), backward_calls(False)
+    monkeypatch.setattr(recompute, "_KEPT", {})
+    assert kept == plain < backward_calls(True)
+
+
 def test_layerwise_step_is_only_used_under_autograd():
     model = make_model("plain")
     backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=True)
