@@ -146,7 +146,7 @@ def test_hybrid_on_cuda_with_and_without_graphs(mode, monkeypatch):
             if graphs:
                 assert captures, "no span was replayed from a CUDA graph"
                 captures.clear()
-    assert not captures
+        assert not captures
         if mode == "exact":
             want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
         else:
