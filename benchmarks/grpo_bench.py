@@ -67,6 +67,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
@@ -795,7 +796,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
         runner.step(group)
     plan = backend.plans[-1]
     release(model)
-    chunk = longstraw.Options().prefix_chunk_size
+    chunk = plan.options.prefix_chunk_size  # as planned: the option itself may be None
     activations = {}
     with Runner(model, kind, "eager", longstraw_operators=True) as runner:
         for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
@@ -1093,7 +1094,10 @@ def main() -> None:
     parts = args.parts.split(",")
     modes = [m for m in args.modes.split(",") if m]
     commit = git_commit()
-    command = args.command or "python " + " ".join(os.sys.argv)
+    # from the repository's root, the output folder named where the repository keeps it, whatever folder it ran in
+    argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
+            *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
+    command = args.command or "python " + " ".join(argv)
     result = {"model": args.model, "G": args.G, "R": args.R, "p_speed": args.p_speed, "dtype": "bfloat16",
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
