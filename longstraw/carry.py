@@ -9,9 +9,10 @@ Forward saves only the step's inputs.
 
 On a GPU the recomputation of each span, forward and backward, runs as one
 CUDA graph (`SpanGraphs`): a carried operator's reference kernel loops over
-small blocks (Gated DeltaNet's over 64-position chunks), and dispatching
-its few hundred small operators per span from Python, not the arithmetic,
-was most of the reverse pass's time at full depth.
+small blocks (Gated DeltaNet's over 64-position chunks), several hundred
+small kernels per span, and a graph launches them without Python and the
+dispatcher in between (at full depth the exact 32K reverse pass went from
+32.5 to 27.5 s; what remains is the kernels' own GPU time).
 """
 
 from __future__ import annotations

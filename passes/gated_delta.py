@@ -241,8 +241,9 @@ def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     Every run without autograd takes fla's fused forward on a GPU (prompt
     capture, branch forwards, `CarryStep.forward` in replays and the reverse
     pass, and its carry pass between spans); only the spans that
-    `CarryStep.backward` differentiates run the PyTorch kernel. Eager HF
-    with fla installed computes its forward with the same kernel."""
+    `CarryStep.backward` differentiates run the PyTorch kernel (replayed as
+    CUDA graphs on a GPU: `carry.SpanGraphs`). Eager HF with fla installed
+    computes its forward with the same kernel."""
     fn = lambda state, *x: _step_kernel(*x, state, use_qk_l2norm)  # noqa: E731
     return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), ("gated_delta", use_qk_l2norm), q, k, v, g, beta)
 
