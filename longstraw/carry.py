@@ -22,6 +22,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from .errors import LongStrawError
 from .state import StepContext, has_values
 
 CarryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -87,7 +88,16 @@ class SpanGraphs:
         signature = (key, tuple(wanted), *((None,) if x is None else (tuple(x.shape), x.dtype) for x in values))
         entry = self.captured.get(signature)
         if entry is None:
-            entry = self.captured[signature] = self._capture(fn, values, len(inputs), wanted)
+            try:
+                entry = self.captured[signature] = self._capture(fn, values, len(inputs), wanted)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                raise LongStrawError(
+                    f"capturing the backward of a carried operator ({key!r}) as a CUDA graph failed: {e}. "
+                    "Its kernel must run without host synchronisation; pass options={'cuda_graphs': False} "
+                    "to run it eagerly."
+                ) from e
         for static, x in zip(entry.inputs, values):
             if static is not None:
                 static.copy_(x)

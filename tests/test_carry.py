@@ -156,3 +156,13 @@ def test_hybrid_on_cuda_with_and_without_graphs(mode, monkeypatch):
     assert_grads_close(grads, grads_eager_steps, 1e-12)
     assert_close(loss, want_loss, 1e-6)
     assert_grads_close(grads, want, 1e-6)
+
+
+@pytest.mark.gpu
+def test_a_span_that_cannot_be_captured_names_the_option():
+    """A carried operator whose kernel synchronises with the host cannot be
+    captured: the error says so and how to run it eagerly."""
+    state, x = torch.randn(1, 4, device="cuda"), torch.randn(1, 8, 4, device="cuda")
+    fn = lambda carry, x: (x * float(x.sum()), carry + x[:, -1])  # noqa: E731 - float(): a host synchronisation
+    with pytest.raises(longstraw.LongStrawError, match="cuda_graphs"):
+        carry.SpanGraphs().grads("syncs", fn, [state, x], [torch.ones_like(x), None], [False, True])
