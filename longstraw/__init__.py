@@ -9,6 +9,7 @@ from .data_parallel import LossModule
 from .errors import InputError, LongStrawError, UnsupportedGraphError
 from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
+from .pass_registry import register_pass
 
 __all__ = [
     "Backend",
@@ -23,4 +24,5 @@ __all__ = [
     "UnsupportedGraphError",
     "explain",
     "longstraw_backend",
+    "register_pass",
 ]

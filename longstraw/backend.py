@@ -20,10 +20,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
+from longstraw.passes import ArchitecturePass
 
 from .errors import UnsupportedGraphError, name_arguments
 from .options import Options
+from .pass_registry import active_passes
 from .partition import Partition, partition
 from .planner import DEFAULT_CHUNK, MemoryModel, available_budget
 from .runtime import GroupFunction, GroupRunner
@@ -114,13 +115,15 @@ class Backend:
         self,
         options: Options | Mapping[str, Any] | None = None,
         *,
-        passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES,
+        passes: tuple[ArchitecturePass, ...] | None = None,
         **option_fields: Any,
     ) -> None:
         if option_fields:
-            options = {**dataclasses.asdict(Options.from_any(options)), **option_fields}
+            base = Options.from_any(options)
+            options = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **option_fields}
         self.options = Options.from_any(options)
-        self.passes = passes
+        # the complete list when given; else the built-in, installed, registered and optioned passes
+        self.passes = active_passes(self.options.passes) if passes is None else tuple(passes)
         self.plans: deque[GroupPlan] = deque(maxlen=self.options.plan_cache_size)
         self.stop_after_planning = False
 

@@ -56,6 +56,11 @@ class Options:
     kernels dispatch hundreds of small operators per span. False: run them
     eagerly (debugging, or a custom carried operator that cannot be captured)."""
 
+    passes: tuple[Any, ...] = ()
+    """Architecture passes (`longstraw.passes.ArchitecturePass` subclasses or
+    instances) used after the built-in, installed and registered ones
+    (`longstraw.register_pass`)."""
+
     memory_budget_gb: float | None = None
     """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
     process's other tensors included: the chunk size and recomputation left
@@ -64,6 +69,11 @@ class Options:
     (8192, no recomputation)."""
 
     def __post_init__(self) -> None:
+        from .pass_registry import as_pass  # the passes import the runtime, which imports this module
+
+        if isinstance(self.passes, (str, bytes)) or not isinstance(self.passes, (list, tuple)):
+            raise LongStrawError(f"passes must be a list or tuple of architecture passes, got {self.passes!r}")
+        object.__setattr__(self, "passes", tuple(as_pass(p, "options['passes']") for p in self.passes))
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if self.prefix_chunk_size is not None and (not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1):

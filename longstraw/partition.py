@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.fx as fx
 
-from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState, claiming_pass
+from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
@@ -105,10 +105,24 @@ def _check_position_tables(graph: fx.Graph, end: int) -> None:
             )
 
 
+def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> ArchitecturePass | None:
+    """The one pass that claims `node`; two claiming it is an error, whatever their order."""
+    claiming = [p for p in passes if p.claims(node)]
+    if len(claiming) > 1:
+        names = " and ".join(f"{type(p).__module__}.{type(p).__qualname__} ({p.name!r})" for p in claiming)
+        raise UnsupportedGraphError(
+            f"{describe_node(node)} is claimed by {len(claiming)} architecture passes, {names}: each operator "
+            "must belong to one pass. Drop one of them (options['passes'], longstraw.register_pass or an "
+            "installed package's `longstraw.passes` entry point), or narrow its `claims`."
+        )
+    return claiming[0] if claiming else None
+
+
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
         f"{describe_node(node)} {why}.{binding_hint(node)} LongStraw needs every operator that mixes sequence "
-        "positions to be claimed by an architecture pass (see longstraw.passes). Pass "
+        "positions to be claimed by an architecture pass (see longstraw.passes; a pass of your own goes in "
+        "options={'passes': [...]} or longstraw.register_pass). Pass "
         "options={'on_unsupported': 'eager'} to run this graph unchanged instead."
     )
 
@@ -117,7 +131,7 @@ def partition(
     gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
 ) -> Partition:
     graph = gm.graph
-    claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
+    claims = {n: p for n in graph.nodes if is_call(n) and (p := _claiming_pass(n, passes)) is not None}
     an = DimAnalysis(graph, lambda an, n: claims[n].dim_rule(an, n) if n in claims else None)
     if not claims:
         raise _nothing_claimed(graph, an)
@@ -221,7 +235,8 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
     if lookups:
         token = an.classes(an.dims_of(lookups[0].args[0])[-1])[0]
         for node in graph.nodes:
-            if not is_call(node) or not _has_class(an, node, token):
+            reads = is_call(node) and any(_has_class(an, i, token) for i in node.all_input_nodes)
+            if not is_call(node) or not (reads or _has_class(an, node, token)):
                 continue
             if node in an.unknown:
                 return _unsupported(node, "has no dimension rule and touches the sequence axis, and no attention was found")

@@ -30,7 +30,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
+from longstraw.passes import ArchitecturePass
 
 from .backend import Backend, GroupPlan, PlanningDone
 from .errors import LongStrawError, module_path, source_line
@@ -202,7 +202,7 @@ def explain(
     loss_fn: Callable[..., Any],
     *example_args: Any,
     options: Options | dict | None = None,
-    passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES,
+    passes: tuple[ArchitecturePass, ...] | None = None,
     **example_kwargs: Any,
 ) -> ExplainReport:
     """Plan `loss_fn` on example inputs without running it and describe the plan.

@@ -10,22 +10,12 @@ finds the cheapest tensors to capture for those inputs and wires them in.
 
 from __future__ import annotations
 
-import torch.fx as fx
-
 from .attention import CausalAttentionPass
 from .base import ArchitecturePass, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(), GatedDeltaPass(), CausalConvPass())
-
-
-def claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES) -> ArchitecturePass | None:
-    for p in passes:
-        if p.claims(node):
-            return p
-    return None
-
 
 __all__ = [
     "ArchitecturePass",
@@ -34,5 +24,4 @@ __all__ = [
     "DEFAULT_PASSES",
     "GatedDeltaPass",
     "SiteState",
-    "claiming_pass",
 ]
