@@ -27,7 +27,7 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
-from .errors import USE_SDPA, InputError, UnsupportedGraphError, binding_hint, describe_node
+from .errors import USE_SDPA, InputError, LongStrawError, UnsupportedGraphError, binding_hint, describe_node
 from .functionalize import is_updated
 from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
@@ -106,11 +106,12 @@ def _check_position_tables(graph: fx.Graph, end: int) -> None:
 
 
 def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> ArchitecturePass | None:
-    """The one pass that claims `node`; two claiming it is an error, whatever their order."""
+    """The one pass that claims `node`; two claiming it is an error, whatever
+    their order (a configuration error: `on_unsupported="eager"` does not hide it)."""
     claiming = [p for p in passes if p.claims(node)]
     if len(claiming) > 1:
         names = " and ".join(f"{type(p).__module__}.{type(p).__qualname__} ({p.name!r})" for p in claiming)
-        raise UnsupportedGraphError(
+        raise LongStrawError(
             f"{describe_node(node)} is claimed by {len(claiming)} architecture passes, {names}: each operator "
             "must belong to one pass. Drop one of them (options['passes'], longstraw.register_pass or an "
             "installed package's `longstraw.passes` entry point), or narrow its `claims`."

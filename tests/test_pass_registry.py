@@ -135,8 +135,10 @@ def test_an_entry_point_that_is_not_a_pass_is_named(registry, tmp_path, monkeypa
         longstraw.Backend()
 
 
-def test_two_passes_claiming_one_node_is_an_error_naming_both(registry):
-    backend = longstraw.Backend(passes=[ShiftMixPass(), ShiftMixPass()])
+@pytest.mark.parametrize("on_unsupported", ["error", "eager"])
+def test_two_passes_claiming_one_node_is_an_error_naming_both(registry, on_unsupported):
+    """A configuration error: raised even where unsupported graphs run unchanged."""
+    backend = longstraw.Backend(passes=[ShiftMixPass(), ShiftMixPass()], on_unsupported=on_unsupported)
     with raises_longstraw(r"claimed by 2 architecture passes, .*ShiftMixPass \('shift_mix'\) and .*ShiftMixPass"):
         compile_loss(shift_mix_loss, backend)(ShiftMixModel(), *make_group(2, 9, 3))
 
