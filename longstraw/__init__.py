@@ -4,7 +4,7 @@
     step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad="detached"))
 """
 
-from .backend import Backend, GroupPlan, longstraw_backend
+from .backend import Backend, Fallback, GroupPlan, longstraw_backend
 from .data_parallel import LossModule
 from .errors import InputError, LongStrawError, UnsupportedGraphError
 from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
@@ -15,6 +15,7 @@ __all__ = [
     "Backend",
     "CapturedTensor",
     "ExplainReport",
+    "Fallback",
     "MemoryPlan",
     "GroupPlan",
     "InputError",

@@ -15,14 +15,14 @@ import dataclasses
 import logging
 import warnings
 from collections import OrderedDict, deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
-from .errors import UnsupportedGraphError, name_arguments
+from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .pass_registry import active_passes
 from .partition import Partition, partition
@@ -33,6 +33,20 @@ from .stepgraph import StepGraph, build_outer, build_step, build_tail
 from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A graph the backend ran unchanged (`on_unsupported="eager"`), and why.
+
+    `kind`: "ddp_split" (DDPOptimizer cut the loss into pieces), "partial_graph"
+    (Dynamo handed over part of the loss) or "unsupported" (the analysis
+    refused the graph); `node`: the graph node at fault, where there is one."""
+
+    kind: Literal["ddp_split", "partial_graph", "unsupported"]
+    reason: str
+    node: str | None = None
+    module: str | None = None
 
 
 @dataclasses.dataclass
@@ -125,6 +139,7 @@ class Backend:
         # the complete list when given; else the built-in, installed, registered and optioned passes
         self.passes = active_passes(self.options.passes) if passes is None else tuple(passes)
         self.plans: deque[GroupPlan] = deque(maxlen=self.options.plan_cache_size)
+        self.fallbacks: list[Fallback] = []  # graphs run unchanged, in the order they fell back
         self.stop_after_planning = False
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
@@ -133,6 +148,7 @@ class Backend:
             if opts.on_unsupported == "error":
                 return _refuse(DDP_SPLIT)
             warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {DDP_SPLIT}", stacklevel=2)
+            self.fallbacks.append(Fallback("ddp_split", DDP_SPLIT))
             return gm.forward
         name_arguments(gm)
         return CompiledGroupLoss(gm, opts, self, partial_graph_reason(gm))
@@ -211,15 +227,20 @@ class CompiledGroupLoss:
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args)
         except UnsupportedGraphError as err:
+            node = err.node
             if self.partial is not None:
                 cause = err
-                err = UnsupportedGraphError(f"{self.partial}\n(The analysis of the piece it got failed: {cause})")
+                err = UnsupportedGraphError(f"{self.partial}\n(The analysis of the piece it got failed: {cause})", node)
                 err.__cause__ = cause
             if self.options.on_unsupported == "error":
                 raise err
             if not self.warned:
                 warnings.warn(f"longstraw: running the loss graph unchanged (no memory savings): {err}", stacklevel=2)
                 self.warned = True
+            kind = "unsupported" if self.partial is None else "partial_graph"
+            self.backend.fallbacks.append(
+                Fallback(kind, str(err), None if node is None else node.name, None if node is None else module_path(node))
+            )
             return guards, None
         self.backend.plans.append(plan)
         log.info("%s", plan.summary())

@@ -13,7 +13,12 @@ class LongStrawError(RuntimeError):
 
 
 class UnsupportedGraphError(LongStrawError):
-    """The loss graph cannot be rewritten into prompt capture plus branch replay."""
+    """The loss graph cannot be rewritten into prompt capture plus branch replay.
+    `node`: the graph node at fault, where there is one."""
+
+    def __init__(self, message: str, node: fx.Node | None = None) -> None:
+        super().__init__(message)
+        self.node = node
 
 
 class InputError(LongStrawError):

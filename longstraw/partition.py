@@ -124,7 +124,8 @@ def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
         f"{describe_node(node)} {why}.{binding_hint(node)} LongStraw needs every operator that mixes sequence "
         "positions to be claimed by an architecture pass (see longstraw.passes; a pass of your own goes in "
         "options={'passes': [...]} or longstraw.register_pass). Pass "
-        "options={'on_unsupported': 'eager'} to run this graph unchanged instead."
+        "options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
+        node,
     )
 
 

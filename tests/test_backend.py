@@ -17,7 +17,8 @@ from tiny_models import make_group, make_model
 
 def test_on_unsupported_eager_runs_the_graph_unchanged():
     """A position-mixing operator no pass claims: warn once, run the graph
-    as traced (same loss and gradients as eager), record no plan."""
+    as traced (same loss and gradients as eager), record no plan but a
+    `Fallback` naming the operator."""
     model = make_plain(mixer="cumsum")
     backend = longstraw.Backend(on_unsupported="eager")
     compiled = compile_loss(grpo_loss_f64, backend)
@@ -32,6 +33,9 @@ def test_on_unsupported_eager_runs_the_graph_unchanged():
     assert_close(got_loss, want_loss, 1e-12, "loss")
     assert_grads_close(got, want, 1e-12)
     assert len(backend.plans) == 0
+    (fallback,) = backend.fallbacks  # one per signature, as the warning
+    assert fallback.kind == "unsupported" and fallback.node == "cumsum" and "cumsum" in fallback.reason
+    assert fallback.module is not None
 
 
 def test_summary_names_regions_and_state():

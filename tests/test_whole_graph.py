@@ -380,9 +380,15 @@ def test_on_unsupported_eager_runs_eager(case):
         "inplace_argument": (inplace_loss, make_model("plain"), 1e-9),
     }[case]
     args = make_group(2, 9, 4)
-    compiled = compile_loss(loss_fn, longstraw.Backend(prefix_chunk_size=4, on_unsupported="eager"))
+    backend = longstraw.Backend(prefix_chunk_size=4, on_unsupported="eager")
+    compiled = compile_loss(loss_fn, backend)
     with pytest.warns(UserWarning, match="running the loss graph unchanged"):
         got = compiled_loss_and_grads(compiled, model, *[a.clone() for a in args])
+    (fallback,) = backend.fallbacks  # the record the warning announced
+    kind, node = {"hf_eager_attention": ("unsupported", "softmax"), "item_after_model": ("partial_graph", None),
+                  "vmap": ("unsupported", None), "inplace_argument": ("unsupported", None)}[case]
+    assert (fallback.kind, fallback.node) == (kind, node)
+    assert fallback.module == ("model.model.layers.0.self_attn" if node else None)
     want = eager_loss_and_grads(loss_fn, model, *[a.clone() for a in args])
     assert_close(got[0], want[0], tol, "loss")
     assert_grads_close(got[1], want[1], tol)
