@@ -133,7 +133,7 @@ class Backend:
         **option_fields: Any,
     ) -> None:
         if option_fields:
-            base = Options.from_any(options)
+            base = Options.from_any(options)  # field by field: `dataclasses.asdict` would deep-copy the passes
             options = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **option_fields}
         self.options = Options.from_any(options)
         # the complete list when given; else the built-in, installed, registered and optioned passes

@@ -237,8 +237,9 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
     if lookups:
         token = an.classes(an.dims_of(lookups[0].args[0])[-1])[0]
         for node in graph.nodes:
-            reads = is_call(node) and any(_has_class(an, i, token) for i in node.all_input_nodes)
-            if not is_call(node) or not (reads or _has_class(an, node, token)):
+            if not is_call(node):
+                continue
+            if not any(_has_class(an, n, token) for n in (node, *node.all_input_nodes)):
                 continue
             if node in an.unknown:
                 return _unsupported(node, "has no dimension rule and touches the sequence axis, and no attention was found")

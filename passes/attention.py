@@ -242,8 +242,7 @@ class _AttentionOverState(torch.autograd.Function):
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
-@torch.library.custom_op("longstraw::causal_attention_forward", mutates_args=())
-def causal_attention_forward(
+def _causal_forward(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None, q_start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal forward over all keys (output, log-sum-exp) as one
@@ -253,10 +252,9 @@ def causal_attention_forward(
     return _kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
 
 
-@causal_attention_forward.register_fake
-def _(q, keys, values, scale, q_start):
-    # the kernels run on fake tensors too: the memory planner sees their temporaries
-    return _kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
+causal_attention_forward = torch.library.custom_op("longstraw::causal_attention_forward", mutates_args=())(_causal_forward)
+# the same kernels run on fake tensors: the memory planner sees their temporaries
+causal_attention_forward.register_fake(_causal_forward)
 
 
 keep_through_recomputation(attention_step, torch.ops.longstraw.causal_attention_forward.default)
