@@ -22,6 +22,7 @@ import transformers
 
 import longstraw
 from grpo_bench import compare as compare_grads
+from longstraw.kernels import fla_gated_delta
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
 from longstraw.passes import gated_delta
@@ -83,7 +84,7 @@ def dense_parity(device):
 
 
 def hybrid_parity(device):
-    out = {"fla_available": gated_delta._fla_kernel() is not None}
+    out = {"fla_available": fla_gated_delta.fla_ops() is not None}
     with qwen3_5.bound():
         torch.manual_seed(0)
         cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
@@ -98,7 +99,7 @@ def hybrid_parity(device):
         g = -torch.rand(B, L, Hv, generator=gen).to(device)
         beta = torch.rand(B, L, Hv, generator=gen).to(device, torch.bfloat16)
         state0 = torch.randn(B, Hv, D, D, generator=gen).to(device)
-        o1, s1 = gated_delta._fla_forward(q, k, v, g, beta, state0, True)
+        o1, s1 = fla_gated_delta.gated_delta_forward(q, k, v, g, beta, state0, True)
         o2, s2 = gated_delta.gated_delta_rule_reference(q, k, v, g, beta, state0, True)
         out["fla_vs_reference_bf16"] = {
             "out_rel_l2": ((o1.float() - o2.float()).norm() / o2.float().norm()).item(),

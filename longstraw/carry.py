@@ -3,9 +3,10 @@
 A carried state (a recurrent matrix, a convolution's last inputs) enters a
 step from `StepContext.carry_in` and leaves through `carry_out`; it is not
 an autograd input of the step, so `CarryStep` is: its backward recomputes
-the operator with autograd, returns the gradients of the step's own inputs,
-and adds the gradient of the incoming carry into d(state) (exact mode).
-Forward saves only the step's inputs.
+the operator with autograd (or calls the kernel's own backward, where it
+has one: `CarryKernel.grads`), returns the gradients of the step's own
+inputs, and adds the gradient of the incoming carry into d(state) (exact
+mode). Forward saves only the step's inputs.
 
 On a GPU the recomputation of each span, forward and backward, runs as one
 CUDA graph (`SpanGraphs`): a carried operator's reference kernel loops over
@@ -119,48 +120,83 @@ class SpanGraphs:
         return _Captured(graph, static, grads)
 
 
-class CarryStep(torch.autograd.Function):
-    """`fn(carry, *inputs) -> (out, new_carry)` with the carry taken from and
-    kept in the step's `StepContext`. `token_dims[0]` is the output's
-    position dimension, `token_dims[1:]` the inputs' (None: not per
-    position, such as a weight). `fn` must be causal through the carry:
-    running it over positions `[a, c)` equals running it over `[a, b)` and
-    then over `[b, c)` from the carry it returned.
+CarryGradsFn = Callable[..., Sequence[torch.Tensor | None]]
 
-    `graph_key` names what `fn` computes (the operator and the constants
-    it closes over): steps with the same key and input shapes share one
-    CUDA graph of a span's backward (`SpanGraphs`). None: never graphed."""
+
+@dataclasses.dataclass(frozen=True)
+class CarryKernel:
+    """What `CarryStep` runs for one carried operator.
+
+    `forward(carry, *inputs) -> (out, new_carry)` must be causal through the
+    carry: running it over positions `[a, c)` equals running it over
+    `[a, b)` and then over `[b, c)` from the carry it returned.
+    `token_dims[0]` is the output's position dimension, `token_dims[1:]`
+    the inputs' (None: not per position, such as a weight).
+
+    The backward recomputes a span with autograd by default. `grads`, when
+    set, computes a span's gradients directly instead:
+    `grads(carry, *inputs, grad_out, grad_carry) -> (d_carry, *d_inputs)`
+    (a fused kernel's own backward; `span` positions at a time, since it
+    holds less per position than autograd through the forward).
+    `graph_key` names what `forward` computes (the operator and the
+    constants it closes over): autograd recomputations with the same key
+    and input shapes share one CUDA graph (`SpanGraphs`). None: never graphed."""
+
+    forward: CarryFn
+    token_dims: tuple[int | None, ...]
+    graph_key: Hashable | None = None
+    grads: CarryGradsFn | None = None
+    span: int | None = None
+
+
+class CarryStep(torch.autograd.Function):
+    """`kernel.forward(carry, *inputs)` with the carry taken from and kept in
+    the step's `StepContext`; the backward adds the gradient of the
+    incoming carry into d(state) (exact mode)."""
 
     @staticmethod
-    def forward(
-        ctx, step: StepContext, slot: int, fn: CarryFn, token_dims: tuple[int | None, ...], graph_key: Hashable | None,
-        *inputs,
-    ):
+    def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
         carry = step.carry_in(slot)
-        out, new_carry = fn(carry, *inputs)
+        out, new_carry = kernel.forward(carry, *inputs)
         if new_carry._base is not None:
             # a view (a conv's last inputs, sliced from the whole chunk's) would keep
             # the chunk-sized storage alive as long as the step's outputs, which under
             # layer-wise recomputation is the whole reverse chunk: every layer's
             new_carry = new_carry.clone()
         step.carry_out(slot, new_carry)
-        ctx.step, ctx.slot, ctx.fn, ctx.token_dims, ctx.graph_key = step, slot, fn, token_dims, graph_key
+        ctx.step, ctx.slot, ctx.kernel = step, slot, kernel
         ctx.save_for_backward(*inputs)
         return out, new_carry
 
     @staticmethod
     def backward(ctx, grad_out, grad_carry):
         step: StepContext = ctx.step
+        kernel: CarryKernel = ctx.kernel
         inputs = ctx.saved_tensors
         carry = step.carry_in(ctx.slot)
-        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[5:])
+        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
-        span_grads = recompute_grads
-        if graphs is not None and ctx.graph_key is not None and has_values(carry):
-            span_grads = lambda *a: graphs.grads(ctx.graph_key, *a)  # noqa: E731
-        grads = _spanwise_grads(ctx.fn, ctx.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads)
+        span_grads, span = recompute_grads, None
+        if kernel.grads is not None and has_values(carry):
+            span_grads, span = _direct_grads(kernel.grads), kernel.span
+        elif graphs is not None and kernel.graph_key is not None and has_values(carry):
+            span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
+        grads = _spanwise_grads(
+            kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
+        )
         step.accumulate_carry_grad(ctx.slot, grads[0])
-        return (None, None, None, None, None, *grads[1:])
+        return (None, None, None, *grads[1:])
+
+
+def _direct_grads(grads: CarryGradsFn) -> Callable[..., list[torch.Tensor | None]]:
+    """A kernel's `grads` called like `recompute_grads`."""
+
+    def span_grads(fn, inputs, grad_outputs, wanted):
+        with torch.no_grad():
+            got = grads(*inputs, *grad_outputs)
+        return [g if w else None for g, w in zip(got, wanted)]
+
+    return span_grads
 
 
 def _spanwise_grads(
@@ -172,16 +208,18 @@ def _spanwise_grads(
     grad_carry: torch.Tensor | None,
     wanted: list[bool],
     span_grads: Callable[..., list[torch.Tensor | None]] = recompute_grads,
+    span: int | None = None,
 ) -> list[torch.Tensor | None]:
     """Gradients of `fn(carry, *inputs)` for `[carry, *inputs]`, recomputed
-    `RECOMPUTE_SPAN` positions at a time: a forward without autograd keeps
+    `span` positions at a time (default `RECOMPUTE_SPAN`): a forward without autograd keeps
     the carry at each span's start, then the spans are differentiated last
     to first (`span_grads`, called like `recompute_grads`), each passing
     the gradient of its incoming carry to the span before (as the reverse
     pass does with prompt chunks)."""
     out_dim, in_dims = token_dims[0], token_dims[1:]
     length = next(x.shape[d] for x, d in zip(inputs, in_dims) if d is not None)
-    spans = [(s, min(RECOMPUTE_SPAN, length - s)) for s in range(0, length, RECOMPUTE_SPAN)]
+    span = span or RECOMPUTE_SPAN
+    spans = [(s, min(span, length - s)) for s in range(0, length, span)]
     if len(spans) == 1:
         return span_grads(fn, [carry, *inputs], [grad_out, grad_carry], wanted)
 

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryStep, recompute_grads
+from longstraw.carry import CarryKernel, CarryStep, recompute_grads
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 
@@ -64,8 +64,12 @@ causal_conv1d.register_autograd(_backward, setup_context=_setup)
 
 def causal_conv_step(ctx, slot: int, x, weight, bias, *, activation: str | None):
     """The step version: the tail is the carry at the step's start. Returns (out, new tail)."""
-    fn = lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail)  # noqa: E731
-    return CarryStep.apply(ctx, slot, fn, (2, 2, None, None), ("causal_conv", activation), x, weight, bias)
+    kernel = CarryKernel(
+        forward=lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail),
+        token_dims=(2, 2, None, None),
+        graph_key=("causal_conv", activation),
+    )
+    return CarryStep.apply(ctx, slot, kernel, x, weight, bias)
 
 
 class CausalConvPass(ArchitecturePass):

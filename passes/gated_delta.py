@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryStep, recompute_grads
+from longstraw.carry import CarryKernel, CarryStep, recompute_grads
+from longstraw.kernels import fla_gated_delta
 from longstraw.nodes import arg
 from longstraw.state import has_values
 
@@ -208,44 +209,41 @@ def _backward(ctx, grad_out, grad_state):
 gated_delta_rule.register_autograd(_backward, setup_context=_setup)
 
 
-@functools.cache
-def _fla_kernel():
-    """fla's fused chunked kernel, when installed (GPUs with Triton)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule
-
-
-def _fla_forward(q, k, v, g, beta, initial_state, use_qk_l2norm):
-    """Forward only: fla's backward is not used (it refuses Hopper with older Triton)."""
-    out, state = _fla_kernel()(
-        q, k, v, g, beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
-    )
-    return out, state
-
-
 def _step_kernel(q, k, v, g, beta, initial_state, use_qk_l2norm):
     """fla's fused forward where nothing is differentiated through the call
-    and fla applies (CUDA, fp16/bf16 inputs: fla would compute float32
-    inputs in TF32); the PyTorch kernel otherwise."""
-    fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not torch.is_grad_enabled()
-    kernel = _fla_forward if fused and _fla_kernel() is not None else gated_delta_rule_reference
+    and fla applies; the PyTorch kernel otherwise."""
+    fused = not torch.is_grad_enabled() and fla_gated_delta.applies(q)
+    kernel = fla_gated_delta.gated_delta_forward if fused else gated_delta_rule_reference
     return kernel(q, k, v, g, beta, initial_state, use_qk_l2norm)
 
 
 def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
     """The step version: the initial state is the carry at the step's start.
 
-    Every run without autograd takes fla's fused forward on a GPU (prompt
-    capture, branch forwards, `CarryStep.forward` in replays and the reverse
-    pass, and its carry pass between spans); only the spans that
-    `CarryStep.backward` differentiates run the PyTorch kernel (replayed as
-    CUDA graphs on a GPU: `carry.SpanGraphs`). Eager HF with fla installed
-    computes its forward with the same kernel."""
-    fn = lambda state, *x: _step_kernel(*x, state, use_qk_l2norm)  # noqa: E731
-    return CarryStep.apply(ctx, slot, fn, (1, 1, 1, 1, 1, 1), ("gated_delta", use_qk_l2norm), q, k, v, g, beta)
+    Where fla applies (CUDA, 16-bit inputs, fla installed) every forward
+    without autograd takes its fused kernel (prompt capture, branch
+    forwards, `CarryStep.forward` in replays and the reverse pass), and
+    `CarryStep.backward` takes fla's backward pipeline
+    (`fla_gated_delta.gated_delta_grads`), 8192 positions at a time. Eager
+    HF with fla installed computes with the same kernels. Elsewhere the
+    PyTorch kernel runs, and the backward recomputes it under autograd
+    (replayed as CUDA graphs on a GPU: `carry.SpanGraphs`)."""
+    kernel = CarryKernel(
+        forward=lambda state, *x: _step_kernel(*x, state, use_qk_l2norm),
+        token_dims=(1, 1, 1, 1, 1, 1),
+        graph_key=("gated_delta", use_qk_l2norm),
+        grads=functools.partial(fla_gated_delta.gated_delta_grads, use_qk_l2norm=use_qk_l2norm)
+        if fla_gated_delta.applies(q) else None,
+        span=FLA_SPAN,
+    )
+    return CarryStep.apply(ctx, slot, kernel, q, k, v, g, beta)
+
+
+FLA_SPAN = 8192
+"""Positions per call of fla's backward in `CarryStep.backward`: it holds
+about 0.25 MB per position at Qwen3.5-27B shapes (the chunk states h and
+dh, and float32 copies of both in `_dqkwg`), against 0.76 MB for autograd
+through the PyTorch kernel."""
 
 
 class GatedDeltaPass(ArchitecturePass):

@@ -90,7 +90,7 @@ def test_the_carry_a_step_returns_holds_no_chunk_sized_storage():
     position per Gated DeltaNet layer at Qwen3.5-27B shapes)."""
     fn, dims, tail, inputs, _, _ = _conv_case(4096, torch.Generator().manual_seed(0))
     step = _OneStep(tail)
-    out, new_carry = carry.CarryStep.apply(step, 0, fn, dims, None, *inputs)
+    out, new_carry = carry.CarryStep.apply(step, 0, carry.CarryKernel(fn, dims), *inputs)
     assert new_carry.shape == tail.shape
     assert new_carry.untyped_storage().nbytes() == new_carry.numel() * new_carry.element_size()
     assert_close(new_carry, inputs[0][..., -3:], 0.0)

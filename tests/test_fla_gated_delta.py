@@ -1,0 +1,94 @@
+"""Gated DeltaNet's backward through fla (`longstraw.kernels.fla_gated_delta`):
+GPU only (fla's kernels are Triton). Its gradients are checked against
+autograd through the PyTorch kernel in float64 on the same 16-bit inputs,
+next to fla's own forward error on them; end to end, the hybrid's
+gradients with fla's backward equal those with the PyTorch kernel's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import longstraw
+from longstraw import carry
+from harness import compile_loss, compiled_loss_and_grads
+from longstraw.kernels import fla_gated_delta
+from longstraw.models import qwen3_5
+from longstraw.passes import gated_delta
+from longstraw.passes.gated_delta import gated_delta_rule_reference
+from losses import grpo_loss_f64
+from tiny_models import make_group
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _need_fla():
+    if fla_gated_delta.fla_ops() is None:
+        pytest.fail("flash-linear-attention is not installed: these tests check its kernels")
+
+
+@pytest.mark.parametrize("shape", [(2, 1000, 4, 8, 64), (1, 4096, 16, 48, 128), (3, 64, 2, 2, 32)],
+                         ids=["gqa-unaligned", "qwen3.5-27b-heads", "one-chunk"])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_grads_match_autograd_through_the_reference(shape, l2norm):
+    _need_fla()
+    B, L, Hk, Hv, D = shape
+    gen = torch.Generator().manual_seed(L)
+    bf16 = lambda *s: torch.randn(*s, generator=gen).cuda().bfloat16()  # noqa: E731
+    q, k, v = bf16(B, L, Hk, D), bf16(B, L, Hk, D), bf16(B, L, Hv, D)
+    if not l2norm:
+        q, k = q / D**0.5, k / D**0.5  # keep the unnormalised rule stable
+    g = (-torch.rand(B, L, Hv, generator=gen) * 0.2).cuda()
+    beta = torch.rand(B, L, Hv, generator=gen).cuda().bfloat16()
+    state = torch.randn(B, Hv, D, D, generator=gen).cuda()
+    grad_out, grad_state = bf16(B, L, Hv, D), torch.randn(B, Hv, D, D, generator=gen).cuda()
+
+    inputs = [x.double().requires_grad_() for x in (state, q, k, v, g, beta)]
+    out, final = gated_delta_rule_reference(*inputs[1:], inputs[0], l2norm)
+    want = torch.autograd.grad([out, final], inputs, [grad_out.double(), grad_state.double()])
+    fla_out, fla_final = fla_gated_delta.gated_delta_forward(q, k, v, g, beta, state, l2norm)
+    forward_error = max(_rel(fla_out, out), _rel(fla_final, final))
+    got = fla_gated_delta.gated_delta_grads(state, q, k, v, g, beta, grad_out, grad_state, use_qk_l2norm=l2norm)
+    for name, x, a, b in zip(["state", "q", "k", "v", "g", "beta"], (state, q, k, v, g, beta), got, want):
+        assert a.dtype == x.dtype and a.shape == b.shape, name
+        err = _rel(a, b)
+        assert err < max(3e-2, 10 * forward_error), f"d{name}: relative error {err:.2e} (forward {forward_error:.2e})"
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_hybrid_with_fla_backward_equals_the_pytorch_backward(mode, monkeypatch):
+    """bf16 on CUDA: the same compiled loss with fla's backward and with
+    autograd through the PyTorch kernel (the forwards are fla's in both);
+    chunks of 96, so the carry's gradient crosses steps, and spans of 64
+    inside a step."""
+    _need_fla()
+    monkeypatch.setattr(gated_delta, "FLA_SPAN", 64)
+    torch.manual_seed(0)
+    cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
+    model = transformers.Qwen3_5ForCausalLM(cfg).cuda().bfloat16()
+    group = [x.cuda() for x in make_group(3, 300, 40, vocab=cfg.vocab_size, pad=True)]
+    results = []
+    with qwen3_5.bound():
+        for fused in (True, False):
+            if not fused:
+                monkeypatch.setattr(gated_delta, "CarryKernel", lambda **k: carry.CarryKernel(**{**k, "grads": None}))
+            calls = []
+            grads = fla_gated_delta.gated_delta_grads
+            monkeypatch.setattr(fla_gated_delta, "gated_delta_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
+            torch._dynamo.reset()
+            backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=96)
+            results.append(compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group))
+            assert bool(calls) == fused
+    (loss, grads), (loss_ref, grads_ref) = results
+    assert _rel(loss, loss_ref) < 1e-2
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        if grads_ref[name] is None:
+            assert grads[name] is None, name
+        else:
+            assert _rel(grads[name], grads_ref[name]) < 5e-2, name
