@@ -18,6 +18,7 @@ from longstraw.models import qwen3_5
 from longstraw.passes import gated_delta
 from longstraw.passes.gated_delta import gated_delta_rule_reference
 from losses import grpo_loss_f64
+from reference import eager_loss_and_grads, hybrid_detached_reference
 from tiny_models import make_group
 
 pytestmark = pytest.mark.gpu
@@ -61,18 +62,19 @@ def test_grads_match_autograd_through_the_reference(shape, l2norm):
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
-def test_hybrid_with_fla_backward_equals_the_pytorch_backward(mode, monkeypatch):
-    """bf16 on CUDA: the same compiled loss with fla's backward and with
-    autograd through the PyTorch kernel (the forwards are fla's in both);
-    chunks of 96, so the carry's gradient crosses steps, and spans of 64
-    inside a step."""
+def test_hybrid_with_fla_backward_is_as_accurate_as_the_pytorch_backward(mode, monkeypatch):
+    """bf16 on CUDA, the same compiled loss with fla's backward and with
+    autograd through the PyTorch kernel (the forwards are fla's in both),
+    each against the float64 eager gradients of the same weights: fla's
+    error is at most twice the PyTorch kernel's. Chunks of 96, so the
+    carry's gradient crosses steps, and spans of 64 inside a step."""
     _need_fla()
     monkeypatch.setattr(gated_delta, "FLA_SPAN", 64)
     torch.manual_seed(0)
     cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
     model = transformers.Qwen3_5ForCausalLM(cfg).cuda().bfloat16()
     group = [x.cuda() for x in make_group(3, 300, 40, vocab=cfg.vocab_size, pad=True)]
-    results = []
+    results = {}
     with qwen3_5.bound():
         for fused in (True, False):
             if not fused:
@@ -82,13 +84,17 @@ def test_hybrid_with_fla_backward_equals_the_pytorch_backward(mode, monkeypatch)
             monkeypatch.setattr(fla_gated_delta, "gated_delta_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
             torch._dynamo.reset()
             backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=96)
-            results.append(compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group))
+            results[fused] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
             assert bool(calls) == fused
-    (loss, grads), (loss_ref, grads_ref) = results
-    assert _rel(loss, loss_ref) < 1e-2
-    assert grads.keys() == grads_ref.keys()
-    for name in grads:
-        if grads_ref[name] is None:
-            assert grads[name] is None, name
-        else:
-            assert _rel(grads[name], grads_ref[name]) < 5e-2, name
+        model = model.double()
+        truth = (eager_loss_and_grads if mode == "exact" else hybrid_detached_reference)(
+            *((grpo_loss_f64,) if mode == "exact" else ()), model, *group
+        )
+    (loss, grads), (loss_ref, grads_ref), (loss_true, grads_true) = results[True], results[False], truth
+    assert _rel(loss, loss_true) <= 2 * _rel(loss_ref, loss_true) + 1e-3
+    errors = {
+        name: (_rel(grads[name], want), _rel(grads_ref[name], want))
+        for name, want in grads_true.items() if want is not None and want.abs().max() > 0
+    }
+    worse = {name: e for name, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
+    assert not worse, f"(fla, PyTorch kernel) relative errors against float64 eager: {worse}"
