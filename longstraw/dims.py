@@ -71,11 +71,41 @@ def _normalize_dims(dims: Any, rank: int) -> list[int]:
     return [d % rank if rank else 0 for d in dims]
 
 
-class DimAnalysis:
-    """Union-find over dimension factors for one graph (see module docstring)."""
+class DimRules:
+    """What an architecture pass's `dim_rule` may do with the analysis: read
+    the dimensions of a node, make new ones, say two are the same axis, and
+    declare the dimensions its operator mixes values along (the positions
+    it reads earlier values from). A dimension is a tuple of factors; two
+    dimensions are the same axis only where a rule says so."""
 
-    def __init__(self, graph: fx.Graph, claimed_rule: Callable[["DimAnalysis", fx.Node], Any] | None = None) -> None:
+    def __init__(self, analysis: "DimAnalysis") -> None:
+        self._analysis = analysis
+
+    def of(self, node: fx.Node) -> list[Dim]:
+        """The dimensions of a tensor node's value, one per axis."""
+        return self._analysis.dims_of(node)
+
+    def fresh(self, shape: Sequence[int]) -> list[Dim]:
+        """New dimensions, one per size in `shape`, unrelated to any other."""
+        return self._analysis._fresh_dims(shape)
+
+    def same(self, a: Dim, b: Dim) -> None:
+        """`a` and `b` are the same axis (ignored where their sizes differ)."""
+        self._analysis.unify(a, b)
+
+    def mixes(self, node: fx.Node, *dims: Dim) -> None:
+        """`node`'s operator combines values along `dims` (its sequence axis)."""
+        self._analysis.mixes[node] = list(dims)
+
+
+class DimAnalysis:
+    """Union-find over dimension factors for one graph (see module docstring).
+    `claimed_rule(rules, node)` gives the dimensions of claimed operators
+    (an architecture pass's `dim_rule`), or None for the built-in rules."""
+
+    def __init__(self, graph: fx.Graph, claimed_rule: Callable[[DimRules, fx.Node], Any] | None = None) -> None:
         self._claimed_rule = claimed_rule
+        self.rules = DimRules(self)
         self._parent: list[int] = []
         self._size: list[int] = []
         self.dims: dict[fx.Node, Any] = {}
@@ -142,7 +172,7 @@ class DimAnalysis:
         name = op_name(node)
         if name in _NO_VALUE or value is None or (name == "getattr" and not isinstance(value, torch.Tensor)):
             return
-        out = self._claimed_rule(self, node) if self._claimed_rule is not None else None
+        out = self._claimed_rule(self.rules, node) if self._claimed_rule is not None else None
         if out is not None:
             self.dims[node] = out
             return

@@ -134,7 +134,7 @@ def partition(
 ) -> Partition:
     graph = gm.graph
     claims = {n: p for n in graph.nodes if is_call(n) and (p := _claiming_pass(n, passes)) is not None}
-    an = DimAnalysis(graph, lambda an, n: claims[n].dim_rule(an, n) if n in claims else None)
+    an = DimAnalysis(graph, lambda rules, n: claims[n].dim_rule(rules, n) if n in claims else None)
     if not claims:
         raise _nothing_claimed(graph, an)
     for node, p in claims.items():

@@ -11,7 +11,7 @@ finds the cheapest tensors to capture for those inputs and wires them in.
 from __future__ import annotations
 
 from .attention import CausalAttentionPass
-from .base import ArchitecturePass, SiteState
+from .base import ArchitecturePass, CarryPass, DimRules, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
 
@@ -20,8 +20,10 @@ DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(), GatedDelt
 __all__ = [
     "ArchitecturePass",
     "CausalAttentionPass",
+    "CarryPass",
     "CausalConvPass",
     "DEFAULT_PASSES",
+    "DimRules",
     "GatedDeltaPass",
     "SiteState",
 ]

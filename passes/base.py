@@ -1,12 +1,24 @@
-"""The extension point: what an architecture pass may override."""
+"""The extension point: what an architecture pass may override.
+
+`ArchitecturePass` is the general contract. `CarryPass` is the short form
+for an operator whose past is a fixed-size state carried from one position
+range to the next (a recurrent matrix, a convolution's last inputs): the
+subclass names the operator, the state's shape and a `CarryKernel`, and
+the base class does the rest. `DimRules` is what a `dim_rule` may do with
+the dimension analysis.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import operator
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.fx as fx
+
+from longstraw.carry import CarryKernel, CarryStep
+from longstraw.dims import Dim, DimRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +91,11 @@ class ArchitecturePass:
         `StepContext.carry_in` / `carry_out` (see `longstraw.carry.CarryStep`)."""
         return []
 
-    def dim_rule(self, dims: Any, node: fx.Node) -> Any:
-        """Dimensions of a claimed operator's output for `longstraw.dims`
-        (a list per output tensor), or None to use the built-in rules."""
+    def dim_rule(self, dims: DimRules, node: fx.Node) -> list[Dim] | list[list[Dim]] | None:
+        """Dimensions of a claimed operator's output (a list of `Dim` per
+        output tensor; one list for a single tensor), or None to use the
+        built-in rules. Position-mixing operators declare the axis they mix
+        along with `dims.mixes`."""
         return None
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
@@ -105,3 +119,74 @@ class ArchitecturePass:
         `emitter.mapped(site.cut)` holds the step's own positions, the slot's
         buffer all earlier ones."""
         raise NotImplementedError
+
+
+class CarryPass(ArchitecturePass):
+    """An operator whose past is a fixed-size state carried between
+    position ranges: `op(*args) -> out` (or `(out, final_state)` when
+    `returns_state`), causal along its sequence axis.
+
+    Subclasses set `op` (the `OpOverload` claimed) and `sequence` (argument
+    index and dimension of the positions; `batch_dim` of the same argument
+    holds the group's rows), and implement:
+
+    - `carry(node)`: the carried state's shape with batch 1, and its dtype;
+    - `step_inputs(node)`: the operator's arguments the step passes on
+      (tensors or None, in order) and its constant arguments (keywords);
+    - `kernel(inputs, **constants)`: a `CarryKernel` for the step's actual
+      inputs (called when the step runs, so it may pick a fused kernel by
+      device and dtype).
+
+    The default `dim_rule` suits an operator whose output has the
+    dimensions of its sequence argument (a convolution, a moving average);
+    override it otherwise."""
+
+    op: Any = None
+    sequence: tuple[int, int] = (0, 1)
+    batch_dim: int = 0
+    returns_state: bool = False
+
+    def claims(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is self.op
+
+    def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
+        x = node.args[self.sequence[0]]
+        return (x, self.sequence[1]), (x, self.batch_dim)
+
+    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
+        return []
+
+    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [self.carry(node)]
+
+    def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
+        raise NotImplementedError
+
+    def step_inputs(self, node: fx.Node) -> tuple[Sequence[Any], dict[str, Any]]:
+        raise NotImplementedError
+
+    def kernel(self, inputs: Sequence[torch.Tensor | None], **constants: Any) -> CarryKernel:
+        raise NotImplementedError
+
+    def dim_rule(self, dims: DimRules, node: fx.Node) -> list[Dim] | list[list[Dim]] | None:
+        x = dims.of(node.args[self.sequence[0]])
+        dims.mixes(node, x[self.sequence[1]])
+        return list(x)
+
+    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
+        (site,) = sites
+        inputs, constants = self.step_inputs(node)
+        step = emitter.graph.call_function(
+            self.step_function(), (emitter.ctx, site.slot, *emitter.mapped(tuple(inputs))), dict(constants)
+        )
+        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
+        return step if self.returns_state else emitter.graph.call_function(operator.getitem, (step, 0))
+
+    def step_function(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The function the step graph calls: `(ctx, slot, *inputs, **constants) -> (out, new_carry)`."""
+
+        def step(ctx, slot: int, *inputs, **constants):
+            return CarryStep.apply(ctx, slot, self.kernel(inputs, **constants), *inputs)
+
+        step.__name__ = step.__qualname__ = f"{self.name}_step"
+        return step

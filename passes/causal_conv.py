@@ -8,15 +8,14 @@ carried between position ranges is the last K-1 inputs `[C, K-1]`.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryKernel, CarryStep, recompute_grads
+from longstraw.carry import CarryKernel, recompute_grads
 
-from .base import ArchitecturePass, SiteState, StepEmitter
+from .base import CarryPass
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu, "swish": F.silu}
 
@@ -62,43 +61,23 @@ def _backward(ctx, grad_out):
 causal_conv1d.register_autograd(_backward, setup_context=_setup)
 
 
-def causal_conv_step(ctx, slot: int, x, weight, bias, *, activation: str | None):
-    """The step version: the tail is the carry at the step's start. Returns (out, new tail)."""
-    kernel = CarryKernel(
-        forward=lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail),
-        token_dims=(2, 2, None, None),
-        graph_key=("causal_conv", activation),
-    )
-    return CarryStep.apply(ctx, slot, kernel, x, weight, bias)
+class CausalConvPass(CarryPass):
+    """The last K-1 inputs `[C, K-1]` are the carry."""
 
-
-class CausalConvPass(ArchitecturePass):
     name = "causal_conv"
+    op = torch.ops.longstraw.causal_conv1d.default
+    sequence = (0, 2)
 
-    def claims(self, node: fx.Node) -> bool:
-        return node.op == "call_function" and node.target is torch.ops.longstraw.causal_conv1d.default
-
-    def dim_rule(self, an, node: fx.Node):
-        dims = an.dims_of(node.args[0])
-        an.mixes[node] = [dims[2]]
-        return list(dims)
-
-    def position_dims(self, node: fx.Node):
-        x = node.args[0]
-        return (x, 2), (x, 0)
-
-    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
-        return []
-
-    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
         weight = node.args[1].meta["longstraw_value"]
-        return [((1, weight.shape[0], weight.shape[1] - 1), weight.dtype)]
+        return (1, weight.shape[0], weight.shape[1] - 1), weight.dtype
 
-    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
-        (site,) = sites
-        x, weight, bias = emitter.mapped(tuple(node.args[:3]))
-        step = emitter.graph.call_function(
-            causal_conv_step, (emitter.ctx, site.slot, x, weight, bias), {"activation": node.args[3]}
+    def step_inputs(self, node: fx.Node):
+        return node.args[:3], {"activation": node.args[3]}
+
+    def kernel(self, inputs, *, activation: str | None) -> CarryKernel:
+        return CarryKernel(
+            forward=lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail),
+            token_dims=(2, 2, None, None),
+            graph_key=("causal_conv", activation),
         )
-        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
-        return emitter.graph.call_function(operator.getitem, (step, 0))

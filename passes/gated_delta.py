@@ -15,18 +15,17 @@ groups of Hv // Hk.
 from __future__ import annotations
 
 import functools
-import operator
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryKernel, CarryStep, recompute_grads
+from longstraw.carry import CarryKernel, recompute_grads
 from longstraw.kernels import fla_gated_delta
 from longstraw.nodes import arg
 from longstraw.state import has_values
 
-from .base import ArchitecturePass, SiteState, StepEmitter
+from .base import CarryPass, DimRules
 
 CHUNK = 64
 
@@ -217,28 +216,6 @@ def _step_kernel(q, k, v, g, beta, initial_state, use_qk_l2norm):
     return kernel(q, k, v, g, beta, initial_state, use_qk_l2norm)
 
 
-def gated_delta_step(ctx, slot: int, q, k, v, g, beta, *, use_qk_l2norm: bool):
-    """The step version: the initial state is the carry at the step's start.
-
-    Where fla applies (CUDA, 16-bit inputs, fla installed) every forward
-    without autograd takes its fused kernel (prompt capture, branch
-    forwards, `CarryStep.forward` in replays and the reverse pass), and
-    `CarryStep.backward` takes fla's backward pipeline
-    (`fla_gated_delta.gated_delta_grads`), 8192 positions at a time. Eager
-    HF with fla installed computes with the same kernels. Elsewhere the
-    PyTorch kernel runs, and the backward recomputes it under autograd
-    (replayed as CUDA graphs on a GPU: `carry.SpanGraphs`)."""
-    kernel = CarryKernel(
-        forward=lambda state, *x: _step_kernel(*x, state, use_qk_l2norm),
-        token_dims=(1, 1, 1, 1, 1, 1),
-        graph_key=("gated_delta", use_qk_l2norm),
-        grads=functools.partial(fla_gated_delta.gated_delta_grads, use_qk_l2norm=use_qk_l2norm)
-        if fla_gated_delta.applies(q) else None,
-        span=FLA_SPAN,
-    )
-    return CarryStep.apply(ctx, slot, kernel, q, k, v, g, beta)
-
-
 FLA_SPAN = 8192
 """Positions per call of fla's backward in `CarryStep.backward`: it holds
 about 0.25 MB per position at Qwen3.5-27B shapes (the chunk states h and
@@ -246,43 +223,50 @@ dh, and float32 copies of both in `_dqkwg`), against 0.76 MB for autograd
 through the PyTorch kernel."""
 
 
-class GatedDeltaPass(ArchitecturePass):
+class GatedDeltaPass(CarryPass):
+    """The recurrent matrix `[Hv, Dk, Dv]` is the carry.
+
+    Where fla applies (CUDA, 16-bit inputs, fla installed) every forward
+    without autograd takes its fused kernel (prompt capture, branch
+    forwards, `CarryStep.forward` in replays and the reverse pass), and
+    `CarryStep.backward` takes fla's backward pipeline
+    (`fla_gated_delta.gated_delta_grads`), `FLA_SPAN` positions at a time.
+    Eager HF with fla installed computes with the same kernels. Elsewhere
+    the PyTorch kernel runs, and the backward recomputes it under autograd
+    (replayed as CUDA graphs on a GPU: `carry.SpanGraphs`)."""
+
     name = "gated_delta"
+    op = torch.ops.longstraw.gated_delta_rule.default
+    returns_state = True
 
-    def claims(self, node: fx.Node) -> bool:
-        return node.op == "call_function" and node.target is torch.ops.longstraw.gated_delta_rule.default
-
-    def dim_rule(self, an, node: fx.Node):
+    def dim_rule(self, dims: DimRules, node: fx.Node):
         q, k, v, g, beta = node.args[:5]
-        dq, dv = an.dims_of(q), an.dims_of(v)
+        dq, dv = dims.of(q), dims.of(v)
         for other in (k, v, g, beta):
-            for a, b in zip(dq[:2], an.dims_of(other)[:2]):
-                an.unify(a, b)
-        an.mixes[node] = [dq[1]]
+            for a, b in zip(dq[:2], dims.of(other)[:2]):
+                dims.same(a, b)
+        dims.mixes(node, dq[1])
         state = node.meta["longstraw_value"][1]
-        return [dq[:2] + dv[2:], [dq[0]] + an._fresh_dims(state.shape[1:])]
+        return [dq[:2] + dv[2:], [dq[0]] + dims.fresh(state.shape[1:])]
 
-    def position_dims(self, node: fx.Node):
-        q = node.args[0]
-        return (q, 1), (q, 0)
-
-    def state_inputs(self, node: fx.Node) -> list[fx.Node]:
-        return []
-
-    def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
         state = node.meta["longstraw_value"][1]
-        return [((1, *state.shape[1:]), state.dtype)]
+        return (1, *state.shape[1:]), state.dtype
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
         if arg(node, 5, "initial_state") is not None:
             return "a loss that passes its own initial recurrent state is not supported"
         return None
 
-    def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
-        (site,) = sites
-        q, k, v, g, beta = emitter.mapped(tuple(node.args[:5]))
-        step = emitter.graph.call_function(
-            gated_delta_step, (emitter.ctx, site.slot, q, k, v, g, beta), {"use_qk_l2norm": bool(node.args[6])}
+    def step_inputs(self, node: fx.Node):
+        return node.args[:5], {"use_qk_l2norm": bool(node.args[6])}
+
+    def kernel(self, inputs, *, use_qk_l2norm: bool) -> CarryKernel:
+        return CarryKernel(
+            forward=lambda state, *x: _step_kernel(*x, state, use_qk_l2norm),
+            token_dims=(1, 1, 1, 1, 1, 1),
+            graph_key=("gated_delta", use_qk_l2norm),
+            grads=functools.partial(fla_gated_delta.gated_delta_grads, use_qk_l2norm=use_qk_l2norm)
+            if fla_gated_delta.applies(inputs[0]) else None,
+            span=FLA_SPAN,
         )
-        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
-        return step

@@ -5,7 +5,6 @@ one node is an error naming both; without the pass the operator is refused."""
 
 from __future__ import annotations
 
-import operator
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from conftest import raises_longstraw
 from harness import compile_loss, compiled_loss_and_grads
 from longstraw import pass_registry
 from longstraw.carry import recompute_grads
-from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference, causal_conv_step
+from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference
 from losses import grpo_tail
 from reference import eager_loss_and_grads
 from tiny_models import make_group
@@ -50,16 +49,10 @@ class ShiftMixPass(CausalConvPass):
     """The causal convolution's pass, claiming `lstest::shift_mix` (no bias, no activation)."""
 
     name = "shift_mix"
+    op = torch.ops.lstest.shift_mix.default
 
-    def claims(self, node: torch.fx.Node) -> bool:
-        return node.op == "call_function" and node.target is torch.ops.lstest.shift_mix.default
-
-    def emit_step(self, emitter, node, sites):
-        (site,) = sites
-        x, weight = emitter.mapped(tuple(node.args[:2]))
-        step = emitter.graph.call_function(causal_conv_step, (emitter.ctx, site.slot, x, weight, None), {"activation": None})
-        emitter.carry_output(site.slot, emitter.graph.call_function(operator.getitem, (step, 1)))
-        return emitter.graph.call_function(operator.getitem, (step, 0))
+    def step_inputs(self, node: torch.fx.Node):
+        return (*node.args[:2], None), {"activation": None}
 
 
 class ShiftMixModel(nn.Module):
