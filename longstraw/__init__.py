@@ -5,6 +5,7 @@
 """
 
 from .backend import Backend, Fallback, GroupPlan, longstraw_backend
+from .carry import CarryKernel
 from .data_parallel import LossModule
 from .errors import InputError, LongStrawError, UnsupportedGraphError
 from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
@@ -14,6 +15,7 @@ from .pass_registry import register_pass
 __all__ = [
     "Backend",
     "CapturedTensor",
+    "CarryKernel",
     "ExplainReport",
     "Fallback",
     "MemoryPlan",

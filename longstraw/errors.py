@@ -31,7 +31,10 @@ USE_SDPA = "load the model with attn_implementation='sdpa' (or call model.set_at
 
 def describe_node(node: fx.Node) -> str:
     """Operator, module path and user source line of a node, for error messages."""
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    if isinstance(node.target, torch._ops.OpOverload):
+        target = node.target.name()  # `namespace::name`: where a custom operator comes from
+    else:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     parts = [f"operator `{target}` (node `{node.name}`)"]
     module = module_path(node)
     if module:

@@ -242,7 +242,10 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
             if not any(_has_class(an, n, token) for n in (node, *node.all_input_nodes)):
                 continue
             if node in an.unknown:
-                return _unsupported(node, "has no dimension rule and touches the sequence axis, and no attention was found")
+                return _unsupported(
+                    node, "touches the sequence axis and has no dimension rule, so LongStraw cannot tell which "
+                    "positions it reads (no operator in this graph is claimed by a pass)"
+                )
             if any(token in an.classes(d) for d in an.mixes.get(node, [])):
                 return _unsupported(node, "mixes sequence positions, and no attention or other operator a pass claims was found")
     return UnsupportedGraphError(
@@ -326,7 +329,7 @@ def _check_sequence_ops(
         if is_updated(node) and node in sequence and _restricts_token(an, node, batch):
             raise _unsupported(node, "writes into some rows of the group in place inside the per-position computation")
         if node in an.unknown:
-            raise _unsupported(node, "has no dimension rule and touches the sequence axis")
+            raise _unsupported(node, "touches the sequence axis and has no dimension rule")
         if any(token in an.classes(d) for d in an.mixes.get(node, [])):
             raise _unsupported(node, "mixes values across sequence positions")
         if node not in sequence and not _restricts_token(an, node, token):

@@ -133,7 +133,7 @@ REFUSED = [
            refused=r"operator `cumsum` .* mixes values across sequence positions",
            note="Position ids are a `cumsum` of the attention mask over the sequence, which no pass claims."),
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
-                         chunk_size=4), refused=r"operator `conv1d` .* has no dimension rule and touches the sequence axis",
+                         chunk_size=4), refused=r"operator `conv1d` .* touches the sequence axis and has no dimension rule",
            attn_implementation="eager",
            note="No attention: a pure state-space model; no pass claims its convolution or its scan."),
     Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]),
