@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
 from grpo_bench import PEAK_FLOPS, FlopModel, GiB, git_commit, grpo_loss, is_oom, make_group, release, sync  # noqa: E402
-from longstraw import runtime  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
@@ -135,22 +134,9 @@ class Phases:
             setattr(owner, name, original)
 
 
-@contextlib.contextmanager
-def each_phase(around: Callable[[str], contextlib.AbstractContextManager]):
-    """Run `around(phase)` around every runtime phase: the runtime names
-    each step it runs (`runtime._noting`, for its error notes)."""
-    original = runtime._noting
-
-    @contextlib.contextmanager
-    def noting(where: str):
-        with original(where), around(phase_of(where)):
-            yield
-
-    runtime._noting = noting
-    try:
-        yield
-    finally:
-        runtime._noting = original
+def each_phase(around: Callable[[str], contextlib.AbstractContextManager]) -> contextlib.AbstractContextManager:
+    """Run `around(phase)` around every step the runtime runs."""
+    return longstraw.around_steps(lambda where: around(phase_of(where)))
 
 
 def step_flops(flops: FlopModel, mode: str, G: int, P: int, R: int, lora: bool) -> float:

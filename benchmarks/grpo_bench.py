@@ -62,6 +62,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import subprocess
@@ -631,7 +632,7 @@ def kernels(device) -> dict:
     explicit-softmax kernel: forward, and the block-wise backward assembled
     as the step does; then each fused forward's speed at a capture chunk
     (8192 queries after 253,952 keys, Qwen3-8B heads)."""
-    from longstraw.passes import attention
+    from longstraw.kernels import attention
 
     gen = torch.Generator().manual_seed(0)
     n, o, hq, hkv, d = 1024, 3 * 65536 + 100, 32, 8, 128
@@ -639,9 +640,9 @@ def kernels(device) -> dict:
     keys = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
     values = torch.randn(1, hkv, o + n, d, generator=gen).to(device, torch.bfloat16)
     grad_out = torch.randn(1, hq, n, d, generator=gen).to(device, torch.bfloat16)
-    fused = {"flash": attention._FLASH, "cudnn": attention._CUDNN}
+    fused = {"flash": attention.FLASH, "cudnn": attention.CUDNN}
     results, out = {}, {}
-    for name, kernel in (*fused.items(), ("math", attention._MATH)):
+    for name, kernel in (*fused.items(), ("math", attention.MATH)):
         try:
             y, lse = kernel.forward(q, keys, values, None, None, o)
             gq = torch.zeros(q.shape, dtype=torch.float32, device=device)
@@ -734,19 +735,20 @@ def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
 def profile_step(model, kind, mode, args, top: int = 12) -> dict:
     """Where a warm step's time goes: the top operators by device and by host
     time, and which attention kernel the steps chose."""
-    from longstraw.passes import attention
-
     chosen: dict[str, int] = {}
-    select = attention._kernel_for
 
-    def counting(q, mask):
-        kernel = select(q, mask)
-        key = f"{type(kernel).__name__} mask={'none' if mask is None else tuple(mask.shape)} {q.dtype} n={q.shape[-2]}"
-        chosen[key] = chosen.get(key, 0) + 1
-        return kernel
+    class Counting(logging.Handler):
+        """Counts the attention kernels the steps choose (logged at DEBUG)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            key = record.getMessage()
+            chosen[key] = chosen.get(key, 0) + 1
 
     group = make_group(args.G, args.p_speed, args.R, model.config.vocab_size, model.device)
-    attention._kernel_for = counting
+    log, handler = logging.getLogger("longstraw.attention"), Counting()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
     try:
         with Runner(model, kind, mode) as runner:
             runner.step(group)
@@ -758,7 +760,8 @@ def profile_step(model, kind, mode, args, top: int = 12) -> dict:
                 sync()
             release(model)
     finally:
-        attention._kernel_for = select
+        log.removeHandler(handler)
+        log.setLevel(level)
     events = prof.key_averages()
     by_device = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
     by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]

@@ -11,6 +11,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError
 from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
 from .pass_registry import register_pass
+from .runtime import around_steps
 
 __all__ = [
     "Backend",
@@ -25,6 +26,7 @@ __all__ = [
     "LossModule",
     "Options",
     "UnsupportedGraphError",
+    "around_steps",
     "explain",
     "longstraw_backend",
     "register_pass",

@@ -245,7 +245,7 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
     second replay adds its parameter gradients into the first's), run on
     fake tensors of the example's device with the attention kernels
     `device` would choose."""
-    from longstraw.passes import attention
+    from longstraw.kernels import attention
 
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
@@ -253,9 +253,7 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
     runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
-    select = attention._kernel_for
-
-    class _FlashWithWorkspace(type(attention._FLASH)):
+    class _FlashWithWorkspace(attention.FlashKernel):
         def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
             # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
             hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
@@ -269,7 +267,7 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
         half = q.dtype in (torch.float16, torch.bfloat16)
         if cuda and half and mask is None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
             return flash
-        return select(q, mask)
+        return attention.choose(q, mask)
 
     floating = float_dtype(part)
 
@@ -279,17 +277,13 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
         cast = dtype if dtype is not None and value.dtype == floating else value.dtype
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
-    attention._kernel_for = kernel_for
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
-            inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
-            values = dict(zip(runner.imports, runner.outer.module(*inputs)))
-            outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
-            grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
-            grads = runner.backward(call, inputs, grad_outputs)
-            del call, outputs, grad_outputs, grads
-    finally:
-        attention._kernel_for = select
+    with attention.choosing(kernel_for), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
+        values = dict(zip(runner.imports, runner.outer.module(*inputs)))
+        outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
+        grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
+        grads = runner.backward(call, inputs, grad_outputs)
+        del call, outputs, grad_outputs, grads
     return tracker.peak
 
 

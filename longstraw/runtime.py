@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -343,15 +343,34 @@ class GroupRunner:
             torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs], inputs=leaves)
 
 
+_AROUND_STEPS: list[Callable[[str], contextlib.AbstractContextManager]] = []
+
+
+@contextlib.contextmanager
+def around_steps(around: Callable[[str], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Run `around(where)` around every step the runtime runs while this is
+    active, for timers and profilers. `where` names the step: "capturing
+    prompt chunk [0, 8192)", "running branch 3 of 8", "replaying branch 3
+    of 8; ...", "in the reverse pass over prompt chunk [0, 8192); ..."."""
+    _AROUND_STEPS.append(around)
+    try:
+        yield
+    finally:
+        _AROUND_STEPS.remove(around)
+
+
 @contextlib.contextmanager
 def _noting(where: str) -> Iterator[None]:
     """Add where a step failed to its exception, keeping the type (callers
-    catch torch.OutOfMemoryError, IndexError...)."""
-    try:
-        yield
-    except Exception as err:
-        err.add_note(f"longstraw: raised {where}")
-        raise
+    catch torch.OutOfMemoryError, IndexError...), inside `around_steps`."""
+    with contextlib.ExitStack() as stack:
+        for around in list(_AROUND_STEPS):
+            stack.enter_context(around(where))
+        try:
+            yield
+        except Exception as err:
+            err.add_note(f"longstraw: raised {where}")
+            raise
 
 
 def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:

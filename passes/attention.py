@@ -17,8 +17,8 @@ import operator
 
 import torch
 from torch import fx
-from torch.nn.attention import SDPBackend
 
+from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.mask import MaskBlock
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.recompute import keep_through_recomputation
@@ -203,7 +203,7 @@ class _AttentionOverState(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
-        kernel = _kernel_for(q, mask)
+        kernel = kernel_for(q, mask)
         keys, values = step.visible(k_slot), step.visible(v_slot)
         if mask is None:
             out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
@@ -216,14 +216,14 @@ class _AttentionOverState(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         step: StepContext = ctx.step
-        kernel: _AttentionKernel = ctx.kernel
+        kernel: AttentionKernel = ctx.kernel
         k_slot, v_slot = ctx.slots
         q, k, v, out, lse = ctx.saved_tensors
         mask: MaskBlock | None = ctx.mask
         o = step.offset
         grad_out = grad_out.contiguous()
         keys, values = step.visible(k_slot), step.visible(v_slot)
-        grad_q = torch.zeros(q.shape, dtype=_compute_dtype(q), device=q.device)
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for start, length in kernel.blocks(q, o):
             own = start >= o
@@ -249,7 +249,7 @@ def _causal_forward(
     operator, so that layer-wise recomputation keeps its outputs instead of
     running it again (`keep_through_recomputation`): over a long prompt it
     is most of an attention layer's forward."""
-    return _kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
+    return kernel_for(q, None).forward(q, keys, values, None, scale, q_start)
 
 
 causal_attention_forward = torch.library.custom_op("longstraw::causal_attention_forward", mutates_args=())(_causal_forward)
@@ -258,187 +258,3 @@ causal_attention_forward.register_fake(_causal_forward)
 
 
 keep_through_recomputation(attention_step, torch.ops.longstraw.causal_attention_forward.default)
-
-
-class _AttentionKernel:
-    """Attention of queries at positions `[o, o+n)` over keys `[0, o+n)`,
-    causal unless a mask is given: forward over all keys returning the
-    output and log-sum-exp, backward over one block of keys at a time."""
-
-    def forward(self, q, keys, values, mask, scale, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start: int, k_start: int):
-        """dQ (partial), dK, dV of the key block starting at position k_start."""
-        raise NotImplementedError
-
-    def blocks(self, q: torch.Tensor, q_start: int) -> list[tuple[int, int]]:
-        """(start, length) key blocks covering `[0, q_start)` and the step's own positions, never both."""
-        raise NotImplementedError
-
-
-def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    return [(s, min(size, end - s)) for s in range(start, end, size)]
-
-
-class _FlashKernel(_AttentionKernel):
-    """PyTorch's flash attention (CUDA, fp16/bf16, no explicit mask): native
-    GQA, lower-right causal alignment when there are more keys than queries,
-    and the log-sum-exp the block backward needs."""
-
-    def forward(self, q, keys, values, mask, scale, q_start):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)
-        return out, lse
-
-    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-        unused = torch.empty((), dtype=torch.long, device=q.device)  # philox seed/offset: no dropout
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, keys, values, out, lse, None, None, q.shape[-2], keys.shape[-2],
-            0.0, k_start == q_start, unused, unused, scale=scale,
-        )
-
-    def blocks(self, q, q_start):
-        # the own positions are one causal square: flash aligns causal masks lower-right
-        return [(q_start, q.shape[-2]), *_split(0, q_start, FLASH_KEY_BLOCK)]
-
-
-class _CudnnKernel(_FlashKernel):
-    """cuDNN's fused attention for the forward (Hopper: faster than flash
-    at prompt-capture shapes), flash's block backward. cuDNN takes grouped
-    K/V natively but only top-left causal alignment, so the step's own
-    positions (one causal square) and the keys before them, in blocks of
-    FLASH_KEY_BLOCK, are separate calls merged by their log-sum-exp. Fixed
-    block lengths let cuDNN reuse its execution plans from chunk to chunk
-    (each new shape builds one)."""
-
-    def forward(self, q, keys, values, mask, scale, q_start):
-        out, lse = None, None
-        compute = _compute_dtype(q)
-        for start, length in self.blocks(q, q_start):
-            own = start == q_start
-            o, s = self._call(q, keys.narrow(-2, start, length), values.narrow(-2, start, length), own, scale)
-            o, s = o.to(compute), s.to(compute)
-            if out is None:
-                out, lse = o, s
-                continue
-            new = torch.logaddexp(lse, s)
-            out = out * torch.exp(lse - new)[..., None] + o * torch.exp(s - new)[..., None]
-            lse = new
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def _call(q, keys, values, causal, scale):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal, False, scale=scale)
-        return out, lse.reshape(q.shape[:-1])
-
-
-class _MathKernel(_AttentionKernel):
-    """Explicit softmax over key blocks, in at least float32 (float64 stays
-    float64): every device, dtype and mask. It materialises one
-    [heads, n, block] score block at a time, `MATH_BLOCK_SCORES` elements."""
-
-    def forward(self, q, keys, values, mask, scale, q_start):
-        compute = _compute_dtype(q)
-        lse = torch.full(_grouped(q, keys).shape[:-1], float("-inf"), dtype=compute, device=q.device)
-        out = torch.zeros(*lse.shape, values.shape[-1], dtype=compute, device=q.device)
-        for start, length in self.blocks(q, q_start):
-            cols = None if mask is None else mask.columns(start, length)
-            s = _scores(q, keys.narrow(-2, start, length), cols, scale, q_start, start)
-            new = torch.logaddexp(lse, s.logsumexp(-1))
-            finite = torch.where(new.isneginf(), 0.0, new)  # rows that see nothing yet
-            p = torch.exp(s - finite[..., None])
-            out = out * torch.exp(lse - finite)[..., None] + torch.einsum(
-                "bhgnm,bhme->bhgne", p, values.narrow(-2, start, length).to(compute)
-            )
-            lse = new
-        return _ungrouped(out).to(q.dtype), _ungrouped(lse)
-
-    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-        compute = _compute_dtype(q)
-        s = _scores(q, keys, mask, scale, q_start, k_start)
-        p = torch.exp(s - _grouped(q, keys, lse)[..., None])
-        do, o = _grouped(q, keys, grad_out).to(compute), _grouped(q, keys, out).to(compute)
-        kb, vb, qg = keys.to(compute), values.to(compute), _grouped(q, keys).to(compute)
-        grad_v = torch.einsum("bhgnm,bhgne->bhme", p, do)
-        ds = p * (torch.einsum("bhgne,bhme->bhgnm", do, vb) - (do * o).sum(-1, keepdim=True))
-        scale = _scale(q, scale)
-        grad_q = torch.einsum("bhgnm,bhmd->bhgnd", ds, kb) * scale
-        grad_k = torch.einsum("bhgnm,bhgnd->bhmd", ds, qg) * scale
-        return _ungrouped(grad_q), grad_k.to(keys.dtype), grad_v.to(values.dtype)
-
-    def blocks(self, q, q_start):
-        size = max(1, MATH_BLOCK_SCORES // (q.shape[-3] * q.shape[-2]))
-        n = q.shape[-2]
-        return [*_split(q_start, q_start + n, size), *_split(0, q_start, size)]
-
-
-FLASH_KEY_BLOCK = 65536
-MATH_BLOCK_SCORES = 1 << 24
-_FLASH, _CUDNN, _MATH = _FlashKernel(), _CudnnKernel(), _MathKernel()
-
-
-def _kernel_for(q: torch.Tensor, mask: MaskBlock | None) -> _AttentionKernel:
-    """Where a fused kernel applies, the kernel of the first backend in
-    PyTorch's SDPA priority order that its switches leave on: flash, cuDNN
-    (forward), or the explicit softmax for math and memory-efficient. So
-    `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)` selects cuDNN, and
-    `sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION], set_priority=True)`
-    prefers it. Read when the step runs, so the switches can be set around
-    the compiled call."""
-    head_dim = q.shape[-1]
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0):
-        return _MATH
-    switches = torch.backends.cuda
-    kernels = {
-        int(SDPBackend.FLASH_ATTENTION): (switches.flash_sdp_enabled, _FLASH),
-        int(SDPBackend.CUDNN_ATTENTION): (switches.cudnn_sdp_enabled, _CUDNN),
-        int(SDPBackend.MATH): (switches.math_sdp_enabled, _MATH),
-        int(SDPBackend.EFFICIENT_ATTENTION): (switches.mem_efficient_sdp_enabled, _MATH),
-    }
-    for backend in _sdpa_priority():
-        if backend in kernels and kernels[backend][0]():
-            return kernels[backend][1]
-    return _MATH
-
-
-def _sdpa_priority() -> list[int]:
-    """PyTorch's SDPA backend priority, set by `sdpa_kernel(..., set_priority=True)`."""
-    get = getattr(torch._C, "_get_sdp_priority_order", None)  # private: fall back to its default order
-    if get is None:
-        return [int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION)]
-    return list(get())
-
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, torch.float32)
-
-
-def _scale(q: torch.Tensor, scale: float | None) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else scale
-
-
-def _grouped(q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, Hq, n, ...] -> [B, Hkv, Hq/Hkv, n, ...]: query head j reads key head j // (Hq/Hkv)."""
-    x = q if x is None else x
-    b, hq, hkv = q.shape[0], q.shape[1], keys.shape[1]
-    return x.reshape(b, hkv, hq // hkv, *x.shape[2:])
-
-
-def _ungrouped(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(1, 2)
-
-
-def _scores(q, keys, mask, scale, q_start: int, k_start: int) -> torch.Tensor:
-    """Scaled scores [B, Hkv, g, n, m] of queries at `q_start...` over keys at
-    `k_start...`, with the mask block applied (causal by position without one)."""
-    compute = _compute_dtype(q)
-    s = torch.einsum("bhgnd,bhmd->bhgnm", _grouped(q, keys).to(compute), keys.to(compute)) * _scale(q, scale)
-    n, m = s.shape[-2], s.shape[-1]
-    if mask is None:
-        if k_start + m - 1 > q_start:  # some key is later than the first query
-            later = torch.ones(n, m, dtype=torch.bool, device=s.device).triu(q_start - k_start + 1)
-            s = s.masked_fill(later, float("-inf"))
-    else:
-        mask = _grouped(q, keys, mask.expand(q.shape[0], q.shape[1], n, m))
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(compute)
-    return s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from longstraw.passes import attention
+from longstraw.kernels import attention as attention_kernels
 from test_parity_dense import check_parity
 
 
@@ -26,7 +26,7 @@ class _Materialised:
 
 def _blocked_grads(q, keys, values, grad_out, mask):
     """dQ, dK, dV the way `_AttentionOverState.backward` assembles them."""
-    kernel = attention._MATH
+    kernel = attention_kernels.MATH
     o = keys.shape[-2] - q.shape[-2]
     out, lse = kernel.forward(q, keys, values, None if mask is None else _Materialised(mask), None, o)
     grad_q = torch.zeros_like(q)
@@ -49,7 +49,7 @@ def _blocked_grads(q, keys, values, grad_out, mask):
 @pytest.mark.parametrize("explicit_mask", [False, True])
 @pytest.mark.parametrize("block_scores", [1, 3 * 5 * 6, 1 << 24])
 def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_scores, monkeypatch):
-    monkeypatch.setattr(attention, "MATH_BLOCK_SCORES", block_scores)
+    monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", block_scores)
     gen = torch.Generator().manual_seed(0)
     n, total, d = 5, 12, 8
     q = torch.randn(1, heads, n, d, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -73,14 +73,14 @@ def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_sco
 def test_single_key_blocks_end_to_end(kind, mode, monkeypatch):
     """Every state position is its own backward block (d(state) is assembled
     from one-position pieces) and the gradients still match eager."""
-    monkeypatch.setattr(attention, "MATH_BLOCK_SCORES", 1)
+    monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", 1)
     check_parity(kind, mode, G=2, P=11, R=5, chunk=4)
 
 
 def test_flash_is_chosen_only_where_it_applies():
     q = torch.empty(1, 4, 3, 64, dtype=torch.bfloat16, device="meta")
-    assert attention._kernel_for(q, None) is attention._MATH  # not CUDA
-    assert attention._kernel_for(q.to(torch.float64), None) is attention._MATH
+    assert attention_kernels.kernel_for(q, None) is attention_kernels.MATH  # not CUDA
+    assert attention_kernels.kernel_for(q.to(torch.float64), None) is attention_kernels.MATH
 
 
 def test_kernel_follows_pytorchs_sdpa_switches():
@@ -95,19 +95,19 @@ def test_kernel_follows_pytorchs_sdpa_switches():
         q = torch.empty(1, 4, 3, 64, dtype=torch.bfloat16, device="cuda")
         mask = torch.ones(3, 3, dtype=torch.bool, device="cuda")
         q32 = q.float()
-    assert attention._kernel_for(q, None) is attention._FLASH
+    assert attention_kernels.kernel_for(q, None) is attention_kernels.FLASH
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        assert attention._kernel_for(q, None) is attention._CUDNN
-        assert attention._kernel_for(q, mask) is attention._MATH
-        assert attention._kernel_for(q32, None) is attention._MATH
+        assert attention_kernels.kernel_for(q, None) is attention_kernels.CUDNN
+        assert attention_kernels.kernel_for(q, mask) is attention_kernels.MATH
+        assert attention_kernels.kernel_for(q32, None) is attention_kernels.MATH
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        assert attention._kernel_for(q, None) is attention._FLASH  # PyTorch's order: flash first
+        assert attention_kernels.kernel_for(q, None) is attention_kernels.FLASH  # PyTorch's order: flash first
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
-        assert attention._kernel_for(q, None) is attention._CUDNN
+        assert attention_kernels.kernel_for(q, None) is attention_kernels.CUDNN
     with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
-        assert attention._kernel_for(q, None) is attention._MATH  # math comes before cuDNN
+        assert attention_kernels.kernel_for(q, None) is attention_kernels.MATH  # math comes before cuDNN
     with sdpa_kernel(SDPBackend.MATH):
-        assert attention._kernel_for(q, None) is attention._MATH
+        assert attention_kernels.kernel_for(q, None) is attention_kernels.MATH
 
 
 def test_cudnn_forward_merges_its_calls(monkeypatch):
@@ -123,15 +123,15 @@ def test_cudnn_forward_merges_its_calls(monkeypatch):
             s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
         return s.softmax(-1) @ v, s.logsumexp(-1)
 
-    monkeypatch.setattr(attention._CudnnKernel, "_call", staticmethod(call))
-    monkeypatch.setattr(attention, "FLASH_KEY_BLOCK", 4)  # earlier keys in three blocks
+    monkeypatch.setattr(attention_kernels.CudnnKernel, "_call", staticmethod(call))
+    monkeypatch.setattr(attention_kernels, "FLASH_KEY_BLOCK", 4)  # earlier keys in three blocks
     gen = torch.Generator().manual_seed(0)
     n, o = 5, 9
     q = torch.randn(1, 4, n, 8, generator=gen, dtype=torch.float64)
     keys, values = (torch.randn(1, 2, o + n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     for start in (0, o):
         k, v = keys[..., : start + n, :], values[..., : start + n, :]
-        out, lse = attention._CUDNN.forward(q, k, v, None, None, start)
-        want_out, want_lse = attention._MATH.forward(q, k, v, None, None, start)
+        out, lse = attention_kernels.CUDNN.forward(q, k, v, None, None, start)
+        want_out, want_lse = attention_kernels.MATH.forward(q, k, v, None, None, start)
         torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
 from longstraw import mask as masks
+from longstraw.kernels import attention as attention_kernels
 
 
 def _tiles(allowed, dtype=torch.bool, leading=(1, 1)) -> masks.MaskTiles:
@@ -106,13 +107,12 @@ def test_steps_never_build_their_mask_block(kind, mode, monkeypatch):
     a 16-position chunk's mask block at P=64 is 16 x 64 before its heads.
     The backend's callable is run directly: under a dispatch mode Dynamo
     would run the model eagerly instead."""
-    from longstraw.passes import attention
 
     from longstraw.backend import CompiledGroupLoss
 
     monkeypatch.setattr(masks, "CHECK_TILE_ROWS", 4)
     monkeypatch.setattr(masks, "CHECK_TILE_COLUMNS", 8)
-    monkeypatch.setattr(attention, "MATH_BLOCK_SCORES", 4 * 16 * 8)
+    monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", 4 * 16 * 8)
     calls = []
     original = CompiledGroupLoss.__call__
     monkeypatch.setattr(CompiledGroupLoss, "__call__", lambda self, *a: calls.append((self, a)) or original(self, *a))
@@ -125,4 +125,4 @@ def test_steps_never_build_their_mask_block(kind, mode, monkeypatch):
     with _LargestBool() as seen:  # a fresh MaskTiles per step: every block is checked again
         (loss,) = original(self, *inputs)
         loss.backward()
-    assert 0 < seen.largest <= attention.MATH_BLOCK_SCORES
+    assert 0 < seen.largest <= attention_kernels.MATH_BLOCK_SCORES

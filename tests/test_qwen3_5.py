@@ -25,8 +25,7 @@ from longstraw.models import qwen3_5
 from longstraw.planner import simulate_step
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule, gated_delta_rule_reference
-from losses import grpo_tail
-from reference import eager_loss_and_grads, hybrid_detached_reference, with_fresh_grads
+from reference import eager_loss_and_grads, hybrid_detached_reference
 from tiny_models import make_group
 
 TOL = 1e-6

@@ -14,6 +14,7 @@ from compare import assert_close, assert_grads_close
 from harness import compile_loss, compiled_loss_and_grads
 from losses import grpo_loss_f64
 from longstraw.models import qwen3_5
+from longstraw.kernels import attention as attention_kernels
 from longstraw.recompute import LayerwiseStep, segment_ids
 from plain_transformer import make_plain
 from reference import eager_loss_and_grads
@@ -118,11 +119,10 @@ def test_attention_forward_is_kept_through_recomputation(monkeypatch):
     under recomputation a replayed step runs it once per layer, as without
     (over a long prompt it is most of an attention layer's forward)."""
     from longstraw import recompute
-    from longstraw.passes import attention
 
     calls: list[int] = []
-    original = attention._MathKernel.forward
-    monkeypatch.setattr(attention._MathKernel, "forward", lambda self, *a: (calls.append(1), original(self, *a))[1])
+    original = attention_kernels.MathKernel.forward
+    monkeypatch.setattr(attention_kernels.MathKernel, "forward", lambda self, *a: (calls.append(1), original(self, *a))[1])
 
     def backward_calls(recompute: bool) -> int:
         torch._dynamo.reset()

@@ -40,7 +40,13 @@ def fla_ops() -> SimpleNamespace | None:
         from fla.ops.utils.constant import RCP_LN2
     except ImportError:
         return None
-    return SimpleNamespace(**{k: v for k, v in locals().items()})
+    return SimpleNamespace(
+        l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, chunk_gated_delta_rule=chunk_gated_delta_rule,
+        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h, chunk_bwd_dv_local=chunk_bwd_dv_local,
+        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu, prepare_wy_repr_bwd=prepare_wy_repr_bwd,
+        chunk_local_cumsum=chunk_local_cumsum, RCP_LN2=RCP_LN2,
+    )
 
 
 def applies(q: torch.Tensor) -> bool:
