@@ -12,6 +12,9 @@ from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
 from .options import Options
 from .pass_registry import register_pass
 from .runtime import around_steps
+from .models import install_trace_bindings
+
+install_trace_bindings()
 
 __all__ = [
     "Backend",

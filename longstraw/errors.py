@@ -116,6 +116,7 @@ def binding_hint(node: fx.Node) -> str:
         name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
         if name in _NEEDS_BINDING:
             package, _, module = _NEEDS_BINDING[name].rpartition(".")
-            return (f" HF's `{name}` runs through LongStraw's operators only when bound: `from {package} import {module}` "
-                    f"and call the model inside `with {module}.bound():` (or `{module}.bind()` once).")
+            return (f" HF's `{name}` reaches LongStraw's operators through `{package}.{module}`, which stands them in "
+                    f"for HF's functions in every trace once longstraw is imported, except inside `{module}.unbound()`; "
+                    f"`from {package} import {module}` and `{module}.bind()` routes eager calls as well.")
     return ""

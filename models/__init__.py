@@ -1,0 +1,66 @@
+"""Model bindings: HF model code routed to LongStraw's registered operators.
+
+Some HF layers compute a position-mixing operator in plain Python (Qwen3.5's
+Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
+graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
+drop-ins for those functions that call LongStraw's operators instead.
+
+`install_trace_bindings()` runs when `longstraw` is imported: for every HF
+modeling module with a binding, imported before or after, Dynamo traces the
+drop-ins in place of HF's functions (`torch.compiler.substitute_in_graph`),
+so `torch.compile(loss, backend="longstraw")` works on the model as it is.
+This holds for every compiled graph in the process, whatever its backend;
+the operators compute what HF's functions compute. Eager execution is
+untouched; a binding's `bind()` routes eager calls too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+BINDINGS = {"transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5"}
+"""HF modeling module -> the binding module that substitutes its functions in traces."""
+
+
+def install_trace_bindings() -> None:
+    """Substitute the bound functions of the HF modules already imported, and
+    of those imported later (an import hook)."""
+    for name in BINDINGS:
+        if name in sys.modules:
+            _substitute(sys.modules[name])
+    if not any(isinstance(finder, _BindingFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BindingFinder())
+
+
+def _substitute(module: types.ModuleType) -> None:
+    importlib.import_module(BINDINGS[module.__name__]).substitute_in_traces(module)
+
+
+class _BindingFinder(importlib.abc.MetaPathFinder):
+    """Finds a bound HF module with the other finders and substitutes its
+    functions once the module has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in BINDINGS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _SubstitutingLoader(spec.loader)
+        return spec
+
+
+class _SubstitutingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        _substitute(module)

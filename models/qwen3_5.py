@@ -10,15 +10,24 @@ the architecture passes run chunk by chunk from carried state. The model
 code itself is unchanged; eager results are the same up to float32
 rounding (both implementations compute the rule in float32).
 
+Compiled losses need no call: importing longstraw substitutes the drop-ins
+for HF's functions in every Dynamo trace (`substitute_in_traces`, see
+`longstraw.models`). `bind()` routes eager calls as well:
+
     from longstraw.models import qwen3_5
     qwen3_5.bind()                 # for the rest of the process
     with qwen3_5.bound(): ...      # or for a block
+    with qwen3_5.unbound(): ...    # HF's own functions, eager and traced
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import inspect
+import types
+from typing import Callable, Iterator
+
+import torch
 
 from longstraw.passes.causal_conv import causal_conv1d
 from longstraw.passes.gated_delta import gated_delta_rule
@@ -46,6 +55,32 @@ def chunk_gated_delta_rule(
 
 _BINDINGS = {"causal_conv1d_fn": causal_conv1d_fn, "torch_chunk_gated_delta_rule": chunk_gated_delta_rule}
 _ORIGINALS: dict[tuple[str, str], object] = {}
+_SUBSTITUTED: set[tuple[str, str]] = set()
+_TRACE_HF = False  # inside `unbound()`: traces run HF's own functions
+
+
+def substitute_in_traces(module: types.ModuleType) -> None:
+    """Make Dynamo trace the drop-ins wherever HF's modeling `module` calls
+    its functions (once per process; eager calls are untouched)."""
+    for attr, drop_in in _BINDINGS.items():
+        original = _ORIGINALS.setdefault((module.__name__, attr), getattr(module, attr))
+        if (module.__name__, attr) in _SUBSTITUTED:
+            continue
+        torch.compiler.substitute_in_graph(original, skip_signature_check=True)(_traced(drop_in, inspect.unwrap(original)))
+        _SUBSTITUTED.add((module.__name__, attr))
+
+
+def _traced(drop_in: Callable, hf_function: Callable) -> Callable:
+    """What Dynamo traces for one bound function: the drop-in, or inside
+    `unbound()` HF's own PyTorch function (unwrapped from HF's kernel
+    dispatch, which calling would substitute again)."""
+
+    def traced(*args, **kwargs):
+        if _TRACE_HF:
+            return hf_function(*args, **kwargs)
+        return drop_in(*args, **kwargs)
+
+    return traced
 
 
 def bind() -> dict[tuple[object, str], object]:
@@ -79,18 +114,22 @@ def bound() -> Iterator[None]:
 
 @contextlib.contextmanager
 def unbound() -> Iterator[None]:
-    """HF's own kernels for a block, whatever is bound outside it."""
+    """HF's own kernels for a block, eager and traced, whatever is bound outside it."""
     import importlib
+
+    global _TRACE_HF
 
     saved = {}
     for name in _MODULES:
         module = importlib.import_module(name)
         for attr in _BINDINGS:
             saved[(module, attr)] = getattr(module, attr)
-            setattr(module, attr, _ORIGINALS[(name, attr)])
+            setattr(module, attr, _ORIGINALS.setdefault((name, attr), getattr(module, attr)))
+    tracing_hf, _TRACE_HF = _TRACE_HF, True
     try:
         yield
     finally:
+        _TRACE_HF = tracing_hf
         unbind(saved)
 
 
@@ -110,4 +149,6 @@ def tiny_config(**overrides) -> "transformers.Qwen3_5TextConfig":  # noqa: F821
     return transformers.Qwen3_5TextConfig(**fields)
 
 
-__all__ = ["bind", "bound", "causal_conv1d_fn", "chunk_gated_delta_rule", "tiny_config", "unbind", "unbound"]
+__all__ = [
+    "bind", "bound", "causal_conv1d_fn", "chunk_gated_delta_rule", "substitute_in_traces", "tiny_config", "unbind", "unbound",
+]

@@ -95,7 +95,7 @@ SUPPORTED = [
     Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2),
            note="MLA, dense layers; detached holds the expanded K/V constant"),
     Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_qwen3_5_detached,
-           note="Gated DeltaNet + gated attention, with `longstraw.models.qwen3_5.bound()`"),
+           note="Gated DeltaNet + gated attention; compiles as is, no binding step"),
     Family("starcoder2", _hf(T.Starcoder2Config)),
     Family("granite", _hf(T.GraniteConfig)),
     Family("cohere", _hf(T.CohereConfig)),
@@ -147,9 +147,10 @@ REFUSED = [
                              linear_key_head_dim=8, linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
            refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
-    Family("qwen3_5 (not bound)", qwen3_5.tiny_config,
-           refused=r"`Qwen3_5GatedDeltaNet` runs through LongStraw.s operators only when bound.*qwen3_5.bound\(\)",
-           note="HF's pure-PyTorch Gated DeltaNet loops over chunks; run under `longstraw.models.qwen3_5.bound()`."),
+    Family("qwen3_5 (unbound)", qwen3_5.tiny_config, bind=qwen3_5.unbound,
+           refused=r"`Qwen3_5GatedDeltaNet` reaches LongStraw.s operators through `longstraw.models.qwen3_5`.*unbound\(\)",
+           note="HF's pure-PyTorch Gated DeltaNet loops over chunks; outside `qwen3_5.unbound()` LongStraw's operators "
+                "stand in for it in every trace."),
 ]
 
 FAMILIES = {f.name: f for f in SUPPORTED + REFUSED}

@@ -249,3 +249,4 @@ def test_carries_do_not_hold_their_chunks(mode):
     per_position = reports[0].state_bytes_per_position * (2 if mode == "exact" else 1)
     state_growth = per_position * 12 * 256 + reports[0].state_fixed_bytes * 12
     assert peaks[1] - peaks[0] <= 1.1 * state_growth, (peaks, state_growth)
+
