@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -321,6 +322,8 @@ def main() -> None:
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
+    parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
+                        help="attention forward kernel: PyTorch's default order (flash first) or cuDNN first")
     parser.add_argument("--out", required=True, help="result JSON path")
     args = parser.parse_args()
 
@@ -336,9 +339,12 @@ def main() -> None:
                              *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv[1:]]]),
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora, "runs": [],
+        "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora,
+        "sdpa": args.sdpa, "runs": [],
     }
-    with qwen3_5.bound():
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    kernels = sdpa_kernel(order, set_priority=True) if args.sdpa == "cudnn" else contextlib.nullcontext()
+    with qwen3_5.bound(), kernels:
         model = build(args.layers, args.tiny, dtype, device, lora=not args.no_lora)
         result["build_seconds"] = time.perf_counter() - started
         for item in args.runs.split(","):

@@ -279,10 +279,11 @@ def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
 
     out = tmp_path / "depth.json"
     argv = ["depth_bench.py", "--tiny", "--layers", "4", "--G", "2", "--R", "8", "--runs", "exact:40,detached:40:16",
-            "--budget-gb", "1", "--out", str(out)]
+            "--budget-gb", "1", "--sdpa", "cudnn", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     depth_bench.main()
     result = json.loads(out.read_text())
+    assert result["sdpa"] == "cudnn"
     assert result["command"].endswith(f"--out benchmarks/results/{out.name}")
     exact, detached = result["runs"]
     assert exact["ok"] and detached["ok"]
