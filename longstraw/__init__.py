@@ -8,7 +8,8 @@ from .backend import Backend, Fallback, GroupPlan, longstraw_backend
 from .carry import CarryKernel
 from .data_parallel import LossModule
 from .errors import InputError, LongStrawError, UnsupportedGraphError
-from .report import CapturedTensor, ExplainReport, MemoryPlan, explain
+from .graph_model import CapturedTensor
+from .report import ExplainReport, MemoryPlan, explain
 from .options import Options
 from .pass_registry import register_pass
 from .runtime import around_steps

@@ -22,48 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import importlib.resources
 import json
 from collections.abc import Callable
 from typing import Any
 
-import networkx as nx
 import torch
-import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
 from .backend import Backend, GroupPlan, PlanningDone
-from .errors import LongStrawError, module_path, source_line
-from .nodes import op_name, tensor_of
+from .errors import LongStrawError
+from .graph_model import COLORS, REGION_TITLES, REGIONS, describe_slot, graph_model
+from .nodes import tensor_of
 from .options import Options
 from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan
 
-REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
-REGION_TITLES = {
-    "input": "inputs and parameters",
-    "outer": "outer (once per call)",
-    "prefix": "prefix: per position, over prompt chunks and replayed per branch",
-    "branch": "branch: per response, after the exits",
-    "tail": "tail: the loss over the stacked branches",
-    "state": "captured state",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class CapturedTensor:
-    """One state slot, described for people."""
-
-    index: int
-    name: str
-    kind: str  # "sequence" (per position) or "carry" (fixed size)
-    layer: str | None
-    operator: str
-    source: str | None
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    bytes_per_position: int
-    fixed_bytes: int
-    reason: str
 
 
 class ExplainReport:
@@ -74,8 +48,8 @@ class ExplainReport:
         # the options asked for: the plan's have the chunk size and recomputation decided
         self.options: Options = options or plan.options
         part = plan.partition
-        self.graph = _graph_model(plan)
-        self.state = [_describe_slot(part, slot) for slot in part.slots]
+        self.graph = graph_model(plan)
+        self.state = [describe_slot(part, slot) for slot in part.slots]
         self.memory = MemoryModel(plan)
         self.weights_bytes, self.grads_bytes = self.memory.weights, self.memory.grads
         self.traced_positions = part.seq_len
@@ -158,7 +132,7 @@ class ExplainReport:
             members = [n for n, d in self.graph.nodes(data=True) if d["region"] == region]
             if not members:
                 continue
-            lines.append(f'  subgraph cluster_{region} {{ label="{REGION_TITLES[region]}"; color="{_COLORS[region]}";')
+            lines.append(f'  subgraph cluster_{region} {{ label="{REGION_TITLES[region]}"; color="{COLORS[region]}";')
             by_layer: dict[str, list[str]] = {}
             for n in members:
                 by_layer.setdefault(self.graph.nodes[n]["layer"] or "", []).append(n)
@@ -170,7 +144,7 @@ class ExplainReport:
                 for n in nodes:
                     d = self.graph.nodes[n]
                     label = f"{d['op']}\\n{d['shape']}"
-                    lines.append(f'{indent}"{n}" [label="{label}", color="{_COLORS[region]}"];')
+                    lines.append(f'{indent}"{n}" [label="{label}", color="{COLORS[region]}"];')
                 if layer:
                     lines.append("    }")
             lines.append("  }")
@@ -191,8 +165,8 @@ class ExplainReport:
         edges = [{"from": a, "to": b} for a, b, d in self.graph.edges(data=True) if d.get("state")]
         plan = self.plan(P, G, R, budget_gb).table() if P else ""
         data = json.dumps({"nodes": nodes, "stateEdges": edges, "regions": [r for r in REGIONS],
-                           "titles": REGION_TITLES, "colors": _COLORS})
-        page = _PAGE.replace("__DATA__", data.replace("</", "<\\/"))
+                           "titles": REGION_TITLES, "colors": COLORS})
+        page = _page().replace("__DATA__", data.replace("</", "<\\/"))
         page = page.replace("__STATE__", html.escape(self.state_table())).replace("__PLAN__", html.escape(plan))
         with open(path, "w", encoding="utf-8") as f:
             f.write(page)
@@ -223,159 +197,6 @@ def explain(
     )
 
 
-# graph model -------------------------------------------------------------------
-
-
-_COLORS = {"input": "#7f7f7f", "outer": "#bcbd22", "prefix": "#1f77b4", "branch": "#2ca02c", "tail": "#9467bd",
-           "state": "#d62728"}
-
-
-def _region(part, node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return "input"
-    if node in part.sequence or node in part.positional:
-        return "prefix"
-    if node in part.branch:
-        return "branch"
-    if node in part.tail or node.op == "output":
-        return "tail"
-    return "outer"
-
-
-def _graph_model(plan: GroupPlan) -> nx.DiGraph:
-    part = plan.partition
-    g = nx.DiGraph()
-    for node in part.graph.nodes:
-        value = tensor_of(node)
-        claimed = part.claims.get(node)
-        detail = f"claimed by {claimed.name}" if claimed is not None else ""
-        g.add_node(
-            node.name,
-            region=_region(part, node),
-            op=op_name(node),
-            layer=_layer(node),
-            shape=list(value.shape) if value is not None else None,
-            dtype=str(value.dtype).removeprefix("torch.") if value is not None else None,
-            source=source_line(node),
-            detail=detail,
-        )
-        for src in node.all_input_nodes:
-            g.add_edge(src.name, node.name)
-    for slot in part.slots:
-        state = f"state[{slot.index}]"
-        size = f"{slot.bytes_per_position()} B/position" if slot.kind == "sequence" else f"{slot.fixed_bytes()} B fixed"
-        g.add_node(state, region="state", op=f"{slot.kind} state", layer=_layer(slot.node), shape=list(slot.shape),
-                   dtype=str(slot.dtype).removeprefix("torch."), source=source_line(slot.node),
-                   detail=f"{size}; for {slot.reason}")
-        g.add_edge(slot.node.name, state, state=True)
-        for reader in _readers(part, slot):
-            g.add_edge(state, reader.name, state=True)
-    return g
-
-
-def _readers(part, slot) -> list[fx.Node]:
-    """The claimed operators that read a state slot."""
-    return [claimed for claimed, sites in part.sites.items() if any(site.slot == slot.index for site in sites)]
-
-
-def _layer(node: fx.Node) -> str | None:
-    """The module path up to its first numbered component (`model.layers.3`)."""
-    path = module_path(node)
-    if not path:
-        return None
-    parts = path.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return path
-
-
-def _describe_slot(part, slot) -> CapturedTensor:
-    reader = next(iter(_readers(part, slot)), slot.node)
-    return CapturedTensor(
-        index=slot.index, name=slot.node.name, kind=slot.kind, layer=module_path(reader), operator=op_name(reader),
-        source=source_line(reader), dtype=slot.dtype, shape=tuple(slot.shape),
-        bytes_per_position=slot.bytes_per_position(), fixed_bytes=slot.fixed_bytes(), reason=slot.reason,
-    )
-
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>longstraw explain</title>
-<style>
-body{font:13px system-ui,sans-serif;margin:12px;color:#222}
-#regions{display:flex;gap:14px;align-items:flex-start;position:relative}
-.region{flex:1;border:2px solid;border-radius:6px;padding:6px;min-width:160px}
-.region h2{font-size:14px;margin:2px 0 6px}
-details{margin:3px 0;border-left:3px solid #ddd;padding-left:5px}
-summary{cursor:pointer;font-weight:600}
-.node{display:inline-block;margin:2px;padding:2px 5px;border:1px solid;border-radius:3px;background:#fff;font-size:11px}
-.node.state{border-width:2px;font-weight:600}
-#tip{position:fixed;display:none;background:#222;color:#fff;padding:6px;border-radius:4px;font-size:11px;
-white-space:pre;pointer-events:none;z-index:10}
-#edges{position:absolute;left:0;top:0;pointer-events:none;overflow:visible}
-pre{background:#f6f6f6;padding:8px;overflow:auto}
-</style></head><body>
-<h1>LongStraw plan</h1>
-<pre id="plan">__PLAN__</pre>
-<pre id="statetable">__STATE__</pre>
-<div id="regions"><svg id="edges"></svg></div>
-<div id="tip"></div>
-<script>
-const DATA = __DATA__;
-const root = document.getElementById("regions");
-const svg = document.getElementById("edges");
-const tip = document.getElementById("tip");
-const box = {};
-for (const region of DATA.regions) {
-  const nodes = DATA.nodes.filter(n => n.region === region);
-  if (!nodes.length) continue;
-  const div = document.createElement("div");
-  div.className = "region"; div.id = "region-" + region; div.style.borderColor = DATA.colors[region];
-  div.innerHTML = "<h2></h2>"; div.firstChild.textContent = DATA.titles[region] + " (" + nodes.length + ")";
-  const groups = new Map();
-  for (const n of nodes) { const k = n.layer || "(top level)"; if (!groups.has(k)) groups.set(k, []); groups.get(k).push(n); }
-  for (const [layer, members] of groups) {
-    const det = document.createElement("details");
-    det.open = region === "state" || groups.size <= 3;
-    const sum = document.createElement("summary"); sum.textContent = layer + " (" + members.length + ")";
-    det.appendChild(sum);
-    for (const n of members) {
-      const el = document.createElement("span");
-      el.className = "node" + (region === "state" ? " state" : ""); el.style.borderColor = DATA.colors[region];
-      el.textContent = n.op; el.dataset.id = n.id;
-      el.addEventListener("mouseenter", e => {
-        tip.textContent = [n.id, "op: " + n.op, "region: " + n.region, "layer: " + (n.layer || "-"),
-          "shape: " + JSON.stringify(n.shape), "dtype: " + (n.dtype || "-"), "source: " + (n.source || "-"), n.detail || ""]
-          .filter(Boolean).join("\\n");
-        tip.style.display = "block";
-      });
-      el.addEventListener("mousemove", e => { tip.style.left = (e.clientX + 12) + "px"; tip.style.top = (e.clientY + 12) + "px"; });
-      el.addEventListener("mouseleave", () => { tip.style.display = "none"; });
-      det.appendChild(el); box[n.id] = {el, det};
-    }
-    det.addEventListener("toggle", draw);
-    div.appendChild(det);
-  }
-  root.appendChild(div);
-}
-function anchor(id) {
-  const b = box[id]; if (!b) return null;
-  const target = b.det.open ? b.el : b.det.querySelector("summary");
-  const r = target.getBoundingClientRect(), o = root.getBoundingClientRect();
-  return [r.left - o.left + r.width / 2, r.top - o.top + r.height / 2];
-}
-function draw() {
-  svg.setAttribute("width", root.scrollWidth); svg.setAttribute("height", root.scrollHeight);
-  svg.innerHTML = "";
-  for (const e of DATA.stateEdges) {
-    const a = anchor(e.from), b = anchor(e.to); if (!a || !b) continue;
-    const line = document.createElementNS("http://www.w3.org/2000/svg", "line");
-    line.setAttribute("x1", a[0]); line.setAttribute("y1", a[1]); line.setAttribute("x2", b[0]); line.setAttribute("y2", b[1]);
-    line.setAttribute("stroke", DATA.colors.state); line.setAttribute("stroke-width", "2"); line.setAttribute("class", "state-edge");
-    svg.appendChild(line);
-  }
-}
-window.addEventListener("resize", draw);
-draw();
-</script></body></html>
-"""
+def _page() -> str:
+    """The explain page's template (package data: `longstraw/templates/explain.html`)."""
+    return importlib.resources.files("longstraw").joinpath("templates/explain.html").read_text(encoding="utf-8")

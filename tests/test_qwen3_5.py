@@ -22,7 +22,7 @@ from compare import assert_close, assert_grads_close, rel_err
 from harness import compile_loss, compiled_loss_and_grads
 from losses import grpo_loss_f64
 from longstraw.models import qwen3_5
-from longstraw.planner import simulate_step
+from longstraw.simulation import simulate_step
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from reference import eager_loss_and_grads, hybrid_detached_reference

@@ -1,0 +1,135 @@
+"""A planned step run on fake tensors, for the memory it would hold.
+
+`simulate_step` runs the planned runtime over the whole step (prompt
+capture, branches, replays, and in exact mode the reverse pass) at the
+traced sizes on fake tensors (no memory, no compute) while `_LiveBytes`, a
+dispatch mode, samples the bytes of live storages after every operator.
+Flash attention's backward workspace, which fake kernels do not allocate,
+is added where it runs (dK/dV expanded to the query heads, the float32 dQ
+accumulator): the simulation takes its attention kernels from
+`longstraw.kernels.attention.choosing`, as the device would choose them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .nodes import tensor_of
+from .runtime import GroupRunner
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages alive while operators run, and their peak.
+
+    Storages are held by weak reference (autograd keeps tensors alive in
+    C++, so Python object lifetimes would undercount). Dead ones are
+    dropped before every large allocation (where peaks happen) and every
+    `PRUNE_EVERY` operators otherwise; between two prunes, small storages
+    freed meanwhile still count."""
+
+    PRUNE_EVERY = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+
+    def transient(self, nbytes: int) -> None:
+        """A kernel's workspace that fake tensors do not allocate."""
+        self._prune()
+        self.peak = max(self.peak, self.current + nbytes)
+
+    def _prune(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        large = any(t.untyped_storage().nbytes() * 64 > self.current for t in tensors)
+        if large or self.ops % self.PRUNE_EVERY == 0:  # peaks happen at large allocations: be exact there
+            self._prune()
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            known = self.live.get(ref.cdata)
+            if known is None or known[0].expired():  # new, or a freed storage's address reused
+                nbytes = t.untyped_storage().nbytes()
+                self.current += nbytes - (known[1] if known else 0)
+                self.live[ref.cdata] = (ref, nbytes)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def traced_prefix_len(plan: Any) -> int:
+    """The traced example's captured prompt positions. Where they depend on
+    values the example does not have (token ids on the meta device), every
+    position before the first the loss reads: the shared prompt of any real
+    group of these shapes, since the responses' own logits start there."""
+    return plan.prefix_len if plan.prefix_len >= 0 else plan.partition.first_consumed
+
+
+def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
+                  dtype: torch.dtype | None) -> int:
+    """Peak bytes of one step at the traced sizes (at most two branches: the
+    second replay adds its parameter gradients into the first's), run on
+    fake tensors of the example's device with the attention kernels
+    `device` would choose."""
+    from longstraw.kernels import attention
+
+    part = plan.partition
+    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
+                                  progress=False, check_finite=False, verify_state=False)
+    runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
+    tracker = _LiveBytes()
+    cuda = torch.device(device).type == "cuda"
+    class _FlashWithWorkspace(attention.FlashKernel):
+        def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+            # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
+            hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
+            expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
+            tracker.transient(expanded + n * hq * d * 4)
+            return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
+
+    flash = _FlashWithWorkspace()
+
+    def kernel_for(q, mask):
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if cuda and half and mask is None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+            return flash
+        return attention.choose(q, mask)
+
+    floating = float_dtype(part)
+
+    def fake(value: Any, requires_grad: bool = False) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        cast = dtype if dtype is not None and value.dtype == floating else value.dtype
+        return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
+
+    with attention.choosing(kernel_for), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
+        values = dict(zip(runner.imports, runner.outer.module(*inputs)))
+        outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
+        grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
+        grads = runner.backward(call, inputs, grad_outputs)
+        del call, outputs, grad_outputs, grads
+    return tracker.peak
+
+
+def float_dtype(part: Any) -> torch.dtype:
+    floats = [tensor_of(p) for p in part.params if tensor_of(p) is not None and tensor_of(p).is_floating_point()]
+    return floats[0].dtype if floats else torch.float32
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
