@@ -25,7 +25,7 @@ from longstraw.passes import ArchitecturePass
 from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .pass_registry import active_passes
-from .partition import Partition, partition
+from .partition import Partition, classify, with_state
 from .planner import DEFAULT_CHUNK, MemoryModel, available_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
@@ -49,9 +49,13 @@ class Fallback:
     module: str | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GroupPlan:
-    """The typed record of what the backend did with one graph and signature."""
+    """The typed record of what the backend did with one graph and
+    signature: the partition (claims, axes, regions, state), the generated
+    steps (in `runner`, and the tail) and the options they run with. It
+    does not change between calls; what a call decided from its values is
+    `runner.last_call`."""
 
     partition: Partition
     runner: GroupRunner
@@ -67,13 +71,12 @@ class GroupPlan:
         return self.partition.seq_len
 
     @property
-    def prefix_len(self) -> int:
-        """Prompt positions captured as state (the last call's, when it depends on values)."""
-        if self.runner.last_prefix_len is not None:
-            return self.runner.last_prefix_len
+    def prefix_len(self) -> int | None:
+        """Prompt positions captured as state: fixed by the graph, or the
+        last call's where it depends on the values (None before a call)."""
         if all(r.structural_prefix is not None for r in self.partition.roots):
             return self.runner.prefix_len({})
-        return -1
+        return None if self.runner.last_call is None else self.runner.last_call.prefix_len
 
     @property
     def state_bytes_per_position(self) -> int:
@@ -91,9 +94,10 @@ class GroupPlan:
             f"longstraw plan: G={part.group_size} sequences of {part.seq_len} positions, "
             f"prompt_grad={self.options.prompt_grad}, prefix_chunk_size={self.options.prefix_chunk_size}",
             f"  prefix: {len(self.runner.prefix.module.graph.nodes)} nodes per chunk, "
-            f"{self.prefix_len} prompt positions captured",
-            f"  branch: {len(self.runner.branch.module.graph.nodes)} nodes per response, "
-            f"{part.end - max(self.prefix_len, 0)} positions each",
+            + ("the prompt positions captured are decided per call from the values" if self.prefix_len is None
+               else f"{self.prefix_len} prompt positions captured"),
+            f"  branch: {len(self.runner.branch.module.graph.nodes)} nodes per response"
+            + ("" if self.prefix_len is None else f", {part.end - self.prefix_len} positions each"),
             f"  tail:   {len(self.tail.module.graph.nodes)} nodes on {len(part.branch_outputs)} stacked branch output(s): "
             + ", ".join(f"{n.name}{list(n.meta['longstraw_value'].shape)}" for n in part.branch_outputs),
             f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position, "
@@ -222,7 +226,7 @@ class CompiledGroupLoss:
             special = specialize(self.gm, args)
             guards, gm = special.guards, special.gm
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
-            part = partition(gm, params, self.backend.passes)
+            part = with_state(classify(gm, params, self.backend.passes))
             runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args)

@@ -51,9 +51,11 @@ class Exit:
     restriction: Restriction  # on the token axis, in full-sequence positions
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Partition:
-    """Every decision about one graph; the step builder and the summary read it."""
+    """Every decision about one graph; the step builder and the summary read
+    it. `classify` makes it without state (`slots` and `sites` empty);
+    `with_state` adds the state the claimed operators read."""
 
     graph: fx.Graph
     placeholders: list[fx.Node]
@@ -129,9 +131,12 @@ def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     )
 
 
-def partition(
+def classify(
     gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
 ) -> Partition:
+    """The claim, dimension and classification stages: which pass claims
+    which operator, which dimensions are the sequence and group axes, and
+    which nodes run per position, per branch, in the tail or once."""
     graph = gm.graph
     claims = {n: p for n in graph.nodes if is_call(n) and (p := _claiming_pass(n, passes)) is not None}
     an = DimAnalysis(graph, lambda rules, n: claims[n].dim_rule(rules, n) if n in claims else None)
@@ -173,7 +178,6 @@ def partition(
         raise UnsupportedGraphError("the loss reads nothing per response: no branch outputs were found")
     outer = set(graph.nodes) - sequence - post
     outer_data = {n for n in outer if _depends_on_data(n, params)}
-    slots, sites = choose_state(claims, an, token, batch)
     group_size = _group_size(roots)
     part = Partition(
         graph=graph,
@@ -185,8 +189,8 @@ def partition(
         seq_len=seq_len,
         group_size=group_size,
         claims=claims,
-        sites=sites,
-        slots=slots,
+        sites={},
+        slots=[],
         roots=roots,
         exits=exits,
         sequence=sequence,
@@ -200,10 +204,18 @@ def partition(
     )
     _check_position_tables(graph, part.end)
     log.debug(
-        "partition: %d sequence, %d branch, %d tail nodes; %d state slots; first consumed position %d",
-        len(sequence), len(branch), len(tail), len(slots), first_consumed,
+        "partition: %d sequence, %d branch, %d tail nodes; first consumed position %d",
+        len(sequence), len(branch), len(tail), first_consumed,
     )
     return part
+
+
+def with_state(part: Partition) -> Partition:
+    """The state stage: which tensors to capture for the claimed operators
+    (`boundary.choose_state`: the cheapest cut per position, carried states)."""
+    slots, sites = choose_state(part.claims, part.dims, part.token, part.batch)
+    log.debug("state: %d slots", len(slots))
+    return dataclasses.replace(part, slots=slots, sites=sites)
 
 
 def _has_class(an: DimAnalysis, node: fx.Node, cls: int) -> bool:

@@ -62,6 +62,14 @@ class RngState:
             yield
 
 
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """What one call of a plan decided from its values (kept for summaries
+    and the planner; the plan itself never changes between calls)."""
+
+    prefix_len: int  # prompt positions captured as state
+
+
 @dataclasses.dataclass
 class CallState:
     """Everything one forward leaves for its backward."""
@@ -94,7 +102,7 @@ class GroupRunner:
         # offset added to the embeddings); imports never hold parameters
         prefix_values = set(prefix.externals)
         self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
-        self.last_prefix_len: int | None = None
+        self.last_call: CallRecord | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
         self.replayed: dict[str, torch.nn.Module] = {}
 
@@ -212,7 +220,7 @@ class GroupRunner:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         self.check_shared_values(values)
         prefix_len = self.prefix_len(values)
-        self.last_prefix_len = prefix_len
+        self.last_call = CallRecord(prefix_len)
         return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size)
 
     @torch.no_grad()

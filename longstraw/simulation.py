@@ -75,7 +75,7 @@ def traced_prefix_len(plan: Any) -> int:
     values the example does not have (token ids on the meta device), every
     position before the first the loss reads: the shared prompt of any real
     group of these shapes, since the responses' own logits start there."""
-    return plan.prefix_len if plan.prefix_len >= 0 else plan.partition.first_consumed
+    return plan.prefix_len if plan.prefix_len is not None else plan.partition.first_consumed
 
 
 def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
