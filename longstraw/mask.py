@@ -13,9 +13,14 @@ mask, for the columns of one key block at a time.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 import torch
 from torch import fx
 
+from .nodes import op_name, tensor_of
 from .state import has_values
 
 CHECK_TILE_ROWS = 1024
@@ -99,3 +104,140 @@ def _is_causal_tile(tile: torch.Tensor, row0: int, col0: int) -> bool:
         return bool(allowed.all())
     causal = torch.ones(n, m, dtype=torch.bool, device=tile.device).tril(row0 - col0)
     return torch.equal(allowed, causal)
+
+
+# bands ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+    """An integer tensor `sum(coeff[a] * index along axis a) + const`, axes
+    counted from the end (-1: the mask's columns, -2: its rows)."""
+
+    coeffs: tuple[tuple[int, int], ...]
+    const: int
+
+    def plus(self, other: "_Affine", sign: int = 1) -> "_Affine":
+        coeffs = dict(self.coeffs)
+        for axis, c in other.coeffs:
+            coeffs[axis] = coeffs.get(axis, 0) + sign * c
+        return _Affine(tuple(sorted((a, c) for a, c in coeffs.items() if c)), self.const + sign * other.const)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Band:
+    """A boolean tensor true exactly where `lo <= row - column <= hi`."""
+
+    lo: float
+    hi: float
+
+
+_ANY = _Band(-math.inf, math.inf)
+
+
+def band_of(mask: fx.Node) -> tuple[float, float] | None:
+    """`(lo, hi)` when the positions-only boolean `mask` (rows: queries,
+    columns: keys) is proved, from the operators that build it, to be true
+    exactly where `lo <= row - column <= hi` (causal: `(0, inf)`; a sliding
+    window of W positions: `(0, W - 1)`); None when it is anything else or
+    built by operators this proof does not know. Reads no values, so it
+    holds for every length."""
+    values: dict[fx.Node, Any] = {}
+    for node in _ancestors_in_order(mask):
+        values[node] = _abstract(node, values)
+        if values[node] is None:
+            return None
+    band, value = values[mask], tensor_of(mask)
+    if not isinstance(band, _Band) or value is None or value.dtype != torch.bool:
+        return None
+    return band.lo, band.hi
+
+
+def _ancestors_in_order(node: fx.Node) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    stack = [(node, False)]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            order.append(n)
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.append((n, True))
+        stack.extend((a, False) for a in n.all_input_nodes)
+    return order
+
+
+def _abstract(node: fx.Node, values: dict[fx.Node, Any]) -> Any:
+    """The abstract value of one node of a mask's construction, or None."""
+    name = op_name(node)
+    args = [values.get(a, a) if isinstance(a, fx.Node) else a for a in node.args]
+
+    def affine(x: Any) -> _Affine | None:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, int):
+            return _Affine((), x)
+        return x if isinstance(x, _Affine) else None
+
+    if node.op == "placeholder":
+        return None
+    if name == "arange":
+        ints = [a for a in node.args if isinstance(a, int) and not isinstance(a, bool)]
+        if len(node.args) == 1 and len(ints) == 1:
+            return _Affine(((-1, 1),), 0)
+        if len(node.args) == 2 and len(ints) == 2 and node.kwargs.get("step", 1) == 1:
+            return _Affine(((-1, 1),), ints[0])
+        return None
+    if name in ("to", "contiguous", "expand", "clone"):
+        casts = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+        if any(t != (torch.bool if isinstance(args[0], _Band) else torch.long) for t in casts):
+            return None  # a cast changes what the values mean (a float mask is added to the scores)
+        return args[0] if isinstance(args[0], (_Affine, _Band)) else None
+    if name in ("new_ones", "ones") and node.kwargs.get("dtype") is torch.bool:
+        return _ANY
+    if name == "getitem" and isinstance(args[0], _Affine) and isinstance(node.args[1], tuple):
+        return _moved_axes(args[0], node.args[1])
+    if name in ("add", "sub"):
+        a, b = affine(args[0]), affine(args[1])
+        if a is None or b is None:
+            return None
+        return a.plus(b, 1 if name == "add" else -1)
+    if name in ("gt", "ge", "lt", "le", "eq"):
+        a, b = affine(args[0]), affine(args[1])
+        return None if a is None or b is None else _compare(name, a, b)
+    if name in ("and_", "logical_and", "mul") and all(isinstance(a, _Band) for a in args[:2]):
+        (a, b) = args[:2]
+        return _Band(max(a.lo, b.lo), min(a.hi, b.hi))
+    return None
+
+
+def _moved_axes(value: _Affine, index: tuple) -> _Affine | None:
+    """An affine index tensor after `x[index]` with only `None`, full slices
+    and `...`: its axes, counted from the end, move with the new ones."""
+    full = slice(None, None, None)
+    if not all(i is None or i == full for i in index):
+        return None
+    old_rank = sum(1 for i in index if i is not None)
+    if old_rank != 1 or len(value.coeffs) > 1 or (value.coeffs and value.coeffs[0][0] != -1):
+        return None  # only a 1-D position vector is placed on an axis
+    axis = next(k for k, i in enumerate(index) if i is not None) - len(index)
+    return _Affine(tuple((axis, c) for _, c in value.coeffs), value.const)
+
+
+def _compare(name: str, a: _Affine, b: _Affine) -> _Band | None:
+    """`a <op> b` as a band, when `a - b` is `k * (row - column) + c` with k = +-1."""
+    diff = a.plus(b, -1)
+    coeffs = dict(diff.coeffs)
+    k = coeffs.get(-2, 0)
+    if set(coeffs) - {-1, -2} or k not in (1, -1) or coeffs.get(-1, 0) != -k:
+        return None
+    # k * d + c <op> 0, d = row - column
+    c = diff.const
+    if k == -1:  # -d + c <op> 0  <=>  d <flipped op> c
+        bounds = {"gt": (-math.inf, c - 1), "ge": (-math.inf, c), "lt": (c + 1, math.inf), "le": (c, math.inf), "eq": (c, c)}
+    else:  # d + c <op> 0  <=>  d <op> -c
+        bounds = {"gt": (-c + 1, math.inf), "ge": (-c, math.inf), "lt": (-math.inf, -c - 1), "le": (-math.inf, -c), "eq": (-c, -c)}
+    return _Band(*bounds[name])

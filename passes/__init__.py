@@ -14,8 +14,11 @@ from .attention import CausalAttentionPass
 from .base import ArchitecturePass, CarryPass, DimRules, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
+from .sliding_window import SlidingWindowAttentionPass
 
-DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (CausalAttentionPass(), GatedDeltaPass(), CausalConvPass())
+DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
+    CausalAttentionPass(), SlidingWindowAttentionPass(), GatedDeltaPass(), CausalConvPass()
+)
 
 __all__ = [
     "ArchitecturePass",
@@ -26,4 +29,5 @@ __all__ = [
     "DimRules",
     "GatedDeltaPass",
     "SiteState",
+    "SlidingWindowAttentionPass",
 ]

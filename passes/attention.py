@@ -25,13 +25,15 @@ from longstraw.recompute import keep_through_recomputation
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
+from .sliding_window import window_of
 
 
 class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
 
     def claims(self, node: fx.Node) -> bool:
-        return is_sdpa(node)
+        # a proved sliding window is `SlidingWindowAttentionPass`'s: its state is fixed-size
+        return is_sdpa(node) and window_of(node) is None
 
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
         q = node.args[0]

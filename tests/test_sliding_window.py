@@ -1,0 +1,117 @@
+"""Sliding-window attention: `longstraw.mask.band_of` proves a mask is a
+window from the operators that build it, and `SlidingWindowAttentionPass`
+keeps only the last W-1 keys and values (fixed bytes, none per position),
+with eager parity in both modes for Mistral and Gemma3's alternating layers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+import longstraw
+from compare import assert_close, assert_grads_close
+from harness import compile_loss, compiled_loss_and_grads
+from longstraw.mask import band_of
+from losses import grpo_loss_f64
+from reference import detached_at_attention, eager_loss_and_grads
+from tiny_models import make_group
+
+TOL = 1e-6  # HF norms and RoPE round through float32
+
+
+def _mask_node(build) -> torch.fx.Node:
+    """The node of `build(x)`'s result in Dynamo's graph, with the values
+    the backend records (`longstraw_value`)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(build, backend=backend)(torch.ones(12))
+    graph = graphs[0].graph
+    for node in graph.nodes:
+        node.meta["longstraw_value"] = node.meta.get("example_value")
+    (output,) = graph.find_nodes(op="output")
+    return output.args[0][0]
+
+
+def _rows_cols(start: int = 0):
+    return torch.arange(start, start + 12)[:, None], torch.arange(start, start + 12)[None, :]
+
+
+@pytest.mark.parametrize(
+    "build, band",
+    [
+        (lambda x: (lambda i, j: j <= i)(*_rows_cols()), (0, math.inf)),
+        (lambda x: (lambda i, j: (j <= i) & (j > i - 4))(*_rows_cols()), (0, 3)),
+        (lambda x: (lambda i, j: (j > i - 4) & (i >= j))(*_rows_cols(5)), (0, 3)),  # positions from 5
+        (lambda x: (lambda i, j: (j <= i) | (j < 3))(*_rows_cols()), None),  # a prefix-LM mask
+        (lambda x: (lambda i, j: (j <= i).float())(*_rows_cols()), None),  # a float mask is added, not applied
+        (lambda x: (lambda i, j: (j <= i) & (x[None, :] > 0))(*_rows_cols()), None),  # reads an input
+        (lambda x: (lambda i, j: (j <= 2 * i))(*_rows_cols()), None),  # not a function of row - column
+    ],
+    ids=["causal", "window-4", "window-from-5", "prefix-lm", "float", "input", "not-a-band"],
+)
+def test_band_of(build, band):
+    assert band_of(_mask_node(build)) == band
+
+
+def _mistral(window: int, layers: int = 2) -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).double()
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_mistral_parity_with_fixed_state(mode, chunk):
+    model, group = _mistral(window=5), make_group(3, 30, 9, vocab=64, pad=True)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    reference = eager_loss_and_grads if mode == "exact" else detached_at_attention
+    want_loss, want = reference(grpo_loss_f64, model, *group)
+    assert_close(got_loss, want_loss, TOL)
+    assert_grads_close(got, want, TOL)
+    plan = backend.plans[-1]
+    assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
+    assert plan.state_bytes_per_position == 0
+    # per layer: the last 4 positions of K and V (4 heads after HF's repeat_kv, 8 + 8 values) and a flag, float64
+    assert plan.state_fixed_bytes == 2 * 4 * 4 * (8 + 8 + 1) * 8
+
+
+def test_a_window_wider_than_the_sequence_is_plain_causal_attention():
+    model, group = _mistral(window=64), make_group(2, 20, 5, vocab=64)
+    backend = longstraw.Backend()
+    compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    plan = backend.plans[-1]
+    assert {p.name for p in plan.partition.claims.values()} == {"causal_attention"}
+    assert plan.state_bytes_per_position > 0
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_gemma3_alternating_sliding_and_full_layers(mode):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).double()
+    group = make_group(3, 30, 9, vocab=64, pad=True)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=8)
+    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    reference = eager_loss_and_grads if mode == "exact" else detached_at_attention
+    want_loss, want = reference(grpo_loss_f64, model, *group)
+    assert_close(got_loss, want_loss, TOL)
+    assert_grads_close(got, want, TOL)
+    plan = backend.plans[-1]
+    kinds = sorted(slot.kind for slot in plan.partition.slots)
+    assert kinds == ["carry", "sequence", "sequence"]  # the sliding layer's window; the full layer's K and V
