@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Literal, Mapping
 
 from .errors import LongStrawError
+from .kernels import KernelPolicy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,11 @@ class Options:
     instances) used after the built-in, installed and registered ones
     (`longstraw.register_pass`)."""
 
+    kernels: KernelPolicy | Mapping[str, str] = KernelPolicy()
+    """Which kernels the steps run (`longstraw.kernels.KernelPolicy`), e.g.
+    `{"attention": "cudnn"}` or `{"gated_delta": "torch"}`. Default:
+    PyTorch's SDPA rules for attention, fla for Gated DeltaNet where it applies."""
+
     memory_budget_gb: float | None = None
     """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
     process's other tensors included: the chunk size and recomputation left
@@ -74,6 +80,13 @@ class Options:
         if isinstance(self.passes, (str, bytes)) or not isinstance(self.passes, (list, tuple)):
             raise LongStrawError(f"passes must be a list or tuple of architecture passes, got {self.passes!r}")
         object.__setattr__(self, "passes", tuple(as_pass(p, "options['passes']") for p in self.passes))
+        if isinstance(self.kernels, Mapping):
+            unknown = set(self.kernels) - {f.name for f in dataclasses.fields(KernelPolicy)}
+            if unknown:
+                raise LongStrawError(f"unknown kernels option(s) {sorted(unknown)}; valid: ['attention', 'gated_delta']")
+            object.__setattr__(self, "kernels", KernelPolicy(**self.kernels))
+        if not isinstance(self.kernels, KernelPolicy):
+            raise LongStrawError(f"kernels must be a longstraw.kernels.KernelPolicy or a dict, got {self.kernels!r}")
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if self.prefix_chunk_size is not None and (not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1):

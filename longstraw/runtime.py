@@ -398,7 +398,8 @@ class GroupFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: GroupRunner, *inputs):
-        outputs, call = runner.forward(inputs)
+        with runner.options.kernels.active():
+            outputs, call = runner.forward(inputs)
         ctx.runner, ctx.call = runner, call
         tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         ctx.tensor_positions = tensor_positions
@@ -422,6 +423,7 @@ class GroupFunction(torch.autograd.Function):
         inputs = list(ctx.others)
         for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
             inputs[i] = t
-        grads = ctx.runner.backward(ctx.call, inputs, grad_outputs)
+        with ctx.runner.options.kernels.active():
+            grads = ctx.runner.backward(ctx.call, inputs, grad_outputs)
         ctx.call = None
         return (None, *grads)

@@ -116,7 +116,8 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
         cast = dtype if dtype is not None and value.dtype == floating else value.dtype
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
-    with attention.choosing(kernel_for), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    # the plan's policy for Gated DeltaNet; attention's memory is modelled as flash's where a fused kernel applies
+    with plan.options.kernels.active(), attention.choosing(kernel_for), FakeTensorMode(allow_non_fake_inputs=True), tracker:
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
         outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))

@@ -1,5 +1,54 @@
-"""Fused kernels from other libraries, behind the operators the passes claim.
+"""Kernels behind the operators the passes claim, and the policy that picks them.
 
-Each module wraps one library's kernels for one operator, says where they
-apply (`applies`), and is imported lazily: the library is optional.
+Each module wraps one family of kernels (`attention`: flash, cuDNN, the
+explicit softmax; `fla_gated_delta`: Gated DeltaNet through
+flash-linear-attention), says where each applies, and is imported lazily
+where a library is optional. `KernelPolicy` (`Options.kernels`) chooses
+among them for one compiled loss.
 """
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Literal
+
+from ..errors import LongStrawError
+
+ATTENTION_CHOICES = ("sdpa", "flash", "cudnn", "math")
+GATED_DELTA_CHOICES = ("auto", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Which kernels the steps of one compiled loss run.
+
+    `attention`: "sdpa" follows PyTorch's SDPA rules (its backend priority
+    and `sdpa_kernel` switches around the call); "flash", "cudnn" (cuDNN's
+    forward, flash's backward) or "math" (the explicit softmax) pick one.
+    A fused kernel runs only where it applies (CUDA, 16-bit, no mask, head
+    dim <= 256); elsewhere the explicit softmax does.
+    `gated_delta`: "auto" runs fla's kernels where fla is installed and
+    applies (CUDA, 16-bit), "torch" the PyTorch kernel everywhere."""
+
+    attention: Literal["sdpa", "flash", "cudnn", "math"] = "sdpa"
+    gated_delta: Literal["auto", "torch"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_CHOICES:
+            raise LongStrawError(f"kernels['attention'] must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        if self.gated_delta not in GATED_DELTA_CHOICES:
+            raise LongStrawError(f"kernels['gated_delta'] must be one of {GATED_DELTA_CHOICES}, got {self.gated_delta!r}")
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Steps run inside take their kernels from this policy."""
+        from . import attention, fla_gated_delta
+
+        with contextlib.ExitStack() as stack:
+            if self.attention != "sdpa":
+                stack.enter_context(attention.choosing(attention.preferring(self.attention)))
+            if self.gated_delta == "torch":
+                stack.enter_context(fla_gated_delta.disabled())
+            yield

@@ -171,8 +171,7 @@ def choose(q: torch.Tensor, mask: MaskBlock | None) -> AttentionKernel:
     `sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION], set_priority=True)`
     prefers it. Read when the step runs, so the switches can be set around
     the compiled call."""
-    head_dim = q.shape[-1]
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0):
+    if not fused_applies(q, mask):
         return MATH
     switches = torch.backends.cuda
     kernels = {
@@ -185,6 +184,21 @@ def choose(q: torch.Tensor, mask: MaskBlock | None) -> AttentionKernel:
         if backend in kernels and kernels[backend][0]():
             return kernels[backend][1]
     return MATH
+
+
+def fused_applies(q: torch.Tensor, mask: MaskBlock | None) -> bool:
+    """Whether flash and cuDNN can run these queries: CUDA, 16-bit, no mask, head dim up to 256 in steps of 8."""
+    head_dim = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None and head_dim <= 256 and head_dim % 8 == 0
+
+
+KERNELS = {"flash": FLASH, "cudnn": CUDNN, "math": MATH}
+
+
+def preferring(name: str) -> Chooser:
+    """A chooser for `choosing`: the named kernel where it applies, the explicit softmax elsewhere."""
+    kernel = KERNELS[name]
+    return lambda q, mask: kernel if kernel is MATH or fused_applies(q, mask) else MATH
 
 
 def _sdpa_priority() -> list[int]:
