@@ -40,7 +40,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
-from grpo_bench import PEAK_FLOPS, FlopModel, GiB, git_commit, grpo_loss, is_oom, make_group, release, sync  # noqa: E402
+from grpo.flops import PEAK_FLOPS, FlopModel  # noqa: E402
+from grpo.measure import GiB, is_oom, release, sync  # noqa: E402
+from grpo.models import grpo_loss, make_group  # noqa: E402
+from grpo.results import git_commit  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import longstraw
-from grpo_bench import compare as compare_grads
+from grpo.parity import compare as compare_grads
 from longstraw.kernels import fla_gated_delta
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm

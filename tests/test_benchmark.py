@@ -14,15 +14,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import grpo_bench as bench  # noqa: E402
+from grpo.flops import FlopModel  # noqa: E402
+from grpo.measure import Clock, score_floor  # noqa: E402
+from grpo.models import build_model, make_group  # noqa: E402
+from grpo.modes import Runner  # noqa: E402
+from grpo.parity import compare, grads_of, parity, reference_grads  # noqa: E402
+from grpo.results import merge, speed_runs, summarize  # noqa: E402
+from grpo.sweep import bisect_largest, next_step_seconds, sweep  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
 def loss_and_grads(model, kind, mode, group):
-    with bench.Runner(model, kind, mode) as runner:
+    with Runner(model, kind, mode) as runner:
         loss = runner.step(group)
-    return loss, bench.grads_of(model)
+    return loss, grads_of(model)
 
 
 # flex attention has no CPU backward, so the dense shared-prefix mode is GPU-only
@@ -34,13 +40,13 @@ def loss_and_grads(model, kind, mode, group):
     ],
 )
 def test_modes_agree_with_eager(kind, modes):
-    model = bench.build_model(kind, True, torch.float64, CPU)
-    group = bench.make_group(3, 40, 7, model.config.vocab_size, CPU)
+    model = build_model(kind, True, torch.float64, CPU)
+    group = make_group(3, 40, 7, model.config.vocab_size, CPU)
     want_loss, want = loss_and_grads(model, kind, "eager", group)
     for mode in modes:
         loss, got = loss_and_grads(model, kind, mode, group)
         torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
-        result = bench.compare(got, want)
+        result = compare(got, want)
         # HF's RoPE and norms round through float32 (1e-6, as in the parity
         # tests); its Gated DeltaNet computes in float32 and the shared-prefix
         # mode splits its chunks at another position
@@ -48,27 +54,27 @@ def test_modes_agree_with_eager(kind, modes):
 
 
 def test_detached_mode_differs_only_through_the_prompt():
-    model = bench.build_model("dense", True, torch.float64, CPU)
-    group = bench.make_group(2, 30, 5, model.config.vocab_size, CPU)
+    model = build_model("dense", True, torch.float64, CPU)
+    group = make_group(2, 30, 5, model.config.vocab_size, CPU)
     _, exact = loss_and_grads(model, "dense", "longstraw_exact", group)
     _, detached = loss_and_grads(model, "dense", "longstraw_detached", group)
     # the LM head sees only response positions: identical in both modes
     head = "lm_head.weight"
     torch.testing.assert_close(detached[head], exact[head], rtol=1e-9, atol=0)
-    assert bench.compare(detached, exact)["max_rel_l2"] > 1e-3
+    assert compare(detached, exact)["max_rel_l2"] > 1e-3
 
 
 def test_flop_model_matches_flop_counter():
     """The FLOP model with every key counted (FlopCounterMode counts SDPA
     as full attention) against PyTorch's count of one forward."""
-    model = bench.build_model("dense", True, torch.float32, CPU)
+    model = build_model("dense", True, torch.float32, CPU)
     P = 50
     ids = torch.randint(0, model.config.vocab_size, (1, P))
     counter = FlopCounterMode(display=False)
     # the math backend's matmuls are what the counter sees on the CPU
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         model(input_ids=ids, logits_to_keep=1)
-    flops = bench.FlopModel.of(model)
+    flops = FlopModel.of(model)
     assert flops.forward(P, P * P, 1) == counter.get_total_flops()
 
 
@@ -76,7 +82,7 @@ def test_flop_model_matches_flop_counter():
 def test_prompt_flops_leave_out_the_last_layers_dead_output(kind):
     """The last layer's work at prompt positions beyond its K/V, from
     FlopCounterMode's per-module counts, is what `prompt` leaves out."""
-    model = bench.build_model(kind, True, torch.float32, CPU)
+    model = build_model(kind, True, torch.float32, CPU)
     P = 40
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
@@ -84,14 +90,14 @@ def test_prompt_flops_leave_out_the_last_layers_dead_output(kind):
     counts = {name: sum(c.values()) for name, c in counter.get_flop_counts().items()}
     last = f"{type(model).__name__}.model.layers.{len(model.model.layers) - 1}"
     dead = counts[f"{last}.mlp"] + counts[f"{last}.self_attn"] - counts[f"{last}.self_attn.k_proj"] - counts[f"{last}.self_attn.v_proj"]
-    flops = bench.FlopModel.of(model)
+    flops = FlopModel.of(model)
     # the counter sees SDPA's full P x P scores
     assert flops.dead_per_token * P + flops.dead_per_pair * P * P == dead
     assert flops.prompt(P) == flops.forward(P, P * (P + 1) / 2, 0) - flops.dead_per_token * P - flops.dead_per_pair * P * (P + 1) / 2
 
 
 def test_step_flops_count_the_prompt_as_each_mode_does():
-    flops = bench.FlopModel(linear_per_token=10, head_per_token=3, attention_per_pair=2, recurrent_per_token=0)
+    flops = FlopModel(linear_per_token=10, head_per_token=3, attention_per_pair=2, recurrent_per_token=0)
     G, P, R = 4, 100, 10
     prompt, branches = flops.prompt(P), flops.branches(G, P, R)
     assert flops.step("eager_ckpt", G, P, R) == 3 * (G * prompt + branches)
@@ -124,13 +130,13 @@ def test_merge_takes_each_mode_from_the_last_file_that_has_it():
         {"eager_ckpt": {"ok": True, "P": 16, "seconds": 3.0, "peak_gb": 1.0},
          "longstraw_exact": {"ok": True, "P": 16, "seconds": 1.5, "peak_gb": 1.0}},
     )
-    merged = bench.merge([first, second, third])
+    merged = merge([first, second, third])
     assert merged["sweep"]["eager"]["max_prompt_tokens"] == 64
     assert merged["sweep"]["longstraw_exact"]["max_prompt_tokens"] == 128
-    summary = bench.summarize(merged)
+    summary = summarize(merged)
     assert summary["speedup_vs_eager_ckpt_at_32k"] is None  # the files time 64 and 16, not 32K
     assert summary["speedup_vs_eager_ckpt_by_p"] == {16: 2.0, 64: 4.0}
-    assert {(r["mode"], r["P"]) for r in bench.speed_runs(merged)} == {
+    assert {(r["mode"], r["P"]) for r in speed_runs(merged)} == {
         ("eager_ckpt", 64), ("longstraw_exact", 64), ("eager_ckpt", 16), ("longstraw_exact", 16)}
     assert summary["max_prompt_tokens"] == {"eager": 64, "longstraw_exact": 128}
     assert summary["peak_delta_g2_to_g8_gb"] == {"longstraw_exact": 0.01}
@@ -147,7 +153,7 @@ def test_floor_counts_the_gradients_once():
              "activations_gb": {"branch": 4.5, "chunk_grad": 7.0, "chunk_nograd": 1.0}, "prefix_chunk_size": 100,
              "runs": [{"mode": "longstraw_detached", "P": 201, "peak_gb": 10.0}, {"mode": "longstraw_exact", "P": 201, "peak_gb": 12.0}]}
     state = (1000 * (201 - 1 + 50) + 10**6 * 3) / 1e9
-    detached, exact = bench.score_floor(floor, R=50)["runs"]
+    detached, exact = score_floor(floor, R=50)["runs"]
     assert detached["floor_gb"] == pytest.approx(8.0 + state + 0.5 + 1.0)
     assert exact["floor_gb"] == pytest.approx(8.0 + 2 * state + 0.5 + 3.0)
     assert exact["over_floor"] == pytest.approx(12.0 / exact["floor_gb"] - 1)
@@ -155,7 +161,7 @@ def test_floor_counts_the_gradients_once():
     assert detached["phase_floor_gb"] == pytest.approx(8.0 + state + 1.0)
     assert exact["phase_floor_gb"] == pytest.approx(8.0 + 2 * state + 3.0)
     floor["grads_held"] = True
-    detached, exact = bench.score_floor(floor, R=50)["runs"]
+    detached, exact = score_floor(floor, R=50)["runs"]
     assert exact["floor_gb"] == pytest.approx(8.0 + 2 * state + 4.5 + 7.0)
     assert exact["phase_floor_gb"] == pytest.approx(8.0 + 2 * state + 7.0)
     assert detached["phase_floor_gb"] == pytest.approx(8.0 + state + 4.5)
@@ -165,7 +171,7 @@ def test_merge_takes_memory_floor_runs_per_mode_and_p():
     floor = lambda *runs: {"weights_gb": 1.0, "runs": [{"mode": m, "P": P, "over_floor": x} for m, P, x in runs]}  # noqa: E731
     first = _result("cmd a", {}, {}, memory_floor=floor(("longstraw_detached", 64, -0.05), ("longstraw_exact", 64, 0.3)))
     second = _result("cmd b", {}, {}, memory_floor=floor(("longstraw_exact", 64, -0.2), ("longstraw_exact", 128, -0.1)))
-    runs = bench.merge([first, second])["memory_floor"]["runs"]
+    runs = merge([first, second])["memory_floor"]["runs"]
     assert [(r["mode"], r["P"], r["over_floor"]) for r in runs] == [
         ("longstraw_detached", 64, -0.05), ("longstraw_exact", 64, -0.2), ("longstraw_exact", 128, -0.1)]
 
@@ -177,29 +183,29 @@ def test_a_later_command_extends_a_sweep():
     second = _result("cmd b", {"longstraw_exact": {"runs": [run(128, 1.5), run(256, 3.0)], "max_prompt_tokens": 256,
                                                    "limited_by": "p_max"}}, {})
     third = _result("cmd c", {"longstraw_exact": {"runs": [run(64, 0.9)], "max_prompt_tokens": 64, "limited_by": "time"}}, {})
-    entry = bench.merge([first, second, third])["sweep"]["longstraw_exact"]
+    entry = merge([first, second, third])["sweep"]["longstraw_exact"]
     assert [(r["P"], r["peak_gb"]) for r in entry["runs"]] == [(64, 0.9), (128, 1.5), (256, 3.0)]
     assert (entry["max_prompt_tokens"], entry["limited_by"]) == (256, "p_max")
 
 
 def test_next_step_seconds_extrapolates_from_the_last_doubling():
     run = lambda P, s, ok=True: {"ok": ok, "P": P, "seconds": s}  # noqa: E731
-    assert bench.next_step_seconds([]) == 0.0
-    assert bench.next_step_seconds([run(64, 2.0)]) == 8.0  # one point: attention's 4x
-    assert bench.next_step_seconds([run(64, 2.0), run(128, 6.0)]) == pytest.approx(21.6)  # 3x, 20% margin
-    assert bench.next_step_seconds([run(64, 1.0), run(128, 4.0)]) == 16.0  # capped at 4x
-    assert bench.next_step_seconds([run(64, 2.0), run(128, 2.2)]) == 4.4  # at least 2x
-    assert bench.next_step_seconds([run(64, 2.0), run(128, 5.0), run(256, 0, ok=False)]) == 15.0
-    assert bench.next_step_seconds([run(64, 2.0), run(96, 3.0)]) == 12.0  # not a doubling: 4x
+    assert next_step_seconds([]) == 0.0
+    assert next_step_seconds([run(64, 2.0)]) == 8.0  # one point: attention's 4x
+    assert next_step_seconds([run(64, 2.0), run(128, 6.0)]) == pytest.approx(21.6)  # 3x, 20% margin
+    assert next_step_seconds([run(64, 1.0), run(128, 4.0)]) == 16.0  # capped at 4x
+    assert next_step_seconds([run(64, 2.0), run(128, 2.2)]) == 4.4  # at least 2x
+    assert next_step_seconds([run(64, 2.0), run(128, 5.0), run(256, 0, ok=False)]) == 15.0
+    assert next_step_seconds([run(64, 2.0), run(96, 3.0)]) == 12.0  # not a doubling: 4x
 
 
 def test_sweep_saves_every_run_and_leaves_time_for_later_modes():
-    model = bench.build_model("dense", True, torch.float32, CPU)
+    model = build_model("dense", True, torch.float32, CPU)
     args = argparse.Namespace(G=2, R=4, p_min=16, p_max=64, start={"longstraw_exact": 32}, bisect_resolution=8)
     saved = []
     out = {}
-    clock = bench.Clock(1e6)
-    bench.sweep(model, "dense", ["eager", "longstraw_exact"], args, clock, bench.FlopModel.of(model), out,
+    clock = Clock(1e6)
+    sweep(model, "dense", ["eager", "longstraw_exact"], args, clock, FlopModel.of(model), out,
                 lambda: saved.append(sum(len(m["runs"]) for m in out.values())))
     assert [r["P"] for r in out["eager"]["runs"]] == [16, 32, 64]
     assert [r["P"] for r in out["longstraw_exact"]["runs"]] == [32, 64]
@@ -207,7 +213,7 @@ def test_sweep_saves_every_run_and_leaves_time_for_later_modes():
     assert saved[:5] == [1, 2, 3, 3, 4]  # after every run, and once per finished mode
     # a clock too short for a first step runs nothing and says why
     out = {}
-    bench.sweep(model, "dense", ["eager"], args, bench.Clock(1.0), bench.FlopModel.of(model), out, lambda: None)
+    sweep(model, "dense", ["eager"], args, Clock(1.0), FlopModel.of(model), out, lambda: None)
     assert out["eager"]["runs"] == [] and out["eager"]["limited_by"] == "time"
 
 
@@ -222,18 +228,18 @@ def test_bisection_narrows_to_its_resolution_and_never_repeats(resolution, want)
         tried.append(P)
         return {"ok": P <= 5300, "oom": P > 5300}
 
-    assert bench.bisect_largest(4096, 8192, attempt, resolution, lambda: True) == want
+    assert bisect_largest(4096, 8192, attempt, resolution, lambda: True) == want
     assert len(tried) == len(set(tried))
-    assert bench.bisect_largest(4096, 8192, attempt, resolution, lambda: False) == (4096, 8192)
+    assert bisect_largest(4096, 8192, attempt, resolution, lambda: False) == (4096, 8192)
 
 
 def test_branch_by_branch_reference_is_the_eager_gradient():
-    model = bench.build_model("dense", True, torch.float64, CPU)
-    group = bench.make_group(3, 20, 5, model.config.vocab_size, CPU)
+    model = build_model("dense", True, torch.float64, CPU)
+    group = make_group(3, 20, 5, model.config.vocab_size, CPU)
     group.mask[1, 3:] = 0  # branches of different lengths weigh by their tokens
     _, want = loss_and_grads(model, "dense", "eager", group)
-    got = bench.reference_grads(model, "dense", group)
-    assert bench.compare(got, want)["max_rel_l2"] < 1e-12
+    got = reference_grads(model, "dense", group)
+    assert compare(got, want)["max_rel_l2"] < 1e-12
 
 
 def test_hybrid_float32_parity_is_the_references_own_rounding():
@@ -245,25 +251,25 @@ def test_hybrid_float32_parity_is_the_references_own_rounding():
     G, P, R = 2, 512, 16
     grads = {}
     for dtype in (torch.float64, torch.float32):
-        model = bench.build_model("hybrid", True, dtype, CPU)
-        group = bench.make_group(G, P, R, model.config.vocab_size, CPU)
-        grads[dtype, "eager"] = bench.reference_grads(model, "hybrid", group)
+        model = build_model("hybrid", True, dtype, CPU)
+        group = make_group(G, P, R, model.config.vocab_size, CPU)
+        grads[dtype, "eager"] = reference_grads(model, "hybrid", group)
         _, grads[dtype, "longstraw"] = loss_and_grads(model, "hybrid", "longstraw_exact", group)
         if dtype == torch.float64:
-            grads[dtype, "bound"] = bench.reference_grads(model, "hybrid", group, bound=True)
+            grads[dtype, "bound"] = reference_grads(model, "hybrid", group, bound=True)
     truth = grads[torch.float64, "bound"]
     # float64 up to HF's float32 RoPE and norms, as in test_modes_agree_with_eager
-    assert bench.compare(grads[torch.float64, "longstraw"], truth)["max_rel_l2"] < 1e-6
-    longstraw = bench.compare(grads[torch.float32, "longstraw"], truth)["max_rel_l2"]
-    eager = bench.compare(grads[torch.float32, "eager"], truth)["max_rel_l2"]
+    assert compare(grads[torch.float64, "longstraw"], truth)["max_rel_l2"] < 1e-6
+    longstraw = compare(grads[torch.float32, "longstraw"], truth)["max_rel_l2"]
+    eager = compare(grads[torch.float32, "eager"], truth)["max_rel_l2"]
     assert 1e-7 < eager and longstraw <= 1.1 * eager, (longstraw, eager)
     # HF's float64 eager is itself off by that order (1.3e-4 here): its Gated DeltaNet runs in float32
-    assert bench.compare(grads[torch.float64, "eager"], truth)["max_rel_l2"] > 1e-5
+    assert compare(grads[torch.float64, "eager"], truth)["max_rel_l2"] > 1e-5
 
 
 def test_parity_measures_both_float32_runs_against_float64():
     args = argparse.Namespace(tiny=True, G=2, p_parity=48, R=8)
-    out = bench.parity("hybrid", args, CPU)
+    out = parity("hybrid", args, CPU)
     assert set(out) == {"float32", "bfloat16"}, out
     fp32 = out["float32"]
     assert fp32["max_rel_l2"] < 1e-3 and fp32["longstraw_vs_float64"] < 1e-3 and fp32["eager_vs_float64"] < 1e-3, fp32

@@ -24,7 +24,9 @@ from losses import grpo_loss_f64, pg_tail
 from tiny_models import make_group, make_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import grpo_bench as bench  # noqa: E402
+from grpo.measure import GiB  # noqa: E402
+from grpo import models as grpo_models  # noqa: E402
+from grpo.models import build_model, grpo_loss  # noqa: E402
 
 
 def make_hybrid():
@@ -112,12 +114,12 @@ def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
     run of a benchmark model; one explain per model for every mode and P."""
     kind = request.param
     meta = torch.device("meta")
-    model = bench.build_model(kind, False, torch.bfloat16, meta)
+    model = build_model(kind, False, torch.bfloat16, meta)
     model.config.use_cache = False  # Dynamo cannot trace an empty cache tensor on the meta device
     R = 1024
-    group = bench.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
+    group = grpo_models.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
     with qwen3_5.bound():
-        report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
+        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
     predictions = []
     for mode, names in H200_SWEEPS[kind].items():
         for name in names:
@@ -133,10 +135,10 @@ def test_a_prompt_without_values_ends_where_the_loss_starts_reading():
     prefix cannot be checked, so the traced prompt is every position before
     the first logit the loss reads, as in the simulation."""
     meta = torch.device("meta")
-    model = bench.build_model("dense", True, torch.float32, meta)
+    model = build_model("dense", True, torch.float32, meta)
     model.config.use_cache = False
-    group = bench.make_group(3, 40, 6, model.config.vocab_size, meta)
-    report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, 6)
+    group = grpo_models.make_group(3, 40, 6, model.config.vocab_size, meta)
+    report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, 6)
     assert (report.traced_prompt_len, report.traced_response_len) == (40, 7)  # a branch runs R + 1 positions
     plan = report.plan(P=1000)
     assert plan.R == 7
@@ -177,13 +179,13 @@ def test_predicted_peak_matches_the_full_depth_h200_runs():
     with qwen3_5.bound():
         model = depth_bench.build(64, False, torch.bfloat16, meta, lora=True)
         model.config.use_cache = False
-        group = bench.make_group(8, 2 * 8192, 1024, model.config.vocab_size, meta)
-        report = longstraw.explain(bench.grpo_loss, model, group.input_ids, group.advantages, group.mask, 1024)
+        group = grpo_models.make_group(8, 2 * 8192, 1024, model.config.vocab_size, meta)
+        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, 1024)
     for run in runs:
         plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda",
                            prefix_chunk_size=run["options"]["prefix_chunk_size"],
                            recompute_layers=run["options"]["recompute_layers"])
-        assert abs(plan.peak / bench.GiB - run["peak_gb"]) <= 0.1 * run["peak_gb"], (run["mode"], run["P"], plan.table())
+        assert abs(plan.peak / GiB - run["peak_gb"]) <= 0.1 * run["peak_gb"], (run["mode"], run["P"], plan.table())
 
 
 def test_graph_views_show_regions_and_state_edges(tmp_path):

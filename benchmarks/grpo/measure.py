@@ -1,0 +1,248 @@
+"""Running a step and measuring it: time, peak memory, out-of-memory, the wall-clock budget, memory breakdowns."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+
+import torch
+
+import longstraw
+
+from .models import Group, grpo_loss, make_group
+from .modes import Runner, eager_step
+
+GiB = 1e9  # decimal GB, as nvidia-smi and the issue report memory
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def release(model=None) -> None:
+    """Drop gradients (of `model`, when given) and cached device memory."""
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(runner: Runner, group: Group, repeats: int = 1, warmup: bool = False) -> dict:
+    """One (or `repeats`) steps: peak allocated memory and seconds per step.
+    The first call at a new shape plans (and compiles); with `warmup` it is
+    run once untimed."""
+    model = runner.model
+    try:
+        if warmup:
+            runner.step(group)
+            release(model)
+        times = []
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            runner.step(group)
+            sync()
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        return {"ok": True, "seconds": min(times), "peak_gb": peak / GiB, "includes_planning": not warmup}
+    except Exception as error:  # noqa: BLE001 - every failure is recorded, the sweep goes on
+        if not is_oom(error):
+            return {"ok": False, "error": f"{type(error).__name__}: {str(error)[:400]}"}
+        return {"ok": False, "oom": True}
+    finally:
+        release(model)
+
+
+# FLOPs --------------------------------------------------------------------------
+
+
+# What the last layer must compute at a prompt position whose own output no
+# logit reads: the state later tokens need (K/V, or the recurrent state's inputs).
+
+
+class Clock:
+    def __init__(self, budget_s: float) -> None:
+        self.end = time.perf_counter() + budget_s
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+# Seconds a mode's first sweep step needs before it is started: flex attention
+# compiles its kernels and block mask per prompt length (about 150 s on the H200).
+
+
+def describe(result: dict) -> str:
+    if result.get("ok"):
+        mfu = f" MFU {result['mfu']:.1%}" if "mfu" in result else ""
+        return f"{result['seconds']:.2f}s {result['peak_gb']:.1f}GB{mfu}"
+    return "OOM" if result.get("oom") else result.get("error", "failed")
+
+
+def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
+    """What is live at the peak of one step: the allocator's trace replayed
+    to its maximum, live blocks grouped by the innermost frame in this
+    project or transformers."""
+    group = make_group(args.G, args.p_trace, args.R, model.config.vocab_size, model.device)
+    with Runner(model, kind, mode) as runner:
+        runner.step(group)  # plan outside the trace
+        release(model)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        try:
+            runner.step(group)
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            release(model)
+    events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_requested")]
+    current = peak = peak_at = 0
+    for i, e in enumerate(events):
+        current += e["size"] if e["action"] == "alloc" else -e["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    live: dict[int, dict] = {}
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    groups: dict[str, int] = {}
+    for e in live.values():
+        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in ("longstraw", "passes", "transformers", "grpo_bench"))]
+        where = f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no python frame)"
+        groups[where] = groups.get(where, 0) + e["size"]
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    out = {"mode": mode, "P": args.p_trace, "traced_growth_gb": peak / GiB,
+           "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
+    print(f"  {kind} {mode} P={args.p_trace} live at peak (growth during the step {peak / GiB:.1f} GB):", flush=True)
+    for w, b in ranked:
+        print(f"    {b / GiB:7.2f} GB  {w}", flush=True)
+    return out
+
+
+def profile_step(model, kind, mode, args, top: int = 12) -> dict:
+    """Where a warm step's time goes: the top operators by device and by host
+    time, and which attention kernel the steps chose."""
+    chosen: dict[str, int] = {}
+
+    class Counting(logging.Handler):
+        """Counts the attention kernels the steps choose (logged at DEBUG)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            key = record.getMessage()
+            chosen[key] = chosen.get(key, 0) + 1
+
+    group = make_group(args.G, args.p_speed, args.R, model.config.vocab_size, model.device)
+    log, handler = logging.getLogger("longstraw.attention"), Counting()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        with Runner(model, kind, mode) as runner:
+            runner.step(group)
+            release(model)
+            chosen.clear()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                runner.step(group)
+                sync()
+            release(model)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    events = prof.key_averages()
+    by_device = sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+    by_host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    out = {
+        "mode": mode, "P": args.p_speed, "kernels": chosen,
+        "device_ms": [{"op": e.key, "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in by_device],
+        "host_ms": [{"op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in by_host],
+    }
+    print(f"  {kind} {mode} P={args.p_speed} profile: kernels {chosen}", flush=True)
+    for e in by_device:
+        print(f"    device {e.self_device_time_total / 1e3:9.1f} ms {e.count:6d}x {e.key[:90]}", flush=True)
+    for e in by_host:
+        print(f"    host   {e.self_cpu_time_total / 1e3:9.1f} ms {e.count:6d}x {e.key[:90]}", flush=True)
+    return out
+
+
+def memory_floor(model, kind, args, sweep_out: dict) -> dict:
+    """weights + grads + state(P) (+ d(state) in exact mode) + one branch + one chunk,
+    per longstraw run (`floor_gb`). The state comes from the plan of a small
+    run; one branch and one chunk are the activations of eager fwd+bwd over R
+    and over one chunk of a single sequence (detached: the chunk without
+    grad), measured with every .grad already held, as LongStraw holds the
+    sum while it replays the branches and chunks after the first. The
+    hybrid's Gated DeltaNet runs LongStraw's operators there, as in the
+    step (HF's PyTorch kernel keeps several times their activations)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = model.config.vocab_size
+    backend = longstraw.Backend(prompt_grad="exact")
+    group = make_group(2, 4096, 64, vocab, model.device)
+    with Runner(model, kind, "longstraw_exact") as runner:
+        runner.compiled = torch.compile(grpo_loss, backend=backend)
+        runner.step(group)
+    plan = backend.plans[-1]
+    release(model)
+    chunk = plan.options.prefix_chunk_size  # as planned: the option itself may be None
+    activations = {}
+    with Runner(model, kind, "eager", longstraw_operators=True) as runner:
+        for name, P, R, grad in (("branch", 1, args.R, True), ("chunk_grad", chunk, 1, True), ("chunk_nograd", chunk, 1, False)):
+            g = make_group(1, P, R, vocab, model.device)
+            release(model)
+            if grad:
+                runner.step(g)  # allocates every .grad
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.set_grad_enabled(grad):
+                if grad:
+                    eager_step(model, g).backward()  # accumulates into the held .grad
+                else:
+                    model(input_ids=g.input_ids, logits_to_keep=1)
+            activations[name] = torch.cuda.max_memory_allocated() - base
+            release(model)
+    out = {"weights_gb": weights / GiB, "grads_gb": weights / GiB, "grads_held": True, "longstraw_operators": True,
+           "state_bytes_per_position": plan.state_bytes_per_position, "state_fixed_bytes": plan.state_fixed_bytes,
+           "activations_gb": {k: v / GiB for k, v in activations.items()}, "prefix_chunk_size": chunk, "runs": []}
+    for mode in ("longstraw_detached", "longstraw_exact"):
+        for run in sweep_out.get(mode, {}).get("runs", []):
+            if run["ok"]:
+                out["runs"].append({"mode": mode, "P": run["P"], "peak_gb": run["peak_gb"]})
+    return score_floor(out, args.R)
+
+
+def score_floor(floor: dict, R: int) -> dict:
+    """`floor_gb` and `over_floor` of every run from the measured terms: the
+    issue's sum. `phase_floor_gb` takes the larger of the branch and the
+    chunk instead, as the step never holds both: the prompt chunks run
+    before the branches, the reverse pass after them.
+    Files without `grads_held` measured the branch and chunk from empty
+    .grad, so their peaks include the gradients the backward allocated;
+    those come off, which leaves a lower bound on the activations (the
+    eager step's peak can fall where its activations and its gradients are
+    not both live): their floors are lower bounds."""
+    acts = floor["activations_gb"]
+    grads = 0.0 if floor.get("grads_held") else floor["grads_gb"]
+    for run in floor["runs"]:
+        P, exact = run["P"], run["mode"] == "longstraw_exact"
+        chunks = math.ceil((P - 1) / floor["prefix_chunk_size"])
+        state = (floor["state_bytes_per_position"] * (P - 1 + R) + floor["state_fixed_bytes"] * (chunks + 1)) / GiB
+        chunk = acts["chunk_grad"] - grads if exact else acts["chunk_nograd"]
+        held = floor["weights_gb"] + floor["grads_gb"] + state * (2 if exact else 1)
+        run["floor_gb"] = held + acts["branch"] - grads + chunk
+        run["over_floor"] = run["peak_gb"] / run["floor_gb"] - 1
+        run["phase_floor_gb"] = held + max(acts["branch"] - grads, chunk)
+        run["over_phase_floor"] = run["peak_gb"] / run["phase_floor_gb"] - 1
+    return floor
