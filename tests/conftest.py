@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from tiny_models import make_group, make_model
+from helpers.tiny_models import make_group, make_model
 
 
 @pytest.fixture(autouse=True)

@@ -7,12 +7,12 @@ import warnings
 import torch
 
 import longstraw
-from compare import assert_close, assert_grads_close
-from harness import compile_loss, compiled_loss_and_grads
-from losses import grpo_loss_f64
-from plain_transformer import make_plain
-from reference import eager_loss_and_grads
-from tiny_models import make_group, make_model
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.plain_transformer import make_plain
+from helpers.reference import eager_loss_and_grads
+from helpers.tiny_models import make_group, make_model
 
 
 def test_on_unsupported_eager_runs_the_graph_unchanged():

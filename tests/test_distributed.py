@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from compare import assert_grads_close, rel_err
+from helpers.compare import assert_grads_close, rel_err
 
 WORLD = 2
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +54,7 @@ def _init(rank: int, port: int) -> None:
 
 def _group(rank: int, step: int):
     """Each rank and step its own group: the reduced gradient differs from every rank's own."""
-    from tiny_models import make_group
+    from helpers.tiny_models import make_group
 
     return make_group(3, 12, 5, pad=True, seed=10 * step + rank)
 
@@ -114,9 +114,9 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import longstraw
-    from losses import grpo_loss_f64
-    from reference import detached_reference, eager_loss_and_grads
-    from tiny_models import make_model
+    from helpers.losses import grpo_loss_f64
+    from helpers.reference import detached_reference, eager_loss_and_grads
+    from helpers.tiny_models import make_model
 
     res: dict = {}
 
@@ -173,9 +173,9 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import longstraw
-    from losses import grpo_loss_f64
-    from reference import detached_reference, eager_loss_and_grads
-    from tiny_models import make_model
+    from helpers.losses import grpo_loss_f64
+    from helpers.reference import detached_reference, eager_loss_and_grads
+    from helpers.tiny_models import make_model
 
     res: dict = {}
 

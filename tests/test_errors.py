@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import longstraw
-import plain_transformer
-from compare import assert_grads_close, grads_equal
+from helpers import plain_transformer
+from helpers.compare import assert_grads_close, grads_equal
 from conftest import raises_longstraw
-from harness import compile_loss, compiled_loss_and_grads
-from losses import grpo_loss_f64, per_group_prefix_loss, responses_only_loss
-from plain_transformer import make_plain
-from reference import eager_loss_and_grads, grads_of
-from tiny_models import make_group, make_model
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64, per_group_prefix_loss, responses_only_loss
+from helpers.plain_transformer import make_plain
+from helpers.reference import eager_loss_and_grads, grads_of
+from helpers.tiny_models import make_group, make_model
 
 
 def seed_grads(model):

@@ -14,14 +14,14 @@ import pytest
 import torch
 import transformers
 
-import browser
+from helpers import browser
 import longstraw
-from harness import compile_loss
+from helpers.harness import compile_loss
 from longstraw import state as state_module
 from longstraw.models import qwen3_5
 from conftest import raises_longstraw
-from losses import grpo_loss_f64, pg_tail
-from tiny_models import make_group, make_model
+from helpers.losses import grpo_loss_f64, pg_tail
+from helpers.tiny_models import make_group, make_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from grpo.measure import GiB  # noqa: E402

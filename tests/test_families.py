@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import longstraw
-from compare import assert_close, assert_grads_close
+from helpers.compare import assert_close, assert_grads_close
 from conftest import raises_longstraw
-from families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
-from harness import compiled_loss_and_grads
-from losses import grpo_loss_f64
-from reference import detached_at_attention, eager_loss_and_grads
-from tiny_models import make_group
+from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
+from helpers.harness import compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.reference import detached_at_attention, eager_loss_and_grads
+from helpers.tiny_models import make_group
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 
@@ -122,7 +122,7 @@ def test_every_family_is_claimed_once():
 
 
 def test_readme_table_is_generated_from_the_registry():
-    assert readme_section(README.read_text()) == readme_table(), "run `python tests/families.py` to regenerate"
+    assert readme_section(README.read_text()) == readme_table(), "run `python tests/helpers/families.py` to regenerate"
 
 
 def test_gpt2_with_one_response():

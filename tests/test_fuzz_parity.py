@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import longstraw
-from compare import assert_close, assert_grads_close
-from harness import compile_loss, compiled_loss_and_grads
-from losses import grpo_loss_f64
-from models_under_test import hf_decoder
-from plain_transformer import make_plain
-from reference import eager_loss_and_grads
-from tiny_models import make_group
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.models_under_test import hf_decoder
+from helpers.plain_transformer import make_plain
+from helpers.reference import eager_loss_and_grads
+from helpers.tiny_models import make_group
 
 EXAMPLES = int(os.environ.get("LONGSTRAW_FUZZ_EXAMPLES", "6"))
 SEED = int(os.environ.get("LONGSTRAW_FUZZ_SEED", "0"))

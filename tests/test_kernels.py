@@ -12,10 +12,10 @@ import torch
 
 import longstraw
 from conftest import raises_longstraw
-from harness import compile_loss, compiled_loss_and_grads
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw.kernels import KernelPolicy, attention, fla_gated_delta
-from losses import grpo_loss_f64
-from tiny_models import make_group, make_model
+from helpers.losses import grpo_loss_f64
+from helpers.tiny_models import make_group, make_model
 
 
 def test_options_take_a_policy_or_a_dict():

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import compile_loss, compiled_loss_and_grads
-from losses import grpo_loss_f64
-from tiny_models import make_group, make_model
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.tiny_models import make_group, make_model
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -22,10 +22,10 @@ from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
-from harness import compile_loss
-from losses import grpo_loss_f64
-from plain_transformer import make_plain
-from tiny_models import make_group
+from helpers.harness import compile_loss
+from helpers.losses import grpo_loss_f64
+from helpers.plain_transformer import make_plain
+from helpers.tiny_models import make_group
 
 MODES = ("exact", "detached")
 

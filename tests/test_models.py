@@ -15,12 +15,12 @@ import torch
 import transformers
 
 import longstraw
-from compare import assert_close, assert_grads_close
-from harness import compile_loss, compiled_loss_and_grads
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw.models import qwen3_5
-from losses import grpo_loss_f64
-from reference import eager_loss_and_grads, hybrid_detached_reference
-from tiny_models import make_group
+from helpers.losses import grpo_loss_f64
+from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
+from helpers.tiny_models import make_group
 
 TOL = 1e-6
 

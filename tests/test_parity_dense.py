@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import longstraw
-from compare import assert_close, assert_grads_close
-from harness import compile_loss, compiled_loss_and_grads
-from losses import TAILS, coupled_loss, grpo_loss, grpo_loss_f64, logits_of, pg_loss, pg_tail
-from reference import detached_reference, eager_loss_and_grads, grads_of
-from tiny_models import (
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import TAILS, coupled_loss, grpo_loss, grpo_loss_f64, logits_of, pg_loss, pg_tail
+from helpers.reference import detached_reference, eager_loss_and_grads, grads_of
+from helpers.tiny_models import (
     KINDS,
     freeze_all_but_qkv_and_head,
     make_group,

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 import longstraw
-from compare import assert_close, assert_grads_close
+from helpers.compare import assert_close, assert_grads_close
 from conftest import raises_longstraw
-from harness import compile_loss, compiled_loss_and_grads
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw import pass_registry
 from longstraw.carry import recompute_grads
 from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference
-from losses import grpo_tail
-from reference import eager_loss_and_grads
-from tiny_models import make_group
+from helpers.losses import grpo_tail
+from helpers.reference import eager_loss_and_grads
+from helpers.tiny_models import make_group
 
 
 @torch.library.custom_op("lstest::shift_mix", mutates_args=())

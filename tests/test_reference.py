@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compare import assert_close, assert_grads_close, rel_err
-from losses import TAILS, grpo_loss_f64, logits_of
-from plain_transformer import make_plain
-from reference import detached_at_attention, detached_logits, detached_reference, eager_loss_and_grads, grads_of
-from tiny_models import KINDS, PLAIN_KINDS, make_group, make_lora_qwen3, make_model
+from helpers.compare import assert_close, assert_grads_close, rel_err
+from helpers.losses import TAILS, grpo_loss_f64, logits_of
+from helpers.plain_transformer import make_plain
+from helpers.reference import detached_at_attention, detached_logits, detached_reference, eager_loss_and_grads, grads_of
+from helpers.tiny_models import KINDS, PLAIN_KINDS, make_group, make_lora_qwen3, make_model
 
 SHAPES = [(3, 7, 9, True), (1, 1, 5, False), (2, 64, 1, False), (5, 30, 33, True)]
 

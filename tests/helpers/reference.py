@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from losses import grpo_tail
-from plain_transformer import PlainTransformer
+from helpers.losses import grpo_tail
+from helpers.plain_transformer import PlainTransformer
 
 
 def trainable(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The HF causal-LM families LongStraw claims, and the ones it refuses.
 
 One registry drives the differential suite (`test_families.py`) and the
-README's "supported and refused" table (`python tests/families.py` rewrites
+README's "supported and refused" table (`python tests/helpers/families.py` rewrites
 it; `test_readme_table_is_generated_from_the_registry` keeps them in step).
 A family is either supported, proven by float64 parity against eager in both
 modes, or refused with a message the suite matches: nothing in between.
@@ -73,7 +73,7 @@ def _hf(config_cls: type, base: dict = COMMON, **overrides) -> Callable[[], tran
 
 
 def _qwen3_5_detached(loss_fn, model, prompt, responses, advantages, mask):
-    from reference import hybrid_detached_reference
+    from helpers.reference import hybrid_detached_reference
 
     return hybrid_detached_reference(model, prompt, responses, advantages, mask)
 
@@ -155,7 +155,7 @@ REFUSED = [
 
 FAMILIES = {f.name: f for f in SUPPORTED + REFUSED}
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 _START, _END = "<!-- families:start -->", "<!-- families:end -->"
 
 

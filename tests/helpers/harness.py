@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from reference import with_fresh_grads
+from helpers.reference import with_fresh_grads
 
 
 def compile_loss(loss_fn, backend, **compile_kwargs):
