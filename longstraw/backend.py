@@ -24,11 +24,12 @@ from longstraw.passes import ArchitecturePass
 
 from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
-from .pass_registry import active_passes
 from .partition import Partition, classify, with_state
+from .pass_registry import active_passes
 from .planner import DEFAULT_CHUNK, MemoryModel, available_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
+from .state import SlotKind
 from .stepgraph import StepGraph, build_outer, build_step, build_tail
 from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
@@ -105,7 +106,7 @@ class GroupPlan:
         ]
         for slot in part.slots:
             size = (
-                f"{slot.bytes_per_position()} B/position" if slot.kind == "sequence" else f"{slot.fixed_bytes()} B carried"
+                f"{slot.bytes_per_position()} B/position" if slot.kind == SlotKind.SEQUENCE else f"{slot.fixed_bytes()} B carried"
             )
             lines.append(
                 f"    [{slot.index}] {slot.node.name} {list(slot.shape)} {str(slot.dtype).replace('torch.', '')} "

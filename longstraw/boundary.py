@@ -17,7 +17,7 @@ from longstraw.passes.base import ArchitecturePass, Candidate, SiteState
 
 from .dims import DimAnalysis
 from .nodes import tensor_of
-from .state import StateSlot
+from .state import SlotKind, StateSlot
 
 
 def bytes_per_position(node: fx.Node, an: DimAnalysis, token: int, batch: int) -> int | None:
@@ -67,7 +67,7 @@ def choose_state(
         for shape, dtype in pass_.carries(node):
             index = len(slots)
             slots[(node, len(resolved))] = StateSlot(
-                index=index, kind="carry", node=node, token_dim=None, batch_dim=None,
+                index=index, kind=SlotKind.CARRY, node=node, token_dim=None, batch_dim=None,
                 shape=tuple(shape), dtype=dtype, reason=f"{pass_.name}:{node.name}",
             )
             resolved.append(SiteState(node, index, None))
@@ -83,7 +83,7 @@ def _slot(index: int, node: fx.Node, an: DimAnalysis, token: int, batch: int, re
         shape[batch_dim] = 1
     return StateSlot(
         index=index,
-        kind="sequence",
+        kind=SlotKind.SEQUENCE,
         node=node,
         token_dim=an.dim_index(node, token),
         batch_dim=batch_dim,

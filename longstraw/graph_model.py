@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from .errors import module_path, source_line
 from .nodes import op_name, tensor_of
+from .state import SlotKind
 
 REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
 REGION_TITLES = {
@@ -79,7 +80,7 @@ def graph_model(plan) -> nx.DiGraph:
             g.add_edge(src.name, node.name)
     for slot in part.slots:
         state = f"state[{slot.index}]"
-        size = f"{slot.bytes_per_position()} B/position" if slot.kind == "sequence" else f"{slot.fixed_bytes()} B fixed"
+        size = f"{slot.bytes_per_position()} B/position" if slot.kind == SlotKind.SEQUENCE else f"{slot.fixed_bytes()} B fixed"
         g.add_node(state, region="state", op=f"{slot.kind} state", layer=_layer(slot.node), shape=list(slot.shape),
                    dtype=str(slot.dtype).removeprefix("torch."), source=source_line(slot.node),
                    detail=f"{size}; for {slot.reason}")

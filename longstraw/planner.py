@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from typing import Any
 
 import torch
 
 from .nodes import tensor_of
 from .simulation import float_dtype, simulate_step, traced_prefix_len
-from .state import boundaries_on_host
+from .state import boundaries_on_host, chunk_count
 
 log = logging.getLogger("longstraw.planner")
 
@@ -108,7 +107,7 @@ class MemoryModel:
         branches of R positions. Carries: the latest, and in exact mode off
         a GPU every chunk boundary (a GPU keeps those on the host)."""
         slots = self.plan.partition.slots
-        chunks = math.ceil(max(P - 1, 0) / chunk)
+        chunks = chunk_count(max(P - 1, 0), chunk)
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
         boundaries = chunks + 1 if mode == "exact" and not boundaries_on_host(device) else 1

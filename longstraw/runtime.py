@@ -31,7 +31,7 @@ from .options import Options
 from .carry import SpanGraphs
 from .partition import Partition
 from .recompute import LayerwiseStep
-from .state import PromptState, StepContext, has_values
+from .state import PromptState, SlotKind, StepContext, chunk_schedule, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -162,8 +162,7 @@ class GroupRunner:
         return out
 
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
-        size = self.options.prefix_chunk_size
-        return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
+        return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
 
     def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
         """The chunks, with a tqdm bar in tokens/s when `options.progress` asks for one."""
@@ -268,9 +267,9 @@ class GroupRunner:
     def _check_finite(self, state: PromptState) -> None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
         tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
-                   if slot.kind == "sequence"]
+                   if slot.kind == SlotKind.SEQUENCE]
         # the carries branches read (a non-finite earlier boundary reaches the state after it)
-        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.kind == "carry"]
+        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.kind == SlotKind.CARRY]
         if not tensors or not has_values(tensors[0][1]):
             return
         finite = torch.stack([t.isfinite().all() for _, t in tensors])

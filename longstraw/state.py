@@ -21,8 +21,9 @@ Two kinds of `StateSlot` are decided at compile time:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -34,12 +35,19 @@ if TYPE_CHECKING:
     from .carry import SpanGraphs
 
 
+class SlotKind(enum.StrEnum):
+    """How a slot's state grows: per prompt position, or a fixed-size carry."""
+
+    SEQUENCE = "sequence"
+    CARRY = "carry"
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSlot:
     """One captured tensor: a graph node and the layout of its state."""
 
     index: int
-    kind: Literal["sequence", "carry"]
+    kind: SlotKind
     node: fx.Node  # sequence: the captured node; carry: the claimed operator
     token_dim: int | None  # sequence slots only
     batch_dim: int | None
@@ -48,12 +56,12 @@ class StateSlot:
     reason: str  # which operator needs it, for summaries and reports
 
     def bytes_per_position(self) -> int:
-        if self.kind != "sequence":
+        if self.kind != SlotKind.SEQUENCE:
             return 0
         return math.prod(s for i, s in enumerate(self.shape) if i != self.token_dim) * self.dtype.itemsize
 
     def fixed_bytes(self) -> int:
-        if self.kind != "carry":
+        if self.kind != SlotKind.CARRY:
             return 0
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -79,7 +87,7 @@ class PromptState:
         self.buffers: dict[int, torch.Tensor] = {}
         self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
-            if slot.kind == "sequence":
+            if slot.kind == SlotKind.SEQUENCE:
                 shape = list(slot.shape)
                 shape[slot.token_dim] = capacity
                 if verify and slot.dtype.is_floating_point:
@@ -124,7 +132,7 @@ class PromptState:
         """The accumulated gradient of what a prompt chunk `[offset, offset+length)`
         produced. A carry's gradient is handed over once: the reverse pass
         reaches each chunk once, and keeping them all would grow with P."""
-        if slot.kind == "sequence":
+        if slot.kind == SlotKind.SEQUENCE:
             return self.grads[slot.index].narrow(slot.token_dim, offset, length)
         return self.carry_grads[slot.index].pop(offset + length, None)
 
@@ -223,6 +231,18 @@ def _on_host(value: torch.Tensor) -> torch.Tensor:
     pinned = has_values(value) and torch.cuda.is_available()
     host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
     return host.copy_(value, non_blocking=pinned)
+
+
+def chunk_schedule(prefix_len: int, size: int) -> list[tuple[int, int]]:
+    """The prompt chunks `(offset, length)` that capture and the reverse pass
+    run (the runtime) and whose boundaries keep carries (the planner)."""
+    return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
+
+
+def chunk_count(prefix_len: int, size: int) -> int:
+    """`len(chunk_schedule(prefix_len, size))` without building it (the
+    planner asks for prompts of any length)."""
+    return -(-prefix_len // size)
 
 
 def has_values(tensor: torch.Tensor) -> bool:

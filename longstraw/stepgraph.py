@@ -29,7 +29,7 @@ from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .mask import MaskTiles
 from .partition import Partition
-from .state import write_state
+from .state import SlotKind, write_state
 
 _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
@@ -429,7 +429,7 @@ class _StepBuilder:
         """`outputs`: original nodes to return; for the prefix kind, the
         captured state of every slot in slot order instead."""
         part = self.part
-        slot_of = {s.node: s.index for s in part.slots if s.kind == "sequence"}
+        slot_of = {s.node: s.index for s in part.slots if s.kind == SlotKind.SEQUENCE}
         stop = {n for n in part.graph.nodes if importer(n)}
         needed = _needed(outputs, stop, part.positional)
         self.ctx = self.graph.placeholder("ctx")
@@ -450,7 +450,7 @@ class _StepBuilder:
             self.env[node] = value
         grad_mode.restore()
         if self.kind == "prefix":
-            results = [self.env[s.node] if s.kind == "sequence" else self.carries[s.index] for s in part.slots]
+            results = [self.env[s.node] if s.kind == SlotKind.SEQUENCE else self.carries[s.index] for s in part.slots]
         else:
             results = [self.env[o] for o in outputs]
         self.graph.output(tuple(results))

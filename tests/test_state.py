@@ -8,13 +8,13 @@ import torch
 from torch import fx
 
 from conftest import raises_longstraw
-from longstraw.state import PromptState, StateSlot, StepContext
+from longstraw.state import PromptState, SlotKind, StateSlot, StepContext, chunk_count, chunk_schedule
 
 CHANNELS, WIDTH, CHUNK = 6, 3, 16
 
 
 def _conv_state(prefix_len: int) -> PromptState:
-    slot = StateSlot(0, "carry", fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
+    slot = StateSlot(0, SlotKind.CARRY, fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
     state = PromptState([slot], capacity=prefix_len + 4, prefix_len=prefix_len, device=torch.device("cpu"))
     state.allocate_grads()
     return state
@@ -56,7 +56,7 @@ PROMPT, HEADS, DIM = 8, 2, 4
 
 def _kv_state() -> PromptState:
     """One K-like sequence slot [1, heads, positions, dim], verified, with room for a 3-position branch."""
-    slot = StateSlot(0, "sequence", fx.Graph().placeholder("k"), 2, 0, (1, HEADS, PROMPT, DIM), torch.float64, "attention:k")
+    slot = StateSlot(0, SlotKind.SEQUENCE, fx.Graph().placeholder("k"), 2, 0, (1, HEADS, PROMPT, DIM), torch.float64, "attention:k")
     return PromptState([slot], capacity=PROMPT + 3, prefix_len=PROMPT, device=torch.device("cpu"), verify=True)
 
 
@@ -105,7 +105,7 @@ def _capture_three_chunks(state: PromptState) -> None:
 
 
 def test_detached_capture_keeps_only_the_latest_carry():
-    slot = StateSlot(0, "carry", fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
+    slot = StateSlot(0, SlotKind.CARRY, fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
     state = PromptState([slot], capacity=3 * CHUNK + 4, prefix_len=3 * CHUNK, device=torch.device("cpu"),
                         boundaries=False)
     _capture_three_chunks(state)
@@ -119,7 +119,7 @@ def test_exact_capture_keeps_every_boundary_on_the_host_of_a_gpu():
     a reverse-pass chunk starts from them; a recomputing step stores nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    slot = StateSlot(0, "carry", fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
+    slot = StateSlot(0, SlotKind.CARRY, fx.Graph().placeholder("conv"), None, 0, (1, CHANNELS, WIDTH), torch.float64, "conv tail")
     with FakeTensorMode(allow_non_fake_inputs=True):
         state = PromptState([slot], capacity=3 * CHUNK + 4, prefix_len=3 * CHUNK, device=torch.device("cuda"))
         _capture_three_chunks(state)
@@ -129,3 +129,12 @@ def test_exact_capture_keeps_every_boundary_on_the_host_of_a_gpu():
         assert reverse.carry_in(0).device.type == "cuda"
         reverse.carry_out(0, reverse.carry_in(0))
         assert state.carries[0][2 * CHUNK].device.type == "cpu"
+
+
+def test_the_planner_counts_the_chunks_the_runtime_runs():
+    for prefix_len in range(0, 40):
+        for size in (1, 3, 8, 64):
+            chunks = chunk_schedule(prefix_len, size)
+            assert len(chunks) == chunk_count(prefix_len, size)
+            assert sum(n for _, n in chunks) == prefix_len and all(0 < n <= size for _, n in chunks)
+            assert [o for o, _ in chunks] == list(range(0, prefix_len, size))
