@@ -21,11 +21,12 @@ import torch
 import transformers
 
 import longstraw
-from grpo.parity import compare as compare_grads
 from longstraw.kernels import fla_gated_delta
+from longstraw.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
-from longstraw.passes import gated_delta
+
+from grpo.parity import compare as compare_grads
 
 
 def grpo_loss(model, prompt, responses, advantages, mask):
@@ -100,7 +101,7 @@ def hybrid_parity(device):
         beta = torch.rand(B, L, Hv, generator=gen).to(device, torch.bfloat16)
         state0 = torch.randn(B, Hv, D, D, generator=gen).to(device)
         o1, s1 = fla_gated_delta.gated_delta_forward(q, k, v, g, beta, state0, True)
-        o2, s2 = gated_delta.gated_delta_rule_reference(q, k, v, g, beta, state0, True)
+        o2, s2 = gated_delta_rule_reference(q, k, v, g, beta, state0, True)
         out["fla_vs_reference_bf16"] = {
             "out_rel_l2": ((o1.float() - o2.float()).norm() / o2.float().norm()).item(),
             "state_rel_l2": ((s1 - s2).norm() / s2.norm()).item(),

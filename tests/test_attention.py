@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from longstraw.kernels import attention as attention_kernels
 from test_parity_dense import check_parity
+
+from longstraw.kernels import attention as attention_kernels
 
 
 class _Materialised:

@@ -9,13 +9,14 @@ import torch
 import transformers
 
 import longstraw
+from longstraw import carry
+from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.models import qwen3_5
+from longstraw.passes.causal_conv import causal_conv1d_reference
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from longstraw import carry
-from longstraw.models import qwen3_5
 from helpers.losses import grpo_loss_f64
-from longstraw.passes.causal_conv import causal_conv1d_reference
-from longstraw.passes.gated_delta import gated_delta_rule_reference
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group
 

@@ -90,6 +90,7 @@ def _error(run) -> str | None:
     """None if `run()` raises nothing; the LongStrawError's message if one is in
     the exception chain; else the whole traceback, for the parent to show."""
     import longstraw
+
     from conftest import _exception_chain
 
     try:
@@ -114,6 +115,7 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import longstraw
+
     from helpers.losses import grpo_loss_f64
     from helpers.reference import detached_reference, eager_loss_and_grads
     from helpers.tiny_models import make_model
@@ -173,6 +175,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import longstraw
+
     from helpers.losses import grpo_loss_f64
     from helpers.reference import detached_reference, eager_loss_and_grads
     from helpers.tiny_models import make_model

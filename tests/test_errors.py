@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import longstraw
+
+from conftest import raises_longstraw
 from helpers import plain_transformer
 from helpers.compare import assert_grads_close, grads_equal
-from conftest import raises_longstraw
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64, per_group_prefix_loss, responses_only_loss
 from helpers.plain_transformer import make_plain

@@ -14,18 +14,19 @@ import pytest
 import torch
 import transformers
 
-from helpers import browser
 import longstraw
-from helpers.harness import compile_loss
 from longstraw import state as state_module
 from longstraw.models import qwen3_5
+
 from conftest import raises_longstraw
+from helpers import browser
+from helpers.harness import compile_loss
 from helpers.losses import grpo_loss_f64, pg_tail
 from helpers.tiny_models import make_group, make_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from grpo.measure import GiB  # noqa: E402
 from grpo import models as grpo_models  # noqa: E402
+from grpo.measure import GiB  # noqa: E402
 from grpo.models import build_model, grpo_loss  # noqa: E402
 
 

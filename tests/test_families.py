@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close
+
 from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close
 from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
 from helpers.harness import compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64

@@ -12,11 +12,12 @@ import transformers
 
 import longstraw
 from longstraw import carry
-from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw.kernels import fla_gated_delta
+from longstraw.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.passes import gated_delta
-from longstraw.passes.gated_delta import gated_delta_rule_reference
+
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group

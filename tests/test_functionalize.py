@@ -25,11 +25,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close
-from conftest import raises_longstraw
-from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw.functionalize import functionalize, is_updated, updated
 from longstraw.specialize import specialize
+
+from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64, pg_loss, pg_tail
 from helpers.plain_transformer import PlainConfig, apply_rope, make_plain
 from helpers.reference import detached_reference, eager_loss_and_grads

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import longstraw
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import longstraw
+from longstraw.kernels import KernelPolicy, attention, fla_gated_delta
+
 from conftest import raises_longstraw
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from longstraw.kernels import KernelPolicy, attention, fla_gated_delta
 from helpers.losses import grpo_loss_f64
 from helpers.tiny_models import make_group, make_model
 

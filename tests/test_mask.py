@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.losses import grpo_loss_f64
-from helpers.tiny_models import make_group, make_model
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
 from longstraw import mask as masks
 from longstraw.kernels import attention as attention_kernels
+
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.tiny_models import make_group, make_model
 
 
 def _tiles(allowed, dtype=torch.bool, leading=(1, 1)) -> masks.MaskTiles:

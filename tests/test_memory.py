@@ -22,6 +22,7 @@ from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
+
 from helpers.harness import compile_loss
 from helpers.losses import grpo_loss_f64
 from helpers.plain_transformer import make_plain

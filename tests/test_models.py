@@ -15,9 +15,10 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.models import qwen3_5
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from longstraw.models import qwen3_5
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import longstraw
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import TAILS, coupled_loss, grpo_loss, grpo_loss_f64, logits_of, pg_loss, pg_tail

@@ -5,18 +5,18 @@ one node is an error naming both; without the pass the operator is refused."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close
-from conftest import raises_longstraw
-from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw import pass_registry
 from longstraw.carry import recompute_grads
 from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference
+
+from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_tail
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group

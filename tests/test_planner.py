@@ -9,10 +9,11 @@ import torch
 import transformers
 
 import longstraw
-from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.compare import assert_close
-from helpers.losses import grpo_loss_f64
 from longstraw.models import qwen3_5
+
+from helpers.compare import assert_close
+from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
 from helpers.tiny_models import make_group, make_model
 
 

@@ -18,13 +18,15 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import longstraw
+from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.models import qwen3_5
+from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
+from longstraw.passes.gated_delta import gated_delta_rule
+from longstraw.simulation import simulate_step
+
 from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
-from longstraw.models import qwen3_5
-from longstraw.simulation import simulate_step
-from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
-from longstraw.passes.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group
 

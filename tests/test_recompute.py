@@ -10,12 +10,13 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.kernels import attention as attention_kernels
+from longstraw.models import qwen3_5
+from longstraw.recompute import LayerwiseStep, segment_ids
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
-from longstraw.models import qwen3_5
-from longstraw.kernels import attention as attention_kernels
-from longstraw.recompute import LayerwiseStep, segment_ids
 from helpers.plain_transformer import make_plain
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group, make_model

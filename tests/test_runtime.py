@@ -9,14 +9,22 @@ import pytest
 import torch
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close, grads_equal
-from conftest import raises_longstraw
-from helpers.harness import compile_loss, compiled_loss_and_grads
 from longstraw.runtime import GroupRunner
 from longstraw.state import StepContext
+
+from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close, grads_equal
+from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import TAILS, grpo_loss_f64, grpo_tail, logits_of, pg_tail
 from helpers.plain_transformer import make_plain
-from helpers.reference import detached_logits, detached_reference, eager_loss_and_grads, grads_of, trainable, with_fresh_grads
+from helpers.reference import (
+    detached_logits,
+    detached_reference,
+    eager_loss_and_grads,
+    grads_of,
+    trainable,
+    with_fresh_grads,
+)
 from helpers.tiny_models import make_group, make_model, parity_tol
 
 

@@ -12,9 +12,10 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.mask import band_of
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from longstraw.mask import band_of
 from helpers.losses import grpo_loss_f64
 from helpers.reference import detached_at_attention, eager_loss_and_grads
 from helpers.tiny_models import make_group

@@ -14,12 +14,17 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close
+
 from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64, grpo_tail, logits_of, pg_tail
 from helpers.reference import (
-    detached_at_attention, detached_logits, detached_reference, eager_loss_and_grads, with_fresh_grads,
+    detached_at_attention,
+    detached_logits,
+    detached_reference,
+    eager_loss_and_grads,
+    with_fresh_grads,
 )
 from helpers.tiny_models import make_group, make_model
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from conftest import raises_longstraw
 from longstraw.state import PromptState, SlotKind, StateSlot, StepContext, chunk_count, chunk_schedule
+
+from conftest import raises_longstraw
 
 CHANNELS, WIDTH, CHUNK = 6, 3, 16
 

@@ -17,12 +17,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 import longstraw
-from helpers.compare import assert_close, assert_grads_close, grads_equal
+
 from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64, logits_of, pg_tail
 from helpers.reference import eager_loss_and_grads, grads_of
-from helpers.tiny_models import VOCAB, _HF_SHAPES, make_group, make_model
+from helpers.tiny_models import _HF_SHAPES, VOCAB, make_group, make_model
 
 
 def seed_grads(model):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from longstraw.models.tiny import tiny_causal_lm
+
 from helpers.plain_transformer import make_plain
 
 VOCAB = 64
