@@ -35,7 +35,7 @@ _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepGraph:
     """A generated graph and the original nodes its inputs stand for."""
 
