@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .nodes import op_name, tensor_of
+from .nodes import ancestors, op_name, tensor_of
 from .state import has_values
 
 CHECK_TILE_ROWS = 1024
@@ -143,7 +143,8 @@ def band_of(mask: fx.Node) -> tuple[float, float] | None:
     built by operators this proof does not know. Reads no values, so it
     holds for every length."""
     values: dict[fx.Node, Any] = {}
-    for node in _ancestors_in_order(mask):
+    needed = ancestors([mask])
+    for node in (n for n in mask.graph.nodes if n in needed):  # graph order: inputs first
         values[node] = _abstract(node, values)
         if values[node] is None:
             return None
@@ -151,23 +152,6 @@ def band_of(mask: fx.Node) -> tuple[float, float] | None:
     if not isinstance(band, _Band) or value is None or value.dtype != torch.bool:
         return None
     return band.lo, band.hi
-
-
-def _ancestors_in_order(node: fx.Node) -> list[fx.Node]:
-    seen: set[fx.Node] = set()
-    order: list[fx.Node] = []
-    stack = [(node, False)]
-    while stack:
-        n, done = stack.pop()
-        if done:
-            order.append(n)
-            continue
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.append((n, True))
-        stack.extend((a, False) for a in n.all_input_nodes)
-    return order
 
 
 def _abstract(node: fx.Node, values: dict[fx.Node, Any]) -> Any:

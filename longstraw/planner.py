@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .nodes import tensor_of
-from .simulation import float_dtype, simulate_step, traced_prefix_len
+from .simulation import float_dtype, simulate_step, tensor_bytes, traced_prefix_len
 from .state import boundaries_on_host, chunk_count
 
 log = logging.getLogger("longstraw.planner")
@@ -95,8 +95,8 @@ class MemoryModel:
         self.plan = plan
         part = plan.partition
         params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
-        self.weights = sum(_nbytes(v) for v in params)
-        self.grads = sum(_nbytes(v) for v in params if v.requires_grad)
+        self.weights = sum(tensor_bytes(v) for v in params)
+        self.grads = sum(tensor_bytes(v) for v in params if v.requires_grad)
         self.float_dtype = float_dtype(part)
         self.prompt_len = traced_prefix_len(plan)
         self.branch_len = part.end - self.prompt_len
@@ -176,13 +176,6 @@ def available_budget(device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(torch.cuda.memory_allocated(device) + free + cached - BUDGET_MARGIN * total)
-
-
-# simulation ---------------------------------------------------------------------
-
-
-def _nbytes(value: torch.Tensor) -> int:
-    return value.numel() * value.element_size()
 
 
 def _scale(traced: torch.dtype, target: torch.dtype | None) -> float:

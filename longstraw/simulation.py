@@ -132,5 +132,6 @@ def float_dtype(part: Any) -> torch.dtype:
     return floats[0].dtype if floats else torch.float32
 
 
-def _nbytes(value: torch.Tensor) -> int:
+def tensor_bytes(value: torch.Tensor) -> int:
+    """Bytes of the tensor's elements (not of its storage)."""
     return value.numel() * value.element_size()

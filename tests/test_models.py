@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 
 import longstraw
 from longstraw.models import qwen3_5
@@ -21,15 +19,9 @@ from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
-from helpers.tiny_models import make_group
+from helpers.tiny_models import make_group, make_qwen3_5
 
 TOL = 1e-6
-
-
-def make_qwen3_5() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config()).double()
-
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])

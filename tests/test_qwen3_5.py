@@ -28,7 +28,7 @@ from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
-from helpers.tiny_models import make_group
+from helpers.tiny_models import make_group, make_qwen3_5
 
 TOL = 1e-6
 
@@ -38,10 +38,6 @@ def _bound():
     with qwen3_5.bound():
         yield
 
-
-def make_qwen3_5(seed: int = 0, **overrides) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**overrides)).double()
 
 
 def _gdn_inputs(B=2, L=70, Hk=2, Hv=4, Dk=8, Dv=8, dtype=torch.float64, seed=0, decay=1.0):

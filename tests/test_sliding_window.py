@@ -71,17 +71,23 @@ def _mistral(window: int, layers: int = 2) -> torch.nn.Module:
     return transformers.MistralForCausalLM(config).double()
 
 
-@pytest.mark.parametrize("chunk", [8, 64])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
-def test_mistral_parity_with_fixed_state(mode, chunk):
-    model, group = _mistral(window=5), make_group(3, 30, 9, vocab=64, pad=True)
-    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+def _plan_with_parity(model: torch.nn.Module, **options) -> longstraw.GroupPlan:
+    """The compiled loss and every gradient equal eager's (the detached
+    reference in detached mode) on a padded group; returns the plan."""
+    group = make_group(3, 30, 9, vocab=64, pad=True)
+    backend = longstraw.Backend(**options)
     got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
-    reference = eager_loss_and_grads if mode == "exact" else detached_at_attention
+    reference = eager_loss_and_grads if options["prompt_grad"] == "exact" else detached_at_attention
     want_loss, want = reference(grpo_loss_f64, model, *group)
     assert_close(got_loss, want_loss, TOL)
     assert_grads_close(got, want, TOL)
-    plan = backend.plans[-1]
+    return backend.plans[-1]
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_mistral_parity_with_fixed_state(mode, chunk):
+    plan = _plan_with_parity(_mistral(window=5), prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
     assert plan.state_bytes_per_position == 0
     # per layer: the last 4 positions of K and V (4 heads after HF's repeat_kv, 8 + 8 values) and a flag, float64
@@ -105,14 +111,6 @@ def test_gemma3_alternating_sliding_and_full_layers(mode):
         max_position_embeddings=256,
     )
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).double()
-    group = make_group(3, 30, 9, vocab=64, pad=True)
-    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=8)
-    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
-    reference = eager_loss_and_grads if mode == "exact" else detached_at_attention
-    want_loss, want = reference(grpo_loss_f64, model, *group)
-    assert_close(got_loss, want_loss, TOL)
-    assert_grads_close(got, want, TOL)
-    plan = backend.plans[-1]
+    plan = _plan_with_parity(transformers.Gemma3ForCausalLM(config).double(), prompt_grad=mode, prefix_chunk_size=8)
     kinds = sorted(slot.kind for slot in plan.partition.slots)
     assert kinds == ["carry", "sequence", "sequence"]  # the sliding layer's window; the full layer's K and V

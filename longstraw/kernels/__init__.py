@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Literal
 
 from ..errors import LongStrawError
+from . import attention, fla_gated_delta
 
-ATTENTION_CHOICES = ("sdpa", "flash", "cudnn", "math")
+ATTENTION_CHOICES = ("sdpa", *attention.KERNELS)
 GATED_DELTA_CHOICES = ("auto", "torch")
 
 
@@ -44,8 +45,6 @@ class KernelPolicy:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Steps run inside take their kernels from this policy."""
-        from . import attention, fla_gated_delta
-
         with contextlib.ExitStack() as stack:
             if self.attention != "sdpa":
                 stack.enter_context(attention.choosing(attention.preferring(self.attention)))

@@ -6,8 +6,10 @@ No downloads: HF models are built from a config with random weights.
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 
+from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
 
 from helpers.plain_transformer import make_plain
@@ -116,3 +118,9 @@ def freeze_all_but_qkv_and_head(model: nn.Module) -> list[str]:
         if p.requires_grad:
             kept.append(name)
     return kept
+
+
+def make_qwen3_5(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny float64 Qwen3.5 hybrid (`qwen3_5.tiny_config` with `overrides`)."""
+    torch.manual_seed(seed)
+    return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**overrides)).double()
