@@ -25,9 +25,8 @@ class _Materialised:
         return self.block.narrow(-1, start, count)
 
 
-def _blocked_grads(q, keys, values, grad_out, mask):
+def _blocked_grads(q, keys, values, grad_out, mask, kernel=attention_kernels.MATH):
     """dQ, dK, dV the way `_AttentionOverState.backward` assembles them."""
-    kernel = attention_kernels.MATH
     o = keys.shape[-2] - q.shape[-2]
     out, lse = kernel.forward(q, keys, values, None if mask is None else _Materialised(mask), None, o)
     grad_q = torch.zeros_like(q)
@@ -67,6 +66,34 @@ def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_sco
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash", "cudnn"])
+@pytest.mark.parametrize("earlier", [0, 384])
+def test_fused_kernel_blocks_match_float64(name, earlier, monkeypatch):
+    """Flash's and cuDNN's block backward, with the merged output and
+    log-sum-exp, at Qwen3.5-27B's head shapes (24 query heads over 4 key
+    heads of 256), against float64 autograd on the same bf16 inputs: within
+    four times the error of the bf16 forward. Earlier keys in blocks of 128."""
+    monkeypatch.setattr(attention_kernels, "FLASH_KEY_BLOCK", 128)
+    kernel = attention_kernels.KERNELS[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, d = 256, 256
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, grad_out = rand(1, 24, n, d), rand(1, 24, n, d)
+    keys, values = rand(1, 4, earlier + n, d), rand(1, 4, earlier + n, d)
+    exact = [t.double().requires_grad_() for t in (q, keys, values)]
+    causal = torch.ones(n, earlier + n, dtype=torch.bool, device="cuda").tril(earlier)
+    want = F.scaled_dot_product_attention(*exact, attn_mask=causal, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, exact, grad_out.double())
+    with torch.no_grad():
+        out, *grads = _blocked_grads(q, keys, values, grad_out, None, kernel)
+    forward_error = (out.double() - want).abs().max() / want.abs().max()
+    assert forward_error < 1e-2
+    for got, expected in zip(grads, want_grads):
+        error = (got.double() - expected).abs().max() / expected.abs().max()
+        assert error < 4 * max(forward_error, 4e-3), (name, error, forward_error)
 
 
 @pytest.mark.parametrize("kind", ["plain", "plain_repeat", "plain_explicit_mask", "plain_window_mask", "qwen3"])

@@ -65,11 +65,12 @@ class FlashKernel(AttentionKernel):
 
 
 class CudnnKernel(FlashKernel):
-    """cuDNN's fused attention for the forward (Hopper: faster than flash
-    at prompt-capture shapes), flash's block backward. cuDNN takes grouped
-    K/V natively but only top-left causal alignment, so the step's own
-    positions (one causal square) and the keys before them, in blocks of
-    FLASH_KEY_BLOCK, are separate calls merged by their log-sum-exp. Fixed
+    """cuDNN's fused attention (Hopper: faster than flash at prompt-capture
+    shapes and head dim 256). cuDNN takes grouped K/V natively but only
+    top-left causal alignment, so the step's own positions (one causal
+    square) and the keys before them, in blocks of FLASH_KEY_BLOCK, are
+    separate calls merged by their log-sum-exp; the backward runs on the
+    same blocks with the merged output and log-sum-exp, like flash's. Fixed
     block lengths let cuDNN reuse its execution plans from chunk to chunk
     (each new shape builds one)."""
 
@@ -87,6 +88,13 @@ class CudnnKernel(FlashKernel):
             out = out * torch.exp(lse - new)[..., None] + o * torch.exp(s - new)[..., None]
             lse = new
         return out.to(q.dtype), lse
+
+    def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+        # attn_bias, cumulative lengths and the philox seed/offset are absent (no bias, no varlen, no dropout)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, keys, values, out, lse.float().unsqueeze(-1), None, None, None, None, None,
+            q.shape[-2], keys.shape[-2], 0.0, k_start == q_start, scale=scale,
+        )
 
     @staticmethod
     def _call(q, keys, values, causal, scale):
