@@ -7,7 +7,8 @@ Weights, grads and state are counted from the plan (the state buffers are
 exact). Activations are what the largest phase of the step holds beyond
 them: one branch's replay or one chunk of the reverse pass (or of the
 capture), and kernel workspaces. They come from running the planned
-runtime over the whole step (`longstraw.simulation`) at the traced sizes on fake tensors (no
+runtime over one step (`longstraw.simulation`; of the prompt's chunks the
+first and the last two) at the traced sizes on fake tensors (no
 memory, no compute) while a dispatch mode samples the bytes of live
 storages after every operator; flash attention's backward workspace,
 which fake kernels do not allocate, is added where it runs (dK/dV expanded
@@ -27,8 +28,8 @@ from typing import Any
 import torch
 
 from .nodes import tensor_of
-from .simulation import float_dtype, simulate_step, tensor_bytes, traced_prefix_len
-from .state import boundaries_on_host, chunk_count
+from .simulation import float_dtype, sampled_chunks, simulate_step, tensor_bytes, traced_prefix_len
+from .state import boundaries_on_host, chunk_count, chunk_schedule
 
 log = logging.getLogger("longstraw.planner")
 
@@ -102,12 +103,14 @@ class MemoryModel:
         self.branch_len = part.end - self.prompt_len
         self._activations: dict[tuple, int] = {}
 
-    def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0) -> tuple[int, int]:
+    def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0,
+              chunks: int | None = None) -> tuple[int, int]:
         """(state, d(state)) bytes on `device` for a P-token prompt and
         branches of R positions. Carries: the latest, and in exact mode off
-        a GPU every chunk boundary (a GPU keeps those on the host)."""
+        a GPU every chunk boundary (a GPU keeps those on the host) of the
+        `chunks` the capture runs (default: all)."""
         slots = self.plan.partition.slots
-        chunks = chunk_count(max(P - 1, 0), chunk)
+        chunks = chunk_count(max(P - 1, 0), chunk) if chunks is None else chunks
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
         boundaries = chunks + 1 if mode == "exact" and not boundaries_on_host(device) else 1
@@ -123,7 +126,8 @@ class MemoryModel:
             peak = simulate_step(self.plan, mode, chunk, recompute, device, dtype)
             scale = _scale(self.float_dtype, dtype)
             known = int((self.weights + self.grads) * scale)
-            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale))
+            simulated = len(sampled_chunks(chunk_schedule(self.prompt_len, chunk)))
+            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, simulated))
             self._activations[key] = max(peak - known, 0)
         return self._activations[key]
 

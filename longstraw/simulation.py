@@ -1,9 +1,13 @@
 """A planned step run on fake tensors, for the memory it would hold.
 
-`simulate_step` runs the planned runtime over the whole step (prompt
-capture, branches, replays, and in exact mode the reverse pass) at the
-traced sizes on fake tensors (no memory, no compute) while `_LiveBytes`, a
-dispatch mode, samples the bytes of live storages after every operator.
+`simulate_step` runs the planned runtime over one step (prompt capture,
+branches, replays, and in exact mode the reverse pass) at the traced sizes
+on fake tensors (no memory, no compute) while `_LiveBytes`, a dispatch
+mode, samples the bytes of live storages after every operator. Of the
+prompt's chunks it runs those whose memory can differ (`sampled_chunks`):
+the first, and the last two, which see the most earlier positions; the
+chunks between hold what those do, so a step at a million positions costs
+no more to simulate than one at three chunks.
 Flash attention's backward workspace, which fake kernels do not allocate,
 is added where it runs (dK/dV expanded to the query heads, the float32 dQ
 accumulator): the simulation takes its attention kernels from
@@ -23,6 +27,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .nodes import tensor_of
 from .runtime import GroupRunner
+
+
+def sampled_chunks(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The chunks a simulation runs: the first (no earlier positions, no
+    carry gradient in the reverse pass) and the last two, adjacent so that
+    a carry's gradient passes between them as in every other pair (the
+    last may be shorter; the one before it is then the longest chunk with
+    the most earlier positions)."""
+    return chunks if len(chunks) <= 3 else [chunks[0], *chunks[-2:]]
+
+
+class _SampledRunner(GroupRunner):
+    """The runtime over `sampled_chunks` of the prompt (fake tensors only:
+    a skipped chunk leaves its carry unwritten, and `PromptState.carry_at`
+    gives a shape-only run the latest earlier one)."""
+
+    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
+        return sampled_chunks(super()._chunks(prefix_len))
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -81,15 +103,15 @@ def traced_prefix_len(plan: Any) -> int:
 def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
                   dtype: torch.dtype | None) -> int:
     """Peak bytes of one step at the traced sizes (at most two branches: the
-    second replay adds its parameter gradients into the first's), run on
-    fake tensors of the example's device with the attention kernels
-    `device` would choose."""
+    second replay adds its parameter gradients into the first's; the prompt
+    chunks of `sampled_chunks`), run on fake tensors of the example's
+    device with the attention kernels `device` would choose."""
     from longstraw.kernels import attention
 
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False)
-    runner = GroupRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
+    runner = _SampledRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):

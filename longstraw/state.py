@@ -123,7 +123,11 @@ class PromptState:
 
     def carry_at(self, slot: int, position: int) -> torch.Tensor:
         """The carry at a chunk boundary, on the device (a host copy comes back asynchronously)."""
-        value = self.carries[slot][position]
+        carries = self.carries[slot]
+        if position not in carries and not has_values(next(iter(carries.values()))):
+            # the planner's simulation skips chunks (`simulation.sampled_chunks`): the latest carry has the shape
+            position = max(carries)
+        value = carries[position]
         if value.device != self.device and not has_values(value):  # a simulation: the shape is all there is
             return torch.empty(value.shape, dtype=value.dtype, device=self.device)
         return value.to(self.device, non_blocking=True)

@@ -83,3 +83,24 @@ def test_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch)
 def test_budget_is_validated(budget):
     with pytest.raises(longstraw.LongStrawError, match="memory_budget_gb must be a positive number"):
         longstraw.Backend(memory_budget_gb=budget)
+
+
+@pytest.mark.parametrize("kind, mode, recompute", [("qwen3_5", "exact", True), ("qwen3_5", "detached", False)])
+def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute, monkeypatch):
+    """The simulation runs the first prompt chunk and the last two
+    (`simulation.sampled_chunks`); over a prompt of eight chunks and a
+    shorter ninth it predicts what running all of them does (the same
+    bytes: both kinds of model, both modes, with and without recomputation
+    checked when this was written; the hybrid's carries are the case a
+    skipped chunk could get wrong)."""
+    from longstraw import planner, simulation
+
+    report = explain(kind)
+    device = torch.device("cpu")
+    assert len(simulation.sampled_chunks(longstraw.state.chunk_schedule(P - 1, 30))) == 3
+    sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
+    everything = lambda chunks: chunks  # noqa: E731
+    monkeypatch.setattr(simulation, "sampled_chunks", everything)
+    monkeypatch.setattr(planner, "sampled_chunks", everything)
+    full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
+    assert sampled == full, (sampled, full)
