@@ -15,6 +15,13 @@ which fake kernels do not allocate, is added where it runs (dK/dV expanded
 to the query heads, the float32 dQ accumulator). The activations are
 reused for other P and G: neither phase grows with P.
 
+Deep models are simulated at two and three periods of their layers (the
+smallest run of layers that repeats, `longstraw.depth`: the first, then
+the last, then also the second) and each phase's peak is extrapolated to
+the full depth: every period between the first and the last adds the
+same layer inputs (with recomputation) or activations (without) and the
+same parameter gradients.
+
 `MemoryModel.choose` takes the largest chunk that fits without
 recomputation (down to `FAST_CHUNK`), then the largest that fits with it.
 """
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 
 from .nodes import tensor_of
-from .simulation import float_dtype, sampled_chunks, simulate_step, tensor_bytes, traced_prefix_len
+from .simulation import float_dtype, sampled_chunks, simulate_phases, simulate_step, step_depth, tensor_bytes, traced_prefix_len
 from .state import boundaries_on_host, chunk_count, chunk_schedule
 
 log = logging.getLogger("longstraw.planner")
@@ -41,6 +48,8 @@ FAST_CHUNK = 2048
 launches) than recomputing each layer once, so recomputation is preferred."""
 BUDGET_MARGIN = 0.05
 """Kept free of the device's memory when capping a budget (allocator fragmentation)."""
+EXTRAPOLATE_FROM = 6
+"""Periods of layers from which the planner simulates two and three and extrapolates (fewer: it simulates them all)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +132,24 @@ class MemoryModel:
         chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
         key = (mode, chunk, recompute, str(device), dtype)
         if key not in self._activations:
-            peak = simulate_step(self.plan, mode, chunk, recompute, device, dtype)
+            peak = self.simulated_peak(mode, chunk, recompute, device, dtype)
             scale = _scale(self.float_dtype, dtype)
             known = int((self.weights + self.grads) * scale)
             simulated = len(sampled_chunks(chunk_schedule(self.prompt_len, chunk)))
             known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, simulated))
             self._activations[key] = max(peak - known, 0)
         return self._activations[key]
+
+    def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
+                       dtype: torch.dtype | None) -> int:
+        """The simulated step's peak: extrapolated from two and three periods
+        of layers where there are at least `EXTRAPOLATE_FROM` periods."""
+        depth = step_depth(self.plan)
+        if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
+            two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, k) for k in (2, 3))
+            if two is not None and three is not None and two.keys() == three.keys():
+                return max(two[p] + (three[p] - two[p]) * (depth.periods - 2) for p in two)
+        return simulate_step(self.plan, mode, chunk, recompute, device, dtype)
 
     def predict(
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,

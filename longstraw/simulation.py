@@ -16,7 +16,9 @@ accumulator): the simulation takes its attention kernels from
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,8 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
-from .runtime import GroupRunner
+from .runtime import GroupRunner, around_steps
 
 
 def sampled_chunks(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -62,13 +65,26 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
-        self.peak = 0
+        self.phase = "outside the steps"
+        self.peaks: dict[str, int] = {}  # per runtime phase (`phase_of`)
         self.ops = 0
+
+    def _reached(self, nbytes: int) -> None:
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), nbytes)
+
+    @contextlib.contextmanager
+    def in_step(self, where: str) -> Iterator[None]:
+        """`longstraw.around_steps`: peaks are kept per phase of the runtime."""
+        previous, self.phase = self.phase, phase_of(where)
+        try:
+            yield
+        finally:
+            self.phase = previous
 
     def transient(self, nbytes: int) -> None:
         """A kernel's workspace that fake tensors do not allocate."""
         self._prune()
-        self.peak = max(self.peak, self.current + nbytes)
+        self._reached(self.current + nbytes)
 
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
@@ -88,8 +104,13 @@ class _LiveBytes(TorchDispatchMode):
                 nbytes = t.untyped_storage().nbytes()
                 self.current += nbytes - (known[1] if known else 0)
                 self.live[ref.cdata] = (ref, nbytes)
-        self.peak = max(self.peak, self.current)
+        self._reached(self.current)
         return out
+
+
+def phase_of(where: str) -> str:
+    """`replaying branch 3 of 8; ...` -> `replaying branch`: the phase of a step the runtime names."""
+    return " ".join(where.split()[:2])
 
 
 def traced_prefix_len(plan: Any) -> int:
@@ -106,12 +127,34 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
     second replay adds its parameter gradients into the first's; the prompt
     chunks of `sampled_chunks`), run on fake tensors of the example's
     device with the attention kernels `device` would choose."""
+    return max(simulate_phases(plan, mode, chunk, recompute, device, dtype).values())
+
+
+def step_depth(plan: Any) -> Depth | None:
+    """The layers of the plan's steps, where the prompt's and the branch's agree."""
+    prefix, branch = (depth_of(step.module.graph) for step in (plan.runner.prefix, plan.runner.branch))
+    return prefix if prefix is not None and prefix == branch else None
+
+
+def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
+                    dtype: torch.dtype | None, periods: int | None = None) -> dict[str, int] | None:
+    """`simulate_step`'s peak per runtime phase (`phase_of`; "outside the
+    steps" for the rest), with the steps cut to `periods` periods of layers
+    (`longstraw.depth.without_middle`; None: every layer), or None where
+    the steps cannot be cut."""
     from longstraw.kernels import attention
 
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False)
-    runner = _SampledRunner(part, options, plan.runner.outer, plan.runner.prefix, plan.runner.branch)
+    prefix, branch = plan.runner.prefix, plan.runner.branch
+    if periods is not None:
+        depth = step_depth(plan)
+        cut = [None if depth is None else without_middle(step.module, depth, periods) for step in (prefix, branch)]
+        if any(module is None for module in cut):
+            return None
+        prefix, branch = (dataclasses.replace(step, module=module) for step, module in zip((prefix, branch), cut))
+    runner = _SampledRunner(part, options, plan.runner.outer, prefix, branch)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):
@@ -139,14 +182,15 @@ def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: tor
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
     # the plan's policy for Gated DeltaNet; attention's memory is modelled as flash's where a fused kernel applies
-    with plan.options.kernels.active(), attention.choosing(kernel_for), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
+            FakeTensorMode(allow_non_fake_inputs=True), tracker:
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
         outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads
-    return tracker.peak
+    return tracker.peaks
 
 
 def float_dtype(part: Any) -> torch.dtype:

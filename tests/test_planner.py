@@ -14,7 +14,8 @@ from longstraw.models import qwen3_5
 from helpers.compare import assert_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
-from helpers.tiny_models import make_group, make_model
+from helpers.tiny_models import make_group, make_model, make_qwen3_5
+from longstraw.models.tiny import tiny_causal_lm
 
 
 def make_hybrid() -> torch.nn.Module:
@@ -104,3 +105,32 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     monkeypatch.setattr(planner, "sampled_chunks", everything)
     full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
     assert sampled == full, (sampled, full)
+
+
+DEEP = {
+    # six periods of the hybrid's pattern (linear, full); six dense layers
+    "qwen3_5": lambda: make_qwen3_5(num_hidden_layers=12, layer_types=["linear_attention", "full_attention"] * 6),
+    "qwen3": lambda: tiny_causal_lm("qwen3", num_hidden_layers=6, hidden_size=32, intermediate_size=48, head_dim=8),
+}
+
+
+@pytest.mark.parametrize("kind, mode, recompute", [("qwen3_5", "exact", True), ("qwen3_5", "detached", False),
+                                                   ("qwen3", "exact", False)])
+def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, recompute, monkeypatch):
+    """A model of six periods of identical layers is simulated at two and
+    three (`longstraw.depth`), each phase's peak extrapolated to the full
+    depth: the same bytes as simulating every layer."""
+    from longstraw import planner, simulation
+
+    with qwen3_5.bound():
+        report = longstraw.explain(grpo_loss_f64, DEEP[kind](), *make_group(2, 97, R))
+    depth = simulation.step_depth(report.group_plan)
+    assert (depth.period, depth.periods) == ((2, 6) if kind == "qwen3_5" else (1, 6))
+    simulated = []
+    phases = simulation.simulate_phases
+    monkeypatch.setattr(planner, "simulate_phases", lambda *a: simulated.append(a[-1]) or phases(*a))
+    model = planner.MemoryModel(report.group_plan)
+    device = torch.device("cpu")
+    extrapolated = model.simulated_peak(mode, 32, recompute, device, None)
+    assert simulated == [2, 3]  # no fallback to the whole depth
+    assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None)
