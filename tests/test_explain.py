@@ -160,8 +160,9 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 
 
 # 64-layer runs of benchmarks/depth_bench.py on the H200 (LoRA, recompute_layers): exact from
-# the code that keeps attention's forward through recomputation and graphs the spans (m, o)
-DEPTH_RUNS = ["depth_bench_k_h200.json", "depth_bench_m_h200.json", "depth_bench_o_h200.json"]
+# the code that keeps attention's forward through recomputation and graphs the spans (m, o; s
+# with cuDNN's attention, whose memory the simulation models as flash's)
+DEPTH_RUNS = ["depth_bench_k_h200.json", "depth_bench_m_h200.json", "depth_bench_o_h200.json", "depth_bench_s_h200.json"]
 
 
 @pytest.mark.slow

@@ -86,14 +86,15 @@ def test_budget_is_validated(budget):
         longstraw.Backend(memory_budget_gb=budget)
 
 
-@pytest.mark.parametrize("kind, mode, recompute", [("qwen3_5", "exact", True), ("qwen3_5", "detached", False)])
+@pytest.mark.parametrize("kind, mode, recompute", [
+    pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow), ("qwen3_5", "detached", False), ("qwen3", "exact", True),
+])
 def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute, monkeypatch):
     """The simulation runs the first prompt chunk and the last two
     (`simulation.sampled_chunks`); over a prompt of eight chunks and a
-    shorter ninth it predicts what running all of them does (the same
-    bytes: both kinds of model, both modes, with and without recomputation
-    checked when this was written; the hybrid's carries are the case a
-    skipped chunk could get wrong)."""
+    shorter ninth it predicts what running all of them does: the same
+    bytes. The hybrid's carries are what a skipped chunk could get wrong;
+    its exact mode runs with `-m slow`."""
     from longstraw import planner, simulation
 
     report = explain(kind)
@@ -114,8 +115,9 @@ DEEP = {
 }
 
 
-@pytest.mark.parametrize("kind, mode, recompute", [("qwen3_5", "exact", True), ("qwen3_5", "detached", False),
-                                                   ("qwen3", "exact", False)])
+@pytest.mark.parametrize("kind, mode, recompute", [
+    pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow), ("qwen3_5", "detached", False), ("qwen3", "exact", True),
+])
 def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, recompute, monkeypatch):
     """A model of six periods of identical layers is simulated at two and
     three (`longstraw.depth`), each phase's peak extrapolated to the full
