@@ -26,8 +26,8 @@ class KernelPolicy:
     """Which kernels the steps of one compiled loss run.
 
     `attention`: "sdpa" follows PyTorch's SDPA rules (its backend priority
-    and `sdpa_kernel` switches around the call); "flash", "cudnn" (cuDNN's
-    forward, flash's backward) or "math" (the explicit softmax) pick one.
+    and `sdpa_kernel` switches around the call); "flash", "cudnn" or "math"
+    (the explicit softmax) pick one.
     A fused kernel runs only where it applies (CUDA, 16-bit, no mask, head
     dim <= 256); elsewhere the explicit softmax does.
     `gated_delta`: "auto" runs fla's kernels where fla is installed and
