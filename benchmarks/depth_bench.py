@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -67,7 +68,11 @@ def config(layers: int, tiny: bool) -> transformers.PretrainedConfig:
     )
 
 
-def build(layers: int, tiny: bool, dtype: torch.dtype, device: torch.device, lora: bool) -> torch.nn.Module:
+def build(layers: int, tiny: bool, dtype: torch.dtype, device: torch.device, lora: bool,
+          float32_adapters: bool = True) -> torch.nn.Module:
+    """The model; with `lora`, peft's LoRA with its adapters in float32
+    (peft's default for a 16-bit base) or, without `float32_adapters`, in
+    the base's dtype."""
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.Qwen3_5ForCausalLM._from_config(config(layers, tiny), dtype=dtype)
@@ -75,7 +80,8 @@ def build(layers: int, tiny: bool, dtype: torch.dtype, device: torch.device, lor
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
+                               autocast_adapter_dtype=float32_adapters)
         for name, p in model.named_parameters():
             if "lora_B" in name:  # peft starts B at zero, which would leave A without a gradient
                 torch.nn.init.normal_(p, std=1e-3)
@@ -259,6 +265,17 @@ def profiled(run: dict):
     run["profile_phases"] = {e.key: e.device_time_total / 1e6 for e in events if e.key.startswith("phase: ")}
 
 
+class Stopped(BaseException):
+    """SIGTERM (`timeout`) inside a run: the run is recorded with the phases it finished."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"stopped by signal {signum} after {time.perf_counter() - _STARTED:.0f} s")
+
+
+_STARTED = time.perf_counter()
+
+
 def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device,
             diagnose: str | None = None) -> dict:
     run = {"layers": layers, "mode": mode, "P": P, "G": G, "R": R, "options": options, "ok": False}
@@ -280,8 +297,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         if diagnose == "memory":
             run["memory_by_phase"] = diagnosis.best
         run.update(ok=True, loss=loss.item())
-    except Exception as error:  # noqa: BLE001 - every failure is a result here
-        if not is_oom(error):
+    except (Exception, Stopped) as error:  # noqa: BLE001 - every failure is a result here
+        if not (is_oom(error) or isinstance(error, Stopped)):
             raise
         run["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         run["where"] = [n for n in getattr(error, "__notes__", [])]
@@ -323,6 +340,8 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=None,
                         help="memory_budget_gb: the planner chooses the chunk (unless MODE:P:CHUNK gives it) and recomputation")
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
+    parser.add_argument("--bf16-adapters", action="store_true",
+                        help="LoRA adapters in the base's bf16 (peft's default upcasts them to float32)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
@@ -343,12 +362,23 @@ def main() -> None:
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora,
-        "sdpa": args.sdpa, "runs": [],
+        "sdpa": args.sdpa, "float32_adapters": not args.bf16_adapters, "runs": [],
     }
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        run_all(args, result, device, dtype, options, started)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print_table(result)
+
+
+def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype: torch.dtype, options: dict,
+            started: float) -> None:
+    """Every run of `--runs` into `result`, written to `--out` after each; a run stopped by SIGTERM ends them."""
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     kernels = sdpa_kernel(order, set_priority=True) if args.sdpa == "cudnn" else contextlib.nullcontext()
     with qwen3_5.bound(), kernels:
-        model = build(args.layers, args.tiny, dtype, device, lora=not args.no_lora)
+        model = build(args.layers, args.tiny, dtype, device, lora=not args.no_lora, float32_adapters=not args.bf16_adapters)
         result["build_seconds"] = time.perf_counter() - started
         for item in args.runs.split(","):
             mode, P, *rest = item.split(":")
@@ -362,6 +392,11 @@ def main() -> None:
                                           diagnose=diagnose))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))
+            if result["runs"][-1].get("error", "").startswith("Stopped"):
+                break
+
+
+def print_table(result: dict) -> None:
     print(f"{'mode':9} {'P':>9} {'chunk':>6} {'ok':>3} {'peak GB':>8} {'floor GB':>8} {'fwd pk':>7} {'bwd pk':>7} "
           f"{'s':>7} {'plan':>6} {'fwd':>7} {'bwd':>7}")
     for r in result["runs"]:

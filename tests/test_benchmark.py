@@ -5,6 +5,7 @@ and results of several commands merge into one summary."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+
+import longstraw
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from grpo.flops import FlopModel  # noqa: E402
@@ -297,3 +300,31 @@ def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert detached["chosen"]["prefix_chunk_size"] == 16  # given in the run, kept
     assert set(exact["steps"]) == {"capturing prompt chunk", "running branch", "replaying branch", "in the reverse pass"}
     assert "in the reverse pass" not in detached["steps"]
+
+
+def test_depth_bench_records_a_run_stopped_by_its_timeout(tmp_path, monkeypatch):
+    """SIGTERM (`timeout` around a command) during a run: the run is kept
+    with the phases it finished, the runs after it are not started, and
+    the process's SIGTERM handler is given back."""
+    import json
+    import os
+    import signal
+
+    import depth_bench
+
+    def stop_at_the_replays(where):
+        if where.startswith("replaying branch"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return contextlib.nullcontext()
+
+    out = tmp_path / "depth.json"
+    argv = ["depth_bench.py", "--tiny", "--layers", "4", "--G", "2", "--R", "8", "--runs", "exact:40:16,detached:40",
+            "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    before = signal.getsignal(signal.SIGTERM)
+    with longstraw.around_steps(stop_at_the_replays):
+        depth_bench.main()
+    assert signal.getsignal(signal.SIGTERM) is before
+    (run,) = json.loads(out.read_text())["runs"]
+    assert not run["ok"] and run["error"].startswith("Stopped: stopped by signal")
+    assert set(run["steps"]) == {"capturing prompt chunk", "running branch"}
