@@ -64,6 +64,7 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.pinned: set[int] = set()  # storages alive to the end (`pin`): counted, never checked again
         self.current = 0
         self.phase = "outside the steps"
         self.peaks: dict[str, int] = {}  # per runtime phase (`phase_of`)
@@ -86,6 +87,13 @@ class _LiveBytes(TorchDispatchMode):
         self._prune()
         self._reached(self.current + nbytes)
 
+    def pin(self) -> None:
+        """The storages alive now (the step's inputs: at 64 layers thousands
+        of weights) stay alive to the end: prunes no longer walk them."""
+        self._prune()
+        self.pinned.update(self.live)
+        self.live.clear()
+
     def _prune(self) -> None:
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             self.current -= self.live.pop(key)[1]
@@ -99,6 +107,8 @@ class _LiveBytes(TorchDispatchMode):
             self._prune()
         for t in tensors:
             ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata in self.pinned:  # a view of an input
+                continue
             known = self.live.get(ref.cdata)
             if known is None or known[0].expired():  # new, or a freed storage's address reused
                 nbytes = t.untyped_storage().nbytes()
@@ -185,6 +195,7 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
             FakeTensorMode(allow_non_fake_inputs=True), tracker:
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
+        tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
         outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
