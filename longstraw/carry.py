@@ -18,7 +18,9 @@ dispatcher in between (at full depth the exact 32K reverse pass went from
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -177,7 +179,9 @@ class CarryStep(torch.autograd.Function):
         wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
         span_grads, span = recompute_grads, None
-        if kernel.grads is not None and has_values(carry):
+        if _SHAPE_ONLY_SPANS and not has_values(carry) and kernel.graph_key is not None:
+            span_grads = lambda *a: _SHAPE_ONLY_SPANS[-1](kernel.graph_key, *a)  # noqa: E731
+        elif kernel.grads is not None and has_values(carry):
             span_grads, span = _direct_grads(kernel.grads), kernel.span
         elif graphs is not None and kernel.graph_key is not None and has_values(carry):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
@@ -186,6 +190,23 @@ class CarryStep(torch.autograd.Function):
         )
         step.accumulate_carry_grad(ctx.slot, grads[0])
         return (None, None, None, *grads[1:])
+
+
+ShapeOnlySpans = Callable[..., list[torch.Tensor | None]]
+_SHAPE_ONLY_SPANS: list[ShapeOnlySpans] = []
+
+
+@contextlib.contextmanager
+def shape_only_spans(span_grads: ShapeOnlySpans) -> Iterator[None]:
+    """Shape-only runs (the planner's simulation) differentiate spans of
+    operators with a `graph_key` by `span_grads(graph_key, fn, inputs,
+    grad_outputs, wanted)`: the simulation runs one span of each
+    signature and accounts for the others without running them."""
+    _SHAPE_ONLY_SPANS.append(span_grads)
+    try:
+        yield
+    finally:
+        _SHAPE_ONLY_SPANS.remove(span_grads)
 
 
 def _direct_grads(grads: CarryGradsFn) -> Callable[..., list[torch.Tensor | None]]:

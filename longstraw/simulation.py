@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .carry import recompute_grads, shape_only_spans
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
 from .runtime import GroupRunner, around_steps
@@ -68,10 +69,22 @@ class _LiveBytes(TorchDispatchMode):
         self.current = 0
         self.phase = "outside the steps"
         self.peaks: dict[str, int] = {}  # per runtime phase (`phase_of`)
+        self.local: int | None = None  # the peak inside `above`
         self.ops = 0
 
     def _reached(self, nbytes: int) -> None:
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), nbytes)
+        if self.local is not None:
+            self.local = max(self.local, nbytes)
+
+    def above(self, fn: Callable[[], Any]) -> tuple[Any, int]:
+        """`fn()` and the most it held above what was live before it."""
+        self._prune()
+        start = self.local = self.current
+        try:
+            return fn(), self.local - start
+        finally:
+            self.local = None
 
     @contextlib.contextmanager
     def in_step(self, where: str) -> Iterator[None]:
@@ -116,6 +129,33 @@ class _LiveBytes(TorchDispatchMode):
                 self.live[ref.cdata] = (ref, nbytes)
         self._reached(self.current)
         return out
+
+
+class _SpansOnce:
+    """Span gradients of carried operators on fake tensors (`carry.shape_only_spans`):
+    each signature (the operator's graph key, shapes, dtypes, which
+    gradients) runs once; later spans of it, in every layer and chunk,
+    hold what it held for an instant and return gradients of the right
+    shapes. At full depth most of a simulated step was Gated DeltaNet's
+    spans recomputed under autograd, each one the same."""
+
+    def __init__(self, tracker: _LiveBytes) -> None:
+        self.tracker = tracker
+        self.held: dict[tuple, tuple[int, list[bool]]] = {}  # bytes held, which gradients exist
+
+    def __call__(self, key, fn, inputs, grad_outputs, wanted) -> list[torch.Tensor | None]:
+        signature = (key, *(_signature(x) for x in (*inputs, *grad_outputs)), tuple(wanted))
+        if signature in self.held:
+            held, present = self.held[signature]
+            self.tracker.transient(held)
+            return [torch.empty_like(x) if there else None for x, there in zip(inputs, present)]
+        grads, held = self.tracker.above(lambda: recompute_grads(fn, inputs, grad_outputs, wanted))
+        self.held[signature] = held, [g is not None for g in grads]
+        return grads
+
+
+def _signature(x: torch.Tensor | None) -> tuple | None:
+    return None if x is None else (tuple(x.shape), x.dtype, x.stride())
 
 
 def phase_of(where: str) -> str:
@@ -193,7 +233,7 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
 
     # the plan's policy for Gated DeltaNet; attention's memory is modelled as flash's where a fused kernel applies
     with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
-            FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            shape_only_spans(_SpansOnce(tracker)), FakeTensorMode(allow_non_fake_inputs=True), tracker:
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))

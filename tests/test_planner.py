@@ -136,3 +136,19 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
     extrapolated = model.simulated_peak(mode, 32, recompute, device, None)
     assert simulated == [2, 3]  # no fallback to the whole depth
     assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None)
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
+    """The simulation runs one span's backward per signature of a carried
+    operator (Gated DeltaNet, the causal convolution) and accounts for the
+    rest without running them: the same bytes as running every span."""
+    import contextlib
+
+    from longstraw import simulation
+
+    report = explain("qwen3_5")
+    cpu = torch.device("cpu")
+    once = simulation.simulate_step(report.group_plan, mode, 32, True, cpu, None)
+    monkeypatch.setattr(simulation, "shape_only_spans", lambda spans: contextlib.nullcontext())
+    assert once == simulation.simulate_step(report.group_plan, mode, 32, True, cpu, None)
