@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import signal
 import sys
@@ -48,7 +47,7 @@ from grpo.results import git_commit  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
-from longstraw.runtime import GroupRunner  # noqa: E402
+from longstraw.runtime import GroupRunner, phase_of  # noqa: E402
 
 
 def hybrid_layers(layers: int) -> list[str]:
@@ -166,12 +165,6 @@ def step_flops(flops: FlopModel, mode: str, G: int, P: int, R: int, lora: bool) 
     if mode == "exact":
         total += weights * prompt_linear + 2 * prompt_attention
     return total
-
-
-def phase_of(where: str) -> str:
-    """`replaying branch 3 of 8` -> `replaying branch`: the phase a runtime note names."""
-    words = itertools.takewhile(lambda w: not (w[0].isdigit() or w[0] == "["), where.split())
-    return " ".join(list(words)[:4])
 
 
 class MemoryByPhase(TorchDispatchMode):

@@ -56,9 +56,10 @@ def depth_of(graph: fx.Graph) -> Depth | None:
 def without_middle(gm: fx.GraphModule, depth: Depth, periods: int) -> fx.GraphModule | None:
     """`gm` with `periods` periods of layers: the first `periods - 1` and
     the last. The first layer after the gap reads what the last layer
-    before it computed in place of the last dropped layer's values. None
-    where the layers do not hand over that way (a later node reads a
-    dropped value that has no counterpart before the gap)."""
+    before it computed in place of the last dropped layer's values, and
+    the step returns None for the dropped layers' outputs. None where the
+    layers do not hand over that way (a later node reads a dropped value
+    that has no counterpart before the gap)."""
     members = _members(gm.graph)
     p, n = depth.period, depth.periods
     if not 2 <= periods < n:
@@ -67,38 +68,36 @@ def without_middle(gm: fx.GraphModule, depth: Depth, periods: int) -> fx.GraphMo
     last_dropped = depth.layers[(n - 1) * p - 1]
     dropped = {node for layer in depth.layers[(periods - 1) * p:(n - 1) * p] for node in members[layer]}
     handover = _aligned(members[last_dropped], members[before])
-    if handover is None:
+    kept = [node for node in gm.graph.nodes if node not in dropped]
+    computing = [node for node in kept if node.op != "output"]
+    if handover is None or any(a in dropped and a not in handover for node in computing for a in node.all_input_nodes):
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-
-    def load(node: fx.Node) -> fx.Node:
-        if node in dropped:
-            if node not in handover:
-                raise _NotPeriodic
-            return env[handover[node]]
-        return env[node]
-
-    try:
-        for node in gm.graph.nodes:
-            if node not in dropped:
-                env[node] = graph.node_copy(node, load)
-    except _NotPeriodic:
-        return None
+    for node in computing:
+        env[node] = graph.node_copy(node, lambda a: env[handover[a] if a in dropped else a])
+    # what the step returns of a dropped layer (the prompt's step returns every state slot's value, the
+    # reverse pass seeds them with d(state)) is None: the runtime seeds only what a step computed
+    graph.output(fx.node.map_arg(gm.graph.output_node().args[0], lambda a: None if a in dropped else env[a]))
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
-class _NotPeriodic(Exception):
-    pass
-
-
 def _members(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Each layer's nodes. A node the step graph generated (a state write, an
+    attention or carried step: no module stack of its own) belongs to the
+    layer it follows in graph order, as in `recompute.segment_ids`."""
     members: dict[str, list[fx.Node]] = {}
+    current = None
     for node in graph.nodes:
-        layer = layer_of(node) if node.op in ("call_function", "call_method", "call_module") else None
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        layer = layer_of(node)
+        if layer is None and not node.meta.get("nn_module_stack"):
+            layer = current
         if layer is not None:
             members.setdefault(layer, []).append(node)
+            current = layer
     return members
 
 
@@ -126,7 +125,16 @@ def _structure(nodes: list[fx.Node]) -> tuple:
 
 
 def _key(node: fx.Node) -> tuple:
-    return node.op, str(node.target), _shape(node.meta.get("longstraw_value"))
+    return node.op, _target(node.target), _shape(node.meta.get("longstraw_value"))
+
+
+def _target(target: object) -> str:
+    """What a node calls, the same in every layer: the step functions the
+    step graphs call are closures made per layer, so a function is named by
+    its qualified name, not its address."""
+    if isinstance(target, str) or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', None)}.{getattr(target, '__qualname__', repr(target))}"
 
 
 def _shape(value: object) -> object:

@@ -29,13 +29,18 @@ recomputation (down to `FAST_CHUNK`), then the largest that fits with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
 import torch
 
 from .nodes import tensor_of
-from .simulation import float_dtype, sampled_chunks, simulate_phases, simulate_step, step_depth, tensor_bytes, traced_prefix_len
+from .depth import Depth
+from .simulation import (
+    float_dtype, sampled_chunks, simulate_phases, simulate_step, step_depth, steps_without_middle, tensor_bytes,
+    traced_prefix_len,
+)
 from .state import boundaries_on_host, chunk_count, chunk_schedule
 
 log = logging.getLogger("longstraw.planner")
@@ -144,12 +149,19 @@ class MemoryModel:
                        dtype: torch.dtype | None) -> int:
         """The simulated step's peak: extrapolated from two and three periods
         of layers where there are at least `EXTRAPOLATE_FROM` periods."""
-        depth = step_depth(self.plan)
+        depth = self.depth
         if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
-            two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, k) for k in (2, 3))
-            if two is not None and three is not None and two.keys() == three.keys():
-                return max(two[p] + (three[p] - two[p]) * (depth.periods - 2) for p in two)
+            cut = [steps_without_middle(self.plan, depth, k) for k in (2, 3)]
+            if None not in cut:
+                two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, steps) for steps in cut)
+                if two.keys() == three.keys():
+                    return max(two[p] + (three[p] - two[p]) * (depth.periods - 2) for p in two)
         return simulate_step(self.plan, mode, chunk, recompute, device, dtype)
+
+    @functools.cached_property
+    def depth(self) -> Depth | None:
+        """The steps' layers and their period (`longstraw.depth`)."""
+        return step_depth(self.plan)
 
     def predict(
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -364,6 +365,12 @@ def around_steps(around: Callable[[str], contextlib.AbstractContextManager]) -> 
         yield
     finally:
         _AROUND_STEPS.remove(around)
+
+
+def phase_of(where: str) -> str:
+    """`replaying branch 3 of 8; ...` -> `replaying branch`: the phase of a step `around_steps` names."""
+    words = itertools.takewhile(lambda w: not (w[0].isdigit() or w[0] == "["), where.split())
+    return " ".join(list(words)[:4])
 
 
 @contextlib.contextmanager

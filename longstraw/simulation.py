@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .carry import recompute_grads, shape_only_spans
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
-from .runtime import GroupRunner, around_steps
+from .runtime import GroupRunner, around_steps, phase_of
+from .stepgraph import StepGraph
 
 
 def sampled_chunks(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -68,7 +69,7 @@ class _LiveBytes(TorchDispatchMode):
         self.pinned: set[int] = set()  # storages alive to the end (`pin`): counted, never checked again
         self.current = 0
         self.phase = "outside the steps"
-        self.peaks: dict[str, int] = {}  # per runtime phase (`phase_of`)
+        self.peaks: dict[str, int] = {}  # per runtime phase (`runtime.phase_of`)
         self.local: int | None = None  # the peak inside `above`
         self.ops = 0
 
@@ -158,11 +159,6 @@ def _signature(x: torch.Tensor | None) -> tuple | None:
     return None if x is None else (tuple(x.shape), x.dtype, x.stride())
 
 
-def phase_of(where: str) -> str:
-    """`replaying branch 3 of 8; ...` -> `replaying branch`: the phase of a step the runtime names."""
-    return " ".join(where.split()[:2])
-
-
 def traced_prefix_len(plan: Any) -> int:
     """The traced example's captured prompt positions. Where they depend on
     values the example does not have (token ids on the meta device), every
@@ -186,24 +182,28 @@ def step_depth(plan: Any) -> Depth | None:
     return prefix if prefix is not None and prefix == branch else None
 
 
+def steps_without_middle(plan: Any, depth: Depth, periods: int) -> tuple[StepGraph, StepGraph] | None:
+    """The plan's prompt and branch steps with `periods` periods of layers
+    (`longstraw.depth.without_middle`), or None where they cannot be cut."""
+    steps = (plan.runner.prefix, plan.runner.branch)
+    cut = [without_middle(step.module, depth, periods) for step in steps]
+    if any(module is None for module in cut):
+        return None
+    prefix, branch = (dataclasses.replace(step, module=module) for step, module in zip(steps, cut))
+    return prefix, branch
+
+
 def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                    dtype: torch.dtype | None, periods: int | None = None) -> dict[str, int] | None:
-    """`simulate_step`'s peak per runtime phase (`phase_of`; "outside the
-    steps" for the rest), with the steps cut to `periods` periods of layers
-    (`longstraw.depth.without_middle`; None: every layer), or None where
-    the steps cannot be cut."""
+                    dtype: torch.dtype | None, steps: tuple[StepGraph, StepGraph] | None = None) -> dict[str, int]:
+    """`simulate_step`'s peak per runtime phase (`longstraw.runtime.phase_of`;
+    "outside the steps" for the rest), running `steps` (the prompt's and
+    the branch's, e.g. `steps_without_middle`) in place of the plan's."""
     from longstraw.kernels import attention
 
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False)
-    prefix, branch = plan.runner.prefix, plan.runner.branch
-    if periods is not None:
-        depth = step_depth(plan)
-        cut = [None if depth is None else without_middle(step.module, depth, periods) for step in (prefix, branch)]
-        if any(module is None for module in cut):
-            return None
-        prefix, branch = (dataclasses.replace(step, module=module) for step, module in zip((prefix, branch), cut))
+    prefix, branch = steps or (plan.runner.prefix, plan.runner.branch)
     runner = _SampledRunner(part, options, plan.runner.outer, prefix, branch)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"

@@ -16,6 +16,7 @@ from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.tiny_models import make_group, make_model, make_qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
+from longstraw.recompute import layer_of
 
 
 def make_hybrid() -> torch.nn.Module:
@@ -128,13 +129,18 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
         report = longstraw.explain(grpo_loss_f64, DEEP[kind](), *make_group(2, 97, R))
     depth = simulation.step_depth(report.group_plan)
     assert (depth.period, depth.periods) == ((2, 6) if kind == "qwen3_5" else (1, 6))
-    simulated = []
+    simulated = []  # layers of the steps each simulation ran
     phases = simulation.simulate_phases
-    monkeypatch.setattr(planner, "simulate_phases", lambda *a: simulated.append(a[-1]) or phases(*a))
+
+    def simulate(*args):
+        simulated.append(len({layer_of(n) for n in args[-1][1].module.graph.nodes} - {None}))
+        return phases(*args)
+
+    monkeypatch.setattr(planner, "simulate_phases", simulate)
     model = planner.MemoryModel(report.group_plan)
     device = torch.device("cpu")
     extrapolated = model.simulated_peak(mode, 32, recompute, device, None)
-    assert simulated == [2, 3]  # no fallback to the whole depth
+    assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
     assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None)
 
 
