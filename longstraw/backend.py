@@ -26,7 +26,7 @@ from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
-from .planner import DEFAULT_CHUNK, MemoryModel, available_budget
+from .planner import DEFAULT_CHUNK, MemoryModel, available_budget, default_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .state import SlotKind
@@ -118,9 +118,10 @@ class GroupPlan:
 class PlanningDone(Exception):  # noqa: N818 - control flow, not an error
     """Raised instead of running the loss when a backend only plans (`longstraw.explain`)."""
 
-    def __init__(self, plan: GroupPlan) -> None:
+    def __init__(self, plan: GroupPlan, activations: dict[tuple, dict[int, int]]) -> None:
         super().__init__("planned; nothing was run")
         self.plan = plan
+        self.activations = activations  # what planning simulated, for the report's plans to reuse
 
 
 class Backend:
@@ -190,12 +191,13 @@ class CompiledGroupLoss:
         self.backend = backend
         self.plans: OrderedDict[tuple, GroupPlan | None] = OrderedDict()
         self.guarded: dict[tuple, tuple[int, ...]] = {}  # signature -> arguments its plans fold
+        self.activations: dict[tuple, dict[int, int]] = {}  # the planner's simulations, shared by this graph's plans
         self.warned = False
 
     def __call__(self, *args: Any) -> Any:
         plan = self._plan_for(args)
         if plan is not None and self.backend.stop_after_planning:
-            raise PlanningDone(plan)
+            raise PlanningDone(plan, self.activations)
         if plan is None:
             return self.gm(*args)
         outputs = GroupFunction.apply(plan.runner, *args)
@@ -230,7 +232,7 @@ class CompiledGroupLoss:
             part = with_state(classify(gm, params, self.backend.passes))
             runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
-            plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args)
+            plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args, self.activations)
         except UnsupportedGraphError as err:
             node = err.node
             if self.partial is not None:
@@ -252,21 +254,25 @@ class CompiledGroupLoss:
         return guards, plan
 
 
-def _sized(plan: GroupPlan, args: Sequence[Any]) -> GroupPlan:
+def _sized(plan: GroupPlan, args: Sequence[Any], activations: dict[tuple, dict[int, int]]) -> GroupPlan:
     """The plan with `prefix_chunk_size` and `recompute_layers` decided: the
-    user's where given, else the planner's choice for `memory_budget_gb`
-    (`longstraw.planner`), else 8192 without recomputation."""
+    user's where given, else the planner's choice (`longstraw.planner`) for
+    `memory_budget_gb`, or on CUDA for the device's free memory, else 8192
+    without recomputation. `activations` caches the planner's simulations."""
     opts = plan.options
     if opts.prefix_chunk_size is not None and opts.recompute_layers is not None:
         return plan
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    budget = None if opts.memory_budget_gb is None else min(int(opts.memory_budget_gb * 1e9), available_budget(device))
+    if opts.memory_budget_gb is not None:
+        budget = min(int(opts.memory_budget_gb * 1e9), available_budget(device))
+    else:
+        budget = default_budget(device)
     chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
     if budget is None:
         chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
     else:
-        model = MemoryModel(plan)
+        model = MemoryModel(plan, activations)
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         params = [a for p, a in zip(plan.partition.placeholders, args) if p in plan.partition.params and isinstance(a, torch.Tensor)]
         grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)

@@ -18,8 +18,8 @@ class Options:
 
     prefix_chunk_size: int | None = None
     """Prompt positions evaluated per chunk during capture and the reverse
-    pass. None: planned for `memory_budget_gb` (`longstraw.planner`) when
-    it is set, else 8192."""
+    pass. None: planned (`longstraw.planner`) for `memory_budget_gb`, or on
+    CUDA for the device's free memory; elsewhere 8192."""
 
     on_unsupported: Literal["error", "eager"] = "error"
     """`error`: raise, naming the operator, module and source line.
@@ -49,7 +49,7 @@ class Options:
     """Run each branch replay and reverse-pass chunk layer by layer under
     `torch.utils.checkpoint`: what one step holds under autograd no longer
     grows with depth (the layers' inputs stay), for one more forward of the
-    replayed positions. None: planned with the chunk size (off without a budget)."""
+    replayed positions. None: planned with the chunk size (off where nothing is planned)."""
 
     cuda_graphs: bool = True
     """On a GPU, replay the backward of carried operators (Gated DeltaNet,
@@ -71,8 +71,10 @@ class Options:
     """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
     process's other tensors included: the chunk size and recomputation left
     None are planned for it (on CUDA at most what is allocated at planning
-    time plus the device's free memory, less 5% of it). None: no planning
-    (8192, no recomputation)."""
+    time plus the device's free memory, less 5% of it). None: on CUDA that
+    cap itself (the device's free memory); elsewhere nothing is planned (8192,
+    no recomputation). Setting both `prefix_chunk_size` and
+    `recompute_layers` skips planning."""
 
     def __post_init__(self) -> None:
         from .pass_registry import as_pass  # the passes import the runtime, which imports this module

@@ -46,7 +46,7 @@ from .state import boundaries_on_host, chunk_count, chunk_schedule
 log = logging.getLogger("longstraw.planner")
 
 DEFAULT_CHUNK = 8192
-"""The chunk when nothing is planned (no `memory_budget_gb`)."""
+"""The chunk when nothing is planned (off CUDA without `memory_budget_gb`)."""
 CHUNK_CHOICES = (8192, 4096, 2048, 1024, 512, 256, 128)
 FAST_CHUNK = 2048
 """Smaller chunks than this cost more speed (smaller matrix products, more
@@ -106,7 +106,9 @@ class MemoryPlan:
 class MemoryModel:
     """Everything a plan's memory depends on, from the plan (see the module docstring)."""
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, activations: dict[tuple, dict[int, int]] | None = None) -> None:
+        """`activations`: the simulations of one compiled graph's plans
+        (`CompiledGroupLoss`), reused for shorter prompts (see `activations`)."""
         self.plan = plan
         part = plan.partition
         params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
@@ -115,7 +117,10 @@ class MemoryModel:
         self.float_dtype = float_dtype(part)
         self.prompt_len = traced_prefix_len(plan)
         self.branch_len = part.end - self.prompt_len
-        self._activations: dict[tuple, int] = {}
+        # (mode, chunk, recompute, device, dtype, context) -> {simulated prompt length: activations}
+        self._activations: dict[tuple, dict[int, int]] = {} if activations is None else activations
+        # what a simulation depends on besides the key and P, among one graph's plans
+        self._context = (self.branch_len, self.float_dtype, self.weights, self.grads)
 
     def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0,
               chunks: int | None = None) -> tuple[int, int]:
@@ -133,17 +138,25 @@ class MemoryModel:
         return state, state_grad
 
     def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> int:
-        """A simulated step's peak at the traced sizes, less what the formula counts there."""
+        """A simulated step's peak at the traced sizes, less what the formula
+        counts there. Activations grow with P only until attention's key
+        blocks reach their cap (a block of keys per kernel call), so a
+        simulation at a prompt up to twice as long as this one is reused: it
+        holds at least as much. A training loop over many prompt lengths
+        simulates a candidate only when a prompt is longer than every
+        simulated one or less than half of it."""
         chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
-        key = (mode, chunk, recompute, str(device), dtype)
-        if key not in self._activations:
-            peak = self.simulated_peak(mode, chunk, recompute, device, dtype)
-            scale = _scale(self.float_dtype, dtype)
-            known = int((self.weights + self.grads) * scale)
-            simulated = len(sampled_chunks(chunk_schedule(self.prompt_len, chunk)))
-            known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, simulated))
-            self._activations[key] = max(peak - known, 0)
-        return self._activations[key]
+        simulated = self._activations.setdefault((mode, chunk, recompute, str(device), dtype, self._context), {})
+        longer = [p for p in simulated if self.prompt_len <= p < 2 * self.prompt_len]
+        if longer:
+            return simulated[min(longer)]
+        peak = self.simulated_peak(mode, chunk, recompute, device, dtype)
+        scale = _scale(self.float_dtype, dtype)
+        known = int((self.weights + self.grads) * scale)
+        chunks = len(sampled_chunks(chunk_schedule(self.prompt_len, chunk)))
+        known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, chunks))
+        simulated[self.prompt_len] = max(peak - known, 0)
+        return simulated[self.prompt_len]
 
     def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
                        dtype: torch.dtype | None) -> int:
@@ -203,6 +216,16 @@ class MemoryModel:
                     "of memory: shorten the prompt, use prompt_grad='detached', or raise memory_budget_gb.",
                     budget / 1e9, P, mode, best.peak / 1e9, best.prefix_chunk_size, best.recompute_layers)
         return best
+
+
+def default_budget(device: torch.device) -> int | None:
+    """The budget when `memory_budget_gb` is None: on CUDA the device's free
+    memory (`available_budget`); elsewhere none, and nothing is planned
+    (host memory is not what a long prompt runs out of, and a plan
+    simulates the step)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return available_budget(device)
+    return None
 
 
 def available_budget(device: torch.device) -> int:

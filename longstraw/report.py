@@ -36,21 +36,22 @@ from .errors import LongStrawError
 from .graph_model import COLORS, REGION_TITLES, REGIONS, describe_slot, graph_model
 from .nodes import tensor_of
 from .options import Options
-from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan
+from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan, default_budget
 
 
 
 class ExplainReport:
     """What `explain` found; see the module docstring for the memory model."""
 
-    def __init__(self, plan: GroupPlan, options: Options | None = None) -> None:
+    def __init__(self, plan: GroupPlan, options: Options | None = None,
+                 activations: dict[tuple, dict[int, int]] | None = None) -> None:
         self.group_plan = plan
         # the options asked for: the plan's have the chunk size and recomputation decided
         self.options: Options = options or plan.options
         part = plan.partition
         self.graph = graph_model(plan)
         self.state = [describe_slot(part, slot) for slot in part.slots]
-        self.memory = MemoryModel(plan)
+        self.memory = MemoryModel(plan, activations)
         self.weights_bytes, self.grads_bytes = self.memory.weights, self.memory.grads
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size
@@ -92,16 +93,19 @@ class ExplainReport:
         activations (state keeps its own dtype: float32 recurrent state).
 
         The chunk size and recomputation are the arguments', else the
-        options'; where both leave one open and a budget is given, it is
-        chosen as the backend would choose it for that budget (the
-        `prefix_chunk_size` and `recompute_layers` of the result)."""
+        options'; where both leave one open they are chosen as the backend
+        would choose them (the `prefix_chunk_size` and `recompute_layers` of
+        the result) for the budget: `budget_gb`, else the options'
+        `memory_budget_gb`, else on CUDA the device's free memory; with
+        none of these, 8192 without recomputation."""
         G = self.traced_group_size if G is None else G
         R = self.traced_response_len if R is None else R
         mode = prompt_grad or self.options.prompt_grad
         chunk = prefix_chunk_size or self.options.prefix_chunk_size
         recompute = self.options.recompute_layers if recompute_layers is None else recompute_layers
         device = torch.device(device) if device is not None else self.example_device
-        budget = None if budget_gb is None else int(budget_gb * 1e9)
+        budget_gb = self.options.memory_budget_gb if budget_gb is None else budget_gb
+        budget = default_budget(device) if budget_gb is None else int(budget_gb * 1e9)
         if budget is not None and (chunk is None or recompute is None):
             chosen = self.memory.choose(P, R, mode, device, budget, chunk, recompute, dtype)
             chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
@@ -190,7 +194,7 @@ def explain(
     try:
         compiled(*example_args, **example_kwargs)
     except PlanningDone as done:
-        return ExplainReport(done.plan, opts)
+        return ExplainReport(done.plan, opts, done.activations)
     raise LongStrawError(
         "explain: the loss ran without a graph reaching the backend (was it compiled before with another "
         "backend in a way Dynamo reuses, or does it contain no tensor operations?)"

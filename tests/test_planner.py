@@ -68,10 +68,11 @@ def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
     assert "no prompt chunk fits the memory budget" in caplog.text
 
 
-def test_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
-    """No `memory_budget_gb`: chunks of 8192, no recomputation, no simulation at planning."""
+def test_off_cuda_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
+    """No `memory_budget_gb` on the CPU: chunks of 8192, no recomputation, no simulation at planning."""
     from longstraw import planner
 
+    assert planner.default_budget(torch.device("cpu")) is None
     monkeypatch.setattr(planner, "simulate_step", lambda *a, **k: pytest.fail("simulated without a budget"))
     backend = longstraw.Backend()
     step = compile_loss(grpo_loss_f64, backend)
@@ -79,6 +80,76 @@ def test_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch)
         step(make_model("qwen3"), *make_group(2, 20, 4))
     options = backend.plans[-1].options
     assert (options.prefix_chunk_size, options.recompute_layers) == (8192, False)
+
+
+def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
+    """No `memory_budget_gb`: the backend plans for `default_budget(device)`
+    (on CUDA the device's free memory; `test_default_budget_on_cuda`), and
+    chooses what `explain(...).plan()` chooses for that budget."""
+    from longstraw import backend as backend_module
+
+    report = explain("qwen3_5")
+    roomy = report.plan(P=P, budget_gb=100.0)
+    budget = roomy.peak - 4096  # the largest chunk without recomputation just misses
+    expected = report.plan(P=P, budget_gb=budget / 1e9)
+    asked = []
+    monkeypatch.setattr(backend_module, "default_budget", lambda device: asked.append(device) or budget)
+    backend = longstraw.Backend()
+    with qwen3_5.bound(), torch.no_grad():
+        compile_loss(grpo_loss_f64, backend)(make_hybrid(), *make_group(2, P, R))
+    chosen = backend.plans[-1].options
+    assert asked == [torch.device("cpu")]
+    assert (chosen.prefix_chunk_size, chosen.recompute_layers) == (expected.prefix_chunk_size, expected.recompute_layers)
+    assert (chosen.prefix_chunk_size, chosen.recompute_layers) != (roomy.prefix_chunk_size, roomy.recompute_layers)
+
+
+@pytest.mark.gpu
+def test_default_budget_on_cuda():
+    """On CUDA the default budget is the device's free memory (what is allocated plus free, less the margin)."""
+    from longstraw import planner
+
+    device = torch.device("cuda")
+    held = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    expected = torch.cuda.memory_allocated(device) + free + reserved_free - planner.BUDGET_MARGIN * total
+    assert abs(planner.default_budget(device) - expected) < 64 << 20
+    del held
+
+
+def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
+    """Plans for new prompt lengths reuse the compiled graph's simulations
+    of a prompt at most twice as long: they hold at least as much (here the
+    CPU's attention blocks span the whole prompt, so they grow with P). A
+    longer prompt is simulated again. (The second length makes Dynamo
+    compile a graph with a dynamic P, which has its own simulations.)"""
+    from longstraw import planner
+
+    from longstraw import backend as backend_module
+
+    simulated, caches = [], []
+    simulate = planner.simulate_step
+    monkeypatch.setattr(planner, "simulate_step", lambda plan, *a: simulated.append(plan) or simulate(plan, *a))
+
+    class Recorded(planner.MemoryModel):
+        def __init__(self, plan, activations=None):
+            caches.append(activations)
+            super().__init__(plan, activations)
+
+    monkeypatch.setattr(backend_module, "MemoryModel", Recorded)
+    backend = longstraw.Backend(memory_budget_gb=100.0, prefix_chunk_size=32)
+    step = compile_loss(grpo_loss_f64, backend)
+    model = make_model("qwen3")
+    lengths = (70, 120, 100, 55, 150)  # 70: the static graph; 100 reuses 120; 55 is under half of 120; 150 is longer
+    with torch.no_grad():
+        for prompt_len in lengths:
+            step(model, *make_group(2, prompt_len, R))
+    assert [planner.traced_prefix_len(p) + 1 for p in simulated] == [70, 120, 55, 150]
+    cpu = torch.device("cpu")
+    fresh = {p: planner.MemoryModel(plan).activations("exact", 32, False, cpu, None) for p, plan in zip(lengths, backend.plans)}
+    assert fresh[55] < fresh[100] < fresh[120] < fresh[150]  # what a reuse must cover: the activations grow with P
+    assert caches[2] is caches[1] and caches[1] is not caches[0]  # the dynamic graph's plans share one cache
+    assert planner.MemoryModel(backend.plans[2], caches[2]).activations("exact", 32, False, cpu, None) == fresh[120]
 
 
 @pytest.mark.parametrize("budget", [0, -1.0, "8", True])
