@@ -189,7 +189,7 @@ def memory_floor(model, kind, args, sweep_out: dict) -> dict:
     step (HF's PyTorch kernel keeps several times their activations)."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     vocab = model.config.vocab_size
-    backend = longstraw.Backend(prompt_grad="exact")
+    backend = longstraw.Backend(prompt_grad="exact", prefix_chunk_size=8192, recompute_layers=False)
     group = make_group(2, 4096, 64, vocab, model.device)
     with Runner(model, kind, "longstraw_exact") as runner:
         runner.compiled = torch.compile(grpo_loss, backend=backend)

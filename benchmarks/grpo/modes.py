@@ -89,7 +89,9 @@ class Runner:
             model.set_attn_implementation("flex_attention")
         if self.mode.startswith("longstraw"):
             torch._dynamo.reset()
-            backend = longstraw.Backend(prompt_grad=self.mode.removeprefix("longstraw_"))
+            # the sizes these benchmarks have always measured; left None, the backend would plan them per P
+            backend = longstraw.Backend(prompt_grad=self.mode.removeprefix("longstraw_"), prefix_chunk_size=8192,
+                                        recompute_layers=False)
             self.compiled = torch.compile(grpo_loss, backend=backend)
         return self
 
