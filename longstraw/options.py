@@ -57,6 +57,16 @@ class Options:
     kernels dispatch hundreds of small operators per span. False: run them
     eagerly (debugging, or a custom carried operator that cannot be captured)."""
 
+    attention_outputs_on_host: bool = False
+    """Exact mode: keep each causal attention layer's output and log-sum-exp
+    over the prompt, from the capture, in host memory, so the reverse pass
+    reads them instead of running attention's forward over all earlier
+    positions again (its share of the reverse pass grows with P). Host
+    memory: the output's bytes per position per attention layer plus 4 per
+    head (12 KB at Qwen3.5-27B shapes: 72 GB for 393K positions and 15
+    layers); entries that would leave less than 10% of the host's memory
+    available are not kept (their chunks recompute the forward)."""
+
     passes: tuple[Any, ...] = ()
     """Architecture passes (`longstraw.passes.ArchitecturePass` subclasses or
     instances) used after the built-in, installed and registered ones
@@ -102,6 +112,8 @@ class Options:
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
         if self.recompute_layers not in (None, True, False):
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
+        if not isinstance(self.attention_outputs_on_host, bool):
+            raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise LongStrawError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.check_finite, bool):

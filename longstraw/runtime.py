@@ -32,7 +32,7 @@ from .options import Options
 from .carry import SpanGraphs
 from .partition import Partition
 from .recompute import LayerwiseStep
-from .state import PromptState, SlotKind, StepContext, chunk_schedule, has_values
+from .state import HostAttentionOutputs, PromptState, SlotKind, StepContext, chunk_schedule, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -234,8 +234,10 @@ class GroupRunner:
         device, real = probe.device, has_values(probe)
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
+        exact = self.options.prompt_grad == "exact"
+        kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
         state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify,
-                            boundaries=self.options.prompt_grad == "exact", span_graphs=SpanGraphs() if graphs else None)
+                            boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept)
         rng: dict[tuple[str, int], RngState] = {}
         for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
             if self.random:
@@ -328,6 +330,8 @@ class GroupRunner:
                     outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(leaves, outs, seeds)
+                if state.attention_outputs is not None:
+                    state.attention_outputs.drop(offset)
         state.release()
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for i, leaf in zip(wanted, leaves):

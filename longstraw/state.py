@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from .errors import LongStrawError, module_path
 
 if TYPE_CHECKING:
     from .carry import SpanGraphs
+
+log = logging.getLogger("longstraw.state")
 
 
 class SlotKind(enum.StrEnum):
@@ -76,9 +79,11 @@ class PromptState:
     def __init__(
         self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
         boundaries: bool = True, span_graphs: "SpanGraphs | None" = None,
+        attention_outputs: "HostAttentionOutputs | None" = None,
     ) -> None:
         self.slots = slots
         self.span_graphs = span_graphs  # CUDA graphs of carried operators' spanwise backward (carry.py)
+        self.attention_outputs = attention_outputs  # exact mode: the capture's attention outputs, for the reverse pass
         self.prefix_len = prefix_len
         self.verify = verify
         self.device = device
@@ -150,8 +155,58 @@ class PromptState:
         return None
 
     def release(self) -> None:
-        self.buffers, self.carries, self.span_graphs = {}, {}, None
+        self.buffers, self.carries, self.span_graphs, self.attention_outputs = {}, {}, None, None
         self.grads = self.carry_grads = None
+
+
+HOST_RESERVE = 0.1
+"""Fraction of the host's memory `HostAttentionOutputs` leaves available."""
+
+
+class HostAttentionOutputs:
+    """`Options.attention_outputs_on_host`: the output and log-sum-exp of
+    each causal attention layer over each prompt chunk, from the capture,
+    kept in host memory by (state slot, chunk offset). The reverse pass
+    recomputes a chunk with the same inputs, so it reads them instead of
+    running attention's forward over every earlier position again. An entry
+    that would leave less than `HOST_RESERVE` of the host's memory available
+    is not kept: its chunk runs the forward as without the option."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.entries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.refused = False
+
+    def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        nbytes = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+        available, total = host_memory()
+        if available - nbytes < HOST_RESERVE * total:
+            if not self.refused:
+                log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
+                            "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)
+                self.refused = True
+            return
+        # pageable memory, exact sizes: pinned blocks are rounded up to a power of two
+        self.entries[slot, offset] = (out.detach().to("cpu", copy=True), lse.detach().to("cpu", copy=True))
+
+    def get(self, slot: int, offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        kept = self.entries.get((slot, offset))
+        return None if kept is None else (kept[0].to(self.device, copy=True), kept[1].to(self.device, copy=True))
+
+    def drop(self, offset: int) -> None:
+        """Forget a chunk's entries once the reverse pass is done with it."""
+        for key in [k for k in self.entries if k[1] == offset]:
+            del self.entries[key]
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory from /proc/meminfo; (0, 0) where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()}
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
 
 
 @dataclasses.dataclass

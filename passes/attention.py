@@ -18,6 +18,7 @@ import operator
 import torch
 from torch import fx
 
+from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.mask import MaskBlock
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
@@ -208,7 +209,7 @@ class _AttentionOverState(torch.autograd.Function):
         kernel = kernel_for(q, mask)
         keys, values = step.visible(k_slot), step.visible(v_slot)
         if mask is None:
-            out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
+            out, lse = _causal_over_state(step, k_slot, q, keys, values, scale)
         else:
             out, lse = kernel.forward(q, keys, values, mask, scale, step.offset)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
@@ -242,6 +243,36 @@ class _AttentionOverState(torch.autograd.Function):
                 step.accumulate_grad(k_slot, gk, start)
                 step.accumulate_grad(v_slot, gv, start)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _causal_over_state(
+    step: StepContext, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal forward (output, log-sum-exp); with `HostAttentionOutputs`
+    the capture keeps it for each prompt chunk and the reverse pass, which
+    recomputes the chunk from the same inputs, reads it back."""
+    kept = step.state.attention_outputs
+    prompt_chunk = kept is not None and step.offset + step.length <= step.state.prefix_len
+    if prompt_chunk and step.grad_enabled:
+        stored = kept.get(slot, step.offset)
+        if stored is not None:
+            if step.state.verify:
+                _verify_kept(step, slot, stored, torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset))
+            return stored
+    out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
+    if prompt_chunk and not step.grad_enabled:
+        kept.keep(slot, step.offset, out, lse)
+    return out, lse
+
+
+def _verify_kept(step: StepContext, slot: int, stored: tuple[torch.Tensor, ...], recomputed: tuple[torch.Tensor, ...]) -> None:
+    """`Options.verify_state`: the reverse pass's attention equals what the capture kept."""
+    if not all(torch.equal(a, b) for a, b in zip(stored, recomputed)):
+        raise LongStrawError(
+            f"verify_state: the reverse pass recomputed the attention of {step.state.slots[slot].label()} over positions "
+            f"[{step.offset}, {step.offset + step.length}) with other values than the capture kept "
+            "(attention_outputs_on_host): the step is not deterministic; turn the option off"
+        )
 
 
 def _causal_forward(

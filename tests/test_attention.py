@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from test_parity_dense import check_parity
 
+import longstraw
 from longstraw.kernels import attention as attention_kernels
 
 
@@ -163,3 +164,96 @@ def test_cudnn_forward_merges_its_calls(monkeypatch):
         want_out, want_lse = attention_kernels.MATH.forward(q, k, v, None, None, start)
         torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+class _AttentionForwards:
+    """Counts the causal attention forwards run over prompt chunks (queries
+    before the prompt's end) and over branches, at the kernel."""
+
+    def __init__(self, prompt_len: int, monkeypatch) -> None:
+        from longstraw.passes import attention
+
+        self.prompt_len, self.prompt, self.branch = prompt_len, 0, 0
+        kernel_for = attention.kernel_for
+
+        def counting(q, mask):
+            kernel = kernel_for(q, mask)
+            forward = kernel.forward
+
+            class Counted:
+                def __getattr__(_, name):
+                    return getattr(kernel, name)
+
+                def forward(_, q, keys, values, mask, scale, q_start):
+                    if q_start + q.shape[-2] <= self.prompt_len:
+                        self.prompt += 1
+                    else:
+                        self.branch += 1
+                    return forward(q, keys, values, mask, scale, q_start)
+
+            return Counted()
+
+        monkeypatch.setattr(attention, "kernel_for", counting)
+
+
+def _attention_run(monkeypatch, kind: str, recompute: bool, **options):
+    """(loss, grads, forwards) of an exact step of a 4-chunk prompt."""
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group, make_model, make_qwen3_5
+
+    from longstraw.models import qwen3_5
+
+    torch.manual_seed(0)
+    model = make_qwen3_5() if kind == "qwen3_5" else make_model(kind)
+    backend = longstraw.Backend(prefix_chunk_size=8, recompute_layers=recompute, **options)
+    with monkeypatch.context() as patch:
+        counted = _AttentionForwards(31, patch)
+        with qwen3_5.bound():
+            loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *make_group(2, 32, 5))
+    return loss, grads, counted
+
+
+@pytest.mark.parametrize("kind, recompute", [("qwen3", False), ("qwen3", True), ("qwen3_5", True)])
+def test_attention_outputs_on_host_skip_the_reverse_forward(kind, recompute, monkeypatch):
+    """`attention_outputs_on_host`: the reverse pass reads each prompt
+    chunk's attention output and log-sum-exp kept by the capture instead
+    of running the forward again, and the gradients are bit for bit the same."""
+    loss, grads, without = _attention_run(monkeypatch, kind, recompute)
+    kept_loss, kept_grads, kept = _attention_run(monkeypatch, kind, recompute, attention_outputs_on_host=True)
+    assert torch.equal(loss, kept_loss)
+    assert grads.keys() == kept_grads.keys() and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    layers = kept.prompt // 4  # four prompt chunks, each captured once
+    assert layers > 0 and kept.prompt == 4 * layers
+    assert without.prompt == 2 * kept.prompt  # the reverse pass ran every chunk's forward again
+    assert kept.branch == without.branch
+
+
+def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplog):
+    """Short of host memory, nothing is kept: the reverse pass recomputes, with a warning."""
+    from longstraw import state
+
+    monkeypatch.setattr(state, "host_memory", lambda: (1 << 20, 1 << 30))
+    loss, grads, without = _attention_run(monkeypatch, "qwen3", False)
+    with caplog.at_level("WARNING", logger="longstraw.state"):
+        kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", False, attention_outputs_on_host=True)
+    assert kept.prompt == without.prompt
+    assert torch.equal(loss, kept_loss) and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    assert "attention outputs from position 0 on are recomputed" in caplog.text
+
+
+def test_verify_state_checks_the_kept_attention_outputs(monkeypatch):
+    """With `verify_state`, a kept output that differs from the recomputed
+    one (a step that is not deterministic) raises, and no .grad changes."""
+    from longstraw import state
+
+    keep = state.HostAttentionOutputs.keep
+    monkeypatch.setattr(state.HostAttentionOutputs, "keep",
+                        lambda self, slot, offset, out, lse: keep(self, slot, offset, out + 1e-9, lse))
+    with pytest.raises(longstraw.LongStrawError, match="with other values than the capture kept"):
+        _attention_run(monkeypatch, "qwen3", False, attention_outputs_on_host=True, verify_state=True)
+
+
+def test_attention_outputs_on_host_is_validated():
+    with pytest.raises(longstraw.LongStrawError, match="attention_outputs_on_host must be a bool"):
+        longstraw.Backend(attention_outputs_on_host="yes")
