@@ -335,6 +335,8 @@ def main() -> None:
     parser.add_argument("--no-lora", action="store_true", help="train every parameter instead of LoRA")
     parser.add_argument("--bf16-adapters", action="store_true",
                         help="LoRA adapters in the base's bf16 (peft's default upcasts them to float32)")
+    parser.add_argument("--attention-on-host", action="store_true",
+                        help="attention_outputs_on_host: the reverse pass reads the capture's attention outputs")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
@@ -348,6 +350,7 @@ def main() -> None:
     options = {"prefix_chunk_size": args.chunk, "recompute_layers": args.recompute_layers, "progress": False}
     if args.budget_gb is not None:
         options = {"prefix_chunk_size": None, "recompute_layers": None, "memory_budget_gb": args.budget_gb, "progress": False}
+    options["attention_outputs_on_host"] = args.attention_on_host
     result = {
         # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
         "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",

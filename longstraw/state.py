@@ -175,6 +175,8 @@ class HostAttentionOutputs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.entries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # fetched for the reverse chunk being run: the forward's, for its recomputation
+        self.fetched: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.refused = False
 
     def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -190,13 +192,25 @@ class HostAttentionOutputs:
         self.entries[slot, offset] = (out.detach().to("cpu", copy=True), lse.detach().to("cpu", copy=True))
 
     def get(self, slot: int, offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        kept = self.entries.get((slot, offset))
-        return None if kept is None else (kept[0].to(self.device, copy=True), kept[1].to(self.device, copy=True))
+        """The kept entry on the device; asked again (layer-wise
+        recomputation), a copy of the same without a second transfer (by the
+        same operator: selective checkpointing checks that recomputation
+        dispatches what the forward did)."""
+        key = (slot, offset)
+        if key in self.fetched:
+            return tuple(t.to(self.device, copy=True) for t in self.fetched.pop(key))
+        kept = self.entries.get(key)
+        if kept is None:
+            return None
+        self.fetched[key] = (kept[0].to(self.device, copy=True), kept[1].to(self.device, copy=True))
+        return self.fetched[key]
 
     def drop(self, offset: int) -> None:
         """Forget a chunk's entries once the reverse pass is done with it."""
         for key in [k for k in self.entries if k[1] == offset]:
             del self.entries[key]
+        for key in [k for k in self.fetched if k[1] == offset]:
+            del self.fetched[key]
 
 
 def host_memory() -> tuple[int, int]:
