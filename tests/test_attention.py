@@ -196,7 +196,7 @@ class _AttentionForwards:
         monkeypatch.setattr(attention, "kernel_for", counting)
 
 
-def _attention_run(monkeypatch, kind: str, recompute: bool, **options):
+def _attention_run(monkeypatch, kind: str, recompute: bool, device: str = "cpu", dtype=torch.float64, **options):
     """(loss, grads, forwards) of an exact step of a 4-chunk prompt."""
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
@@ -205,12 +205,13 @@ def _attention_run(monkeypatch, kind: str, recompute: bool, **options):
     from longstraw.models import qwen3_5
 
     torch.manual_seed(0)
-    model = make_qwen3_5() if kind == "qwen3_5" else make_model(kind)
+    model = (make_qwen3_5() if kind == "qwen3_5" else make_model(kind)).to(device, dtype)
+    group = [t.to(device) for t in make_group(2, 32, 5)]
     backend = longstraw.Backend(prefix_chunk_size=8, recompute_layers=recompute, **options)
     with monkeypatch.context() as patch:
         counted = _AttentionForwards(31, patch)
         with qwen3_5.bound():
-            loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *make_group(2, 32, 5))
+            loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
     return loss, grads, counted
 
 
@@ -227,6 +228,24 @@ def test_attention_outputs_on_host_skip_the_reverse_forward(kind, recompute, mon
     assert layers > 0 and kept.prompt == 4 * layers
     assert without.prompt == 2 * kept.prompt  # the reverse pass ran every chunk's forward again
     assert kept.branch == without.branch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_outputs_on_host_on_cuda(dtype, monkeypatch):
+    """On CUDA (host copies and back, flash or cuDNN in bf16, selective
+    checkpointing): no reverse forward, the same loss, and gradients equal
+    (float32, the math kernel) or as close as two bf16 runs are."""
+    loss, grads, without = _attention_run(monkeypatch, "qwen3", True, "cuda", dtype)
+    kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", True, "cuda", dtype, attention_outputs_on_host=True)
+    assert without.prompt == 2 * kept.prompt > 0
+    assert torch.equal(loss, kept_loss)
+    for name in grads:
+        if dtype == torch.float32:
+            assert torch.equal(grads[name], kept_grads[name]), name
+        else:
+            scale = grads[name].float().abs().max().clamp_min(1e-30)
+            assert (grads[name].float() - kept_grads[name].float()).abs().max() / scale < 2e-2, name
 
 
 def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplog):
