@@ -107,6 +107,8 @@ def head_region(part: Partition, outputs: list[fx.Node], needed: set[fx.Node], s
         users = [u for u in node.users if u in needed or u in part.positional]
         if all(u in region for u in users) and _per_position(part, node, positions, exits):
             region.add(node)
+    # a piece of a tuple computed outside (`torch.chunk` of a projection into query and gate) enters as a tensor
+    region -= {n for n in region if n.args and isinstance(n.args[0], fx.Node) and n.args[0] not in region and tensor_of(n.args[0]) is None}
     region_outputs = [o for o in outputs if o in region]
     if not region_outputs:
         return None
