@@ -31,8 +31,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from .dims import Restriction
+from .errors import LongStrawError
 from .nodes import is_call, is_random, is_side_effect, tensor_of
 from .partition import Partition
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadSpan:
@@ -74,7 +77,7 @@ def _single_position_dim(part: Partition, node: fx.Node, positions: set[int]) ->
     return part.dims.find(dims[0][0])
 
 
-def _per_position(part: Partition, node: fx.Node, positions: set[int], exits: dict[fx.Node, Any]) -> bool:
+def _per_position(part: Partition, node: fx.Node, positions: set[int], exits: dict[fx.Node, Restriction]) -> bool:
     """Whether `node` computes each position from the same position of its inputs only."""
     an = part.dims
     if node in part.claims or node in part.positional or node in an.unknown or is_random(node) or is_side_effect(node):
@@ -108,7 +111,10 @@ def head_region(part: Partition, outputs: list[fx.Node], needed: set[fx.Node], s
         if all(u in region for u in users) and _per_position(part, node, positions, exits):
             region.add(node)
     # a piece of a tuple computed outside (`torch.chunk` of a projection into query and gate) enters as a tensor
-    region -= {n for n in region if n.args and isinstance(n.args[0], fx.Node) and n.args[0] not in region and tensor_of(n.args[0]) is None}
+    region -= {
+        n for n in region
+        if n.args and isinstance(n.args[0], fx.Node) and n.args[0] not in region and tensor_of(n.args[0]) is None
+    }
     region_outputs = [o for o in outputs if o in region]
     if not region_outputs:
         return None
@@ -119,11 +125,15 @@ def head_region(part: Partition, outputs: list[fx.Node], needed: set[fx.Node], s
     if not region_exits or any(an.find(an.dims_of(e)[exits[e].out_dim][0]) != read for e in region_exits):
         return None
     inputs = {i for n in region for i in n.all_input_nodes if i not in region}
+    roots = {r.node for r in part.roots}
     for i in inputs:
         if not _position_dims(part, i, positions):
             continue
-        if tensor_of(i) is None or _single_position_dim(part, i, positions) not in (part.token, read):
+        axis = _single_position_dim(part, i, positions)
+        if tensor_of(i) is None or axis not in (part.token, read):
             return None
+        if axis == part.token and i.op == "placeholder" and i not in roots:
+            return None  # not cut to the step's positions by the runtime
     if not _widens(part, region, inputs, positions):
         return None
     return HeadRegion(region, region_outputs, read, an.factor_size(read), [exits[e].start for e in region_exits])
@@ -134,8 +144,9 @@ def _width(part: Partition, node: fx.Node, positions: set[int]) -> int:
     value = tensor_of(node)
     if value is None:
         return 0
-    per = [s for s, d in zip(value.shape, part.dims.dims_of(node)) if not any(part.dims.find(f) in positions | {part.batch} for f in d)]
-    return math.prod(per)
+    axes = positions | {part.batch}
+    dims = part.dims.dims_of(node)
+    return math.prod(s for s, d in zip(value.shape, dims) if not any(part.dims.find(f) in axes for f in d))
 
 
 def _widens(part: Partition, region: set[fx.Node], inputs: set[fx.Node], positions: set[int]) -> bool:
@@ -150,7 +161,10 @@ class HeadChunks(torch.nn.Module):
     """Runs a region's graph (built for a `HeadSpan`) chunk by chunk; called
     in the branch step with the step's context and the region's inputs."""
 
-    def __init__(self, graph: fx.GraphModule, region: HeadRegion, input_dims: list[tuple[str, int] | None], output_dims: list[int], chunk: int) -> None:
+    def __init__(
+        self, graph: fx.GraphModule, region: HeadRegion, input_dims: list[tuple[str, int] | None],
+        output_dims: list[int], chunk: int,
+    ) -> None:
         super().__init__()
         self.chunk_graph = graph
         self.rows = region.rows
@@ -167,9 +181,13 @@ class HeadChunks(torch.nn.Module):
             span = HeadSpan(self.first + start, length + self.spread, start, length)
             args = [self._narrowed(x, how, span, ctx.offset) for x, how in zip(inputs, self.input_dims)]
             if torch.is_grad_enabled():
-                pieces.append(checkpoint(self.chunk_graph, span, *args, use_reentrant=False))
+                outs = checkpoint(self.chunk_graph, span, *args, use_reentrant=False)
             else:
-                pieces.append(self.chunk_graph(span, *args))
+                outs = self.chunk_graph(span, *args)
+            if any(o.shape[d] != length for o, d in zip(outs, self.output_dims)):
+                raise LongStrawError(f"a chunk of the LM head over read positions {span.head_start}..+{length} "
+                                     f"returned {[tuple(o.shape) for o in outs]}: its positions do not line up")
+            pieces.append(outs)
         return tuple(torch.cat([p[i] for p in pieces], dim=d) for i, d in enumerate(self.output_dims))
 
     @staticmethod

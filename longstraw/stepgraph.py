@@ -459,7 +459,7 @@ class _StepBuilder:
             ranges[read] = tuple(self.graph.call_function(getattr, (self.ctx, a)) for a in ("head_start", "head_length"))
         self.sizing = _Sizing(part.dims, ranges, part.batch)
         for node in part.graph.nodes:
-            if grad_mode.track(node) or node in self.env or node not in needed or (region and node in region.nodes):
+            if grad_mode.track(node) or node in self.env or node not in needed or (region is not None and node in region.nodes):
                 continue
             grad_mode.sync()
             value = self.emit(node)
@@ -488,7 +488,10 @@ class _StepBuilder:
         input_dims: list[tuple[str, int] | None] = []
         for node in head.externals:
             token_dim, read_dim = part.token_dim(node), part.dims.dim_index(node, region.read)
-            input_dims.append(("sequence", token_dim) if token_dim is not None else None if read_dim is None else ("read", read_dim))
+            if token_dim is not None:
+                input_dims.append(("sequence", token_dim))
+            else:
+                input_dims.append(None if read_dim is None else ("read", read_dim))
         output_dims = [part.dims.dim_index(o, region.read) for o in region.outputs]
         self.root.add_module("head_chunks", HeadChunks(head.module, region, input_dims, output_dims, chunk))
         call = self.graph.call_module("head_chunks", (self.ctx, *(self.env[n] for n in head.externals)))
