@@ -15,7 +15,7 @@ from longstraw.runtime import GroupRunner
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.losses import grpo_loss_f64, grpo_tail, logits_of
+from helpers.losses import grpo_loss_f64, logits_of
 from helpers.reference import detached_at_attention, eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group, make_model, make_qwen3_5
 
