@@ -230,7 +230,8 @@ class CompiledGroupLoss:
             guards, gm = special.guards, special.gm
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             part = with_state(classify(gm, params, self.backend.passes))
-            runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), build_step(part, "branch"))
+            branch = build_step(part, "branch", self.options.head_chunk_size)
+            runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), branch)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args, self.activations)
         except UnsupportedGraphError as err:

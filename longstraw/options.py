@@ -51,6 +51,13 @@ class Options:
     grows with depth (the layers' inputs stay), for one more forward of the
     replayed positions. None: planned with the chunk size (off where nothing is planned)."""
 
+    head_chunk_size: int | None = 256
+    """Positions per chunk of a branch step's LM head and per-token loss
+    (`longstraw/head.py`): the `[R, vocab]` logits never exist whole. At a
+    248K vocabulary one float32 `[256, vocab]` tensor is 254 MB (1 GB at
+    R = 1024), and 256 rows keep the head's matrix multiply efficient.
+    None: run the head over all positions at once."""
+
     cuda_graphs: bool = True
     """On a GPU, replay the backward of carried operators (Gated DeltaNet,
     causal convolutions) span by span as CUDA graphs: their reference
@@ -114,6 +121,8 @@ class Options:
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
         if not isinstance(self.attention_outputs_on_host, bool):
             raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")
+        if self.head_chunk_size is not None and (not _is_int(self.head_chunk_size) or self.head_chunk_size < 1):
+            raise LongStrawError(f"head_chunk_size must be a positive int or None, got {self.head_chunk_size!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise LongStrawError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.check_finite, bool):

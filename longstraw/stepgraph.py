@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .errors import UnsupportedGraphError, describe_node
+from .head import HeadChunks, HeadRegion, head_region
 from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .mask import MaskTiles
@@ -41,6 +42,7 @@ class StepGraph:
 
     module: fx.GraphModule
     externals: list[fx.Node]  # placeholder i of `module` (after ctx) is externals[i]
+    head: HeadRegion | None = None  # the region run chunk by chunk (`head.py`), if any
 
 
 def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
@@ -311,8 +313,14 @@ class _StepBuilder:
                 continue
             if self.kind != "branch":
                 raise UnsupportedGraphError(f"{describe_node(node)} restricts the sequence axis inside the prompt computation")
-            start = self.graph.call_function(operator.sub, (r.start, span[0]))
-            stop = self.graph.call_function(operator.sub, (r.stop, span[0]))
+            read = None if r.out_dim is None else self.sizing.range_of(node, r.out_dim)
+            if read is None:
+                start = self.graph.call_function(operator.sub, (r.start, span[0]))
+                stop = self.graph.call_function(operator.sub, (r.stop, span[0]))
+            else:  # a chunk of an exit (`head.py`): read positions [a, a+n) are sequence positions [s+a, s+a+n)
+                first = self.graph.call_function(operator.add, (r.start, read[0]))
+                start = self.graph.call_function(operator.sub, (first, span[0]))
+                stop = self.graph.call_function(operator.add, (start, read[1]))
             rewrites[r.in_dim] = (start, stop, r.out_dim is None)
         name = op_name(node)
         if name == "getitem":
@@ -425,13 +433,20 @@ class _StepBuilder:
                 value = self.graph.call_function(torch.narrow, (value, d, span[0], span[1]))
         return value
 
-    def build(self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool]) -> StepGraph:
+    def build(
+        self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool], head_chunk: int | None = None,
+        read: int | None = None,
+    ) -> StepGraph:
         """`outputs`: original nodes to return; for the prefix kind, the
-        captured state of every slot in slot order instead."""
+        captured state of every slot in slot order instead. `head_chunk`:
+        run the branch step's head region that many positions at a time.
+        `read`: the class of read positions, sized by the context's
+        `head_start` and `head_length` (the graph of one head chunk)."""
         part = self.part
         slot_of = {s.node: s.index for s in part.slots if s.kind == SlotKind.SEQUENCE}
         stop = {n for n in part.graph.nodes if importer(n)}
         needed = _needed(outputs, stop, part.positional)
+        region = head_region(part, outputs, needed, stop) if self.kind == "branch" and head_chunk else None
         self.ctx = self.graph.placeholder("ctx")
         externals = [n for n in part.graph.nodes if n in needed and (n in stop or n.op == "placeholder")]
         for n in externals:
@@ -439,9 +454,12 @@ class _StepBuilder:
         self.offset = self.graph.call_function(getattr, (self.ctx, "offset"))
         self.length = self.graph.call_function(getattr, (self.ctx, "length"))
         grad_mode = _GradMode(self.graph)
-        self.sizing = _Sizing(part.dims, {part.token: (self.offset, self.length)}, part.batch)
+        ranges = {part.token: (self.offset, self.length)}
+        if read is not None:
+            ranges[read] = tuple(self.graph.call_function(getattr, (self.ctx, a)) for a in ("head_start", "head_length"))
+        self.sizing = _Sizing(part.dims, ranges, part.batch)
         for node in part.graph.nodes:
-            if grad_mode.track(node) or node in self.env or node not in needed:
+            if grad_mode.track(node) or node in self.env or node not in needed or (region is not None and node in region.nodes):
                 continue
             grad_mode.sync()
             value = self.emit(node)
@@ -449,6 +467,8 @@ class _StepBuilder:
                 value = self.graph.call_function(write_state, (self.ctx, slot_of[node], value))
             self.env[node] = value
         grad_mode.restore()
+        if region is not None:
+            self.emit_head(region, head_chunk)
         if self.kind == "prefix":
             results = [self.env[s.node] if s.kind == SlotKind.SEQUENCE else self.carries[s.index] for s in part.slots]
         else:
@@ -457,7 +477,26 @@ class _StepBuilder:
         module = _module(self.graph, f"LongStraw{self.kind.title()}Step", self.root)
         module.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
         module.recompile()
-        return StepGraph(module, externals)
+        return StepGraph(module, externals, region)
+
+    def emit_head(self, region: HeadRegion, chunk: int) -> None:
+        """Replace the head region by one call of `HeadChunks` over the
+        graph of one chunk, built by a builder of its own with the read
+        positions sized by the chunk."""
+        part = self.part
+        head = _StepBuilder(part, "branch").build(region.outputs, lambda n: n not in region.nodes, read=region.read)
+        input_dims: list[tuple[str, int] | None] = []
+        for node in head.externals:
+            token_dim, read_dim = part.token_dim(node), part.dims.dim_index(node, region.read)
+            if token_dim is not None:
+                input_dims.append(("sequence", token_dim))
+            else:
+                input_dims.append(None if read_dim is None else ("read", read_dim))
+        output_dims = [part.dims.dim_index(o, region.read) for o in region.outputs]
+        self.root.add_module("head_chunks", HeadChunks(head.module, region, input_dims, output_dims, chunk))
+        call = self.graph.call_module("head_chunks", (self.ctx, *(self.env[n] for n in head.externals)))
+        for i, out in enumerate(region.outputs):
+            self.env[out] = self.graph.call_function(operator.getitem, (call, i))
 
 
 def _tree_copy(
@@ -485,10 +524,11 @@ def _tree_copy(
     return tree, root, leaves, origin
 
 
-def build_step(part: Partition, kind: str) -> StepGraph:
+def build_step(part: Partition, kind: str, head_chunk: int | None = None) -> StepGraph:
     """`prefix`: outputs the captured tensors for positions [o, o+n) of the
-    prompt row. `branch`: outputs the branch outputs of one response."""
+    prompt row. `branch`: outputs the branch outputs of one response, its
+    head region `head_chunk` positions at a time when it has one."""
     imports = set(step_imports(part))
     outputs = [s.node for s in part.slots] if kind == "prefix" else list(part.branch_outputs)
     outputs = list(dict.fromkeys(outputs))
-    return _StepBuilder(part, kind).build(outputs, lambda n: n in imports)
+    return _StepBuilder(part, kind).build(outputs, lambda n: n in imports, head_chunk)
