@@ -337,6 +337,7 @@ def main() -> None:
                         help="LoRA adapters in the base's bf16 (peft's default upcasts them to float32)")
     parser.add_argument("--attention-on-host", action="store_true",
                         help="attention_outputs_on_host: the reverse pass reads the capture's attention outputs")
+    parser.add_argument("--head-chunk", type=int, default=256, help="head_chunk_size (0: the LM head runs whole)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
@@ -351,6 +352,7 @@ def main() -> None:
     if args.budget_gb is not None:
         options = {"prefix_chunk_size": None, "recompute_layers": None, "memory_budget_gb": args.budget_gb, "progress": False}
     options["attention_outputs_on_host"] = args.attention_on_host
+    options["head_chunk_size"] = args.head_chunk or None
     result = {
         # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
         "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",

@@ -119,8 +119,9 @@ def h200_predictions(request) -> tuple[str, list[tuple[str, dict, object]]]:
     model.config.use_cache = False  # Dynamo cannot trace an empty cache tensor on the meta device
     R = 1024
     group = grpo_models.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
-    with qwen3_5.bound():
-        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, R)
+    with qwen3_5.bound():  # the sweeps predate the chunked LM head: their replays ran it whole
+        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, R,
+                                   options={"head_chunk_size": None})
     predictions = []
     for mode, names in H200_SWEEPS[kind].items():
         for name in names:
@@ -192,7 +193,10 @@ def test_predicted_peak_matches_the_full_depth_h200_runs(adapters):
                                   float32_adapters=adapters == "float32_adapters")
         model.config.use_cache = False
         group = grpo_models.make_group(8, 2 * 8192, 1024, model.config.vocab_size, meta)
-        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, 1024)
+        # the runs predate the chunked LM head: their replays ran it whole
+        assert all(r["options"].get("head_chunk_size") is None for r in runs)
+        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, 1024,
+                                   options={"head_chunk_size": None})
     for run in runs:
         plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda",
                            prefix_chunk_size=run["options"]["prefix_chunk_size"],
