@@ -82,7 +82,8 @@ class Options:
     kernels: KernelPolicy | Mapping[str, str] = KernelPolicy()
     """Which kernels the steps run (`longstraw.kernels.KernelPolicy`), e.g.
     `{"attention": "cudnn"}` or `{"gated_delta": "torch"}`. Default:
-    PyTorch's SDPA rules for attention, fla for Gated DeltaNet where it applies."""
+    PyTorch's SDPA rules for attention, fla for Gated DeltaNet and the short
+    causal convolution where it applies."""
 
     memory_budget_gb: float | None = None
     """Peak allocated device memory (GB, 1e9 bytes) the step may reach, this
@@ -102,7 +103,7 @@ class Options:
         if isinstance(self.kernels, Mapping):
             unknown = set(self.kernels) - {f.name for f in dataclasses.fields(KernelPolicy)}
             if unknown:
-                raise LongStrawError(f"unknown kernels option(s) {sorted(unknown)}; valid: ['attention', 'gated_delta']")
+                raise LongStrawError(f"unknown kernels option(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(KernelPolicy)]}")
             object.__setattr__(self, "kernels", KernelPolicy(**self.kernels))
         if not isinstance(self.kernels, KernelPolicy):
             raise LongStrawError(f"kernels must be a longstraw.kernels.KernelPolicy or a dict, got {self.kernels!r}")

@@ -325,6 +325,8 @@ class GroupRunner:
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
+                if state.attention_outputs is not None:
+                    state.attention_outputs.prefetch(offset)
                 with self._replaying(call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))

@@ -20,10 +20,14 @@ Two kinds of `StateSlot` are decided at compile time:
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import enum
 import logging
 import math
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,6 +159,8 @@ class PromptState:
         return None
 
     def release(self) -> None:
+        if self.attention_outputs is not None:
+            self.attention_outputs.close()
         self.buffers, self.carries, self.span_graphs, self.attention_outputs = {}, {}, None, None
         self.grads = self.carry_grads = None
 
@@ -170,47 +176,158 @@ class HostAttentionOutputs:
     recomputes a chunk with the same inputs, so it reads them instead of
     running attention's forward over every earlier position again. An entry
     that would leave less than `HOST_RESERVE` of the host's memory available
-    is not kept: its chunk runs the forward as without the option."""
+    is not kept: its chunk runs the forward as without the option.
+
+    Copies run in `HostCopier`'s worker, off the compute stream: the capture
+    hands each entry over and goes on, and the reverse pass `prefetch`es a
+    chunk's entries when it starts the chunk, so they arrive while the
+    chunk's first layers run."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.entries: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.copier = HostCopier(device)
+        self.entries: dict[tuple[int, int], Future] = {}  # -> the host copies (out, lse)
+        self.layouts: dict[tuple[int, int], tuple[tuple[torch.Size, torch.dtype], ...]] = {}
+        self.arriving: dict[tuple[int, int], Arrival] = {}  # prefetched for the reverse chunk about to run
         # fetched for the reverse chunk being run: the forward's, for its recomputation
-        self.fetched: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fetched: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.refused = False
 
     def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         nbytes = out.numel() * out.element_size() + lse.numel() * lse.element_size()
         available, total = host_memory()
-        if available - nbytes < HOST_RESERVE * total:
+        if available - nbytes - self.copier.pending_bytes < HOST_RESERVE * total:
             if not self.refused:
                 log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
                             "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)
                 self.refused = True
             return
-        # pageable memory, exact sizes: pinned blocks are rounded up to a power of two
-        self.entries[slot, offset] = (out.detach().to("cpu", copy=True), lse.detach().to("cpu", copy=True))
+        # pageable memory, exact sizes: pinned blocks are rounded up to a power of two (72 GB would pin 92)
+        self.entries[slot, offset] = self.copier.to_host((out, lse))
+        self.layouts[slot, offset] = ((out.shape, out.dtype), (lse.shape, lse.dtype))
 
-    def get(self, slot: int, offset: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prefetch(self, offset: int) -> None:
+        """Start bringing a prompt chunk's entries back to the device."""
+        for key in [k for k in self.entries if k[1] == offset and k not in self.fetched]:
+            self.arriving[key] = self.copier.to_device(self.entries[key], self.layouts[key])
+
+    def get(self, slot: int, offset: int) -> tuple[torch.Tensor, ...] | None:
         """The kept entry on the device; asked again (layer-wise
-        recomputation), a copy of the same without a second transfer (by the
-        same operator: selective checkpointing checks that recomputation
+        recomputation), a copy of the same, by the same operator as the
+        first time (selective checkpointing checks that recomputation
         dispatches what the forward did)."""
         key = (slot, offset)
         if key in self.fetched:
             return tuple(t.to(self.device, copy=True) for t in self.fetched.pop(key))
-        kept = self.entries.get(key)
-        if kept is None:
+        if key not in self.entries:
             return None
-        self.fetched[key] = (kept[0].to(self.device, copy=True), kept[1].to(self.device, copy=True))
-        return self.fetched[key]
+        arrival = self.arriving.pop(key, None) or self.copier.to_device(self.entries[key], self.layouts[key])
+        self.fetched[key] = arrival.wait()
+        return tuple(t.to(self.device, copy=True) for t in self.fetched[key])
 
     def drop(self, offset: int) -> None:
         """Forget a chunk's entries once the reverse pass is done with it."""
-        for key in [k for k in self.entries if k[1] == offset]:
-            del self.entries[key]
-        for key in [k for k in self.fetched if k[1] == offset]:
-            del self.fetched[key]
+        for key in [k for k in self.arriving if k[1] == offset]:
+            self.arriving.pop(key).wait()  # the worker may still be filling them: free them after it
+        for table in (self.entries, self.layouts, self.fetched):
+            for key in [k for k in table if k[1] == offset]:
+                del table[key]
+
+    def close(self) -> None:
+        for arrival in self.arriving.values():
+            arrival.wait()
+        self.entries, self.layouts, self.arriving, self.fetched = {}, {}, {}, {}
+        self.copier.close()
+
+
+HOST_COPIES_IN_FLIGHT = 2 << 30
+"""Device bytes `HostCopier` lets wait for their copy to the host before the caller waits."""
+
+
+@dataclasses.dataclass
+class Arrival:
+    """Device tensors a `HostCopier` worker is filling; `wait` makes the
+    caller's stream wait for them."""
+
+    tensors: tuple[torch.Tensor, ...]
+    done: Future  # the worker's copy, resolved to its event (None off CUDA)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        event = self.done.result()
+        if event is not None:
+            torch.cuda.current_stream(self.tensors[0].device).wait_event(event)
+        return self.tensors
+
+
+class HostCopier:
+    """Copies between the device and pageable host memory in one worker
+    thread on a side stream. A pageable copy blocks the thread that issues
+    it until it is done; issued from the compute thread, each copy of a
+    100 MB attention output stalled the GPU for 38 ms. Device tensors handed
+    to the host stay referenced by the worker until their copy is done, so
+    the caching allocator cannot reuse them early; `HOST_COPIES_IN_FLIGHT`
+    bounds what they hold."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-host-copy")
+        self.in_flight: collections.deque[tuple[Future, int]] = collections.deque()  # (copy, bytes), oldest first
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes handed to the host and not yet copied there."""
+        return sum(nbytes for future, nbytes in self.in_flight if not future.done())
+
+    def to_host(self, tensors: tuple[torch.Tensor, ...]) -> Future:
+        """Host copies of `tensors` as they are now (the worker copies a
+        device copy, so later in-place writes cannot reach it)."""
+        tensors = tuple(t.detach().clone() for t in tensors)
+        ready = self._event()
+
+        def copy() -> tuple[torch.Tensor, ...]:
+            with self._on_side_stream(ready):
+                return tuple(t.to("cpu", copy=True) for t in tensors)
+
+        future = self.worker.submit(copy)
+        self.in_flight.append((future, sum(t.numel() * t.element_size() for t in tensors)))
+        while self.in_flight and (self.in_flight[0][0].done() or self.pending_bytes > HOST_COPIES_IN_FLIGHT):
+            self.in_flight.popleft()[0].result()  # waits for the oldest, and raises a failed copy's error here
+        return future
+
+    def to_device(self, source: Future, layouts: tuple[tuple[torch.Size, torch.dtype], ...]) -> Arrival:
+        """Device tensors, allocated on the caller's stream, that the worker
+        fills from `source`'s host tensors once they are there."""
+        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layouts)
+        allocated = self._event()
+
+        def copy() -> "torch.cuda.Event | None":
+            with self._on_side_stream(allocated):
+                for target, host in zip(tensors, source.result()):
+                    target.copy_(host)
+                return self._event()
+
+        return Arrival(tensors, self.worker.submit(copy))
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    def _event(self) -> "torch.cuda.Event | None":
+        """An event at the current stream's position (None off CUDA)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def _on_side_stream(self, after: "torch.cuda.Event | None") -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            yield
 
 
 def host_memory() -> tuple[int, int]:

@@ -8,12 +8,14 @@ carried between position ranges is the last K-1 inputs `[C, K-1]`.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from longstraw.carry import CarryKernel, recompute_grads
+from longstraw.kernels import fla_causal_conv
 
 from .base import CarryPass
 
@@ -76,8 +78,27 @@ class CausalConvPass(CarryPass):
         return node.args[:3], {"activation": node.args[3]}
 
     def kernel(self, inputs, *, activation: str | None) -> CarryKernel:
+        x, weight, bias = inputs
+        fused = fla_causal_conv.applies(x, weight, bias, activation)
         return CarryKernel(
-            forward=lambda tail, x, w, b: causal_conv1d_reference(x, w, b, activation, tail),
+            forward=lambda tail, x, w, b: _step_kernel(tail, x, w, b, activation, fused),
             token_dims=(2, 2, None, None),
             graph_key=("causal_conv", activation),
+            grads=functools.partial(fla_causal_conv.causal_conv_grads, activation=activation) if fused else None,
+            span=FUSED_SPAN,
         )
+
+
+def _step_kernel(tail, x, weight, bias, activation: str | None, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's fused forward where nothing is differentiated through the call
+    and fla applies; the PyTorch kernel otherwise."""
+    if fused and not torch.is_grad_enabled():
+        return fla_causal_conv.causal_conv_forward(tail, x, weight, bias, activation)
+    return causal_conv1d_reference(x, weight, bias, activation, tail)
+
+
+FUSED_SPAN = 1 << 16
+"""Positions per call of fla's backward in `CarryStep.backward` (the
+reference's autograd recomputation goes `carry.RECOMPUTE_SPAN` at a time):
+it holds the input's gradient and a float32 weight gradient per 64
+positions, so a whole prompt chunk goes at once."""

@@ -230,6 +230,30 @@ def test_attention_outputs_on_host_skip_the_reverse_forward(kind, recompute, mon
     assert kept.branch == without.branch
 
 
+@pytest.mark.parametrize("in_flight", [0, None])
+def test_attention_outputs_arrive_before_they_are_read(in_flight, monkeypatch):
+    """The copies run in the copier's worker: the reverse pass prefetches
+    each chunk's entries when it starts the chunk, so every first read finds
+    its entry arriving; with no copy allowed in flight (each keep waits for
+    its copy) the gradients are the same."""
+    from longstraw import state
+
+    if in_flight is not None:
+        monkeypatch.setattr(state, "HOST_COPIES_IN_FLIGHT", in_flight)
+    reads: list[bool] = []
+    get = state.HostAttentionOutputs.get
+
+    def recorded(self, slot, offset):
+        reads.append((slot, offset) in self.arriving or (slot, offset) in self.fetched)
+        return get(self, slot, offset)
+
+    monkeypatch.setattr(state.HostAttentionOutputs, "get", recorded)
+    loss, grads, _ = _attention_run(monkeypatch, "qwen3", True)
+    kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", True, attention_outputs_on_host=True)
+    assert torch.equal(loss, kept_loss) and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    assert len(reads) == 2 * kept.prompt and all(reads)  # each chunk and layer: the forward, then its recomputation
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_outputs_on_host_on_cuda(dtype, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.kernels import KernelPolicy, attention, fla_gated_delta
+from longstraw.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
 
 from conftest import raises_longstraw
 from helpers.harness import compile_loss, compiled_loss_and_grads
@@ -37,16 +37,17 @@ def test_a_preferred_kernel_runs_only_where_it_applies():
     assert attention.kernel_for(q, None) is attention.MATH
 
 
-@pytest.mark.parametrize("kernels, active", [({}, (False, False)),
-                                              ({"attention": "flash", "gated_delta": "torch"}, (True, True))])
+@pytest.mark.parametrize("kernels, active", [({}, (False, False, False)),
+                                              ({"attention": "flash", "gated_delta": "torch", "causal_conv": "torch"},
+                                               (True, True, True))])
 def test_the_compiled_loss_runs_its_policy(kernels, active, caplog):
     """The policy is active in every step of the compiled call (forward,
     replays, reverse pass) and only there; steps log the attention kernel
     they choose (on the CPU the explicit softmax, whatever is preferred)."""
-    seen: set[tuple[bool, bool]] = set()
+    seen: set[tuple[bool, bool, bool]] = set()
 
     def record(where: str):
-        seen.add((bool(attention._CHOOSERS), bool(fla_gated_delta._DISABLED)))
+        seen.add((bool(attention._CHOOSERS), bool(fla_gated_delta._DISABLED), bool(fla_causal_conv._DISABLED)))
         return contextlib.nullcontext()
 
     backend = longstraw.Backend(kernels=kernels, prefix_chunk_size=8)
@@ -54,7 +55,7 @@ def test_the_compiled_loss_runs_its_policy(kernels, active, caplog):
         compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), make_model("qwen3"), *make_group(2, 20, 4))
     assert seen == {active}
     assert {r.getMessage().split()[0] for r in caplog.records if r.name == "longstraw.attention"} == {"MathKernel"}
-    assert not fla_gated_delta._DISABLED and not attention._CHOOSERS
+    assert not fla_gated_delta._DISABLED and not fla_causal_conv._DISABLED and not attention._CHOOSERS
 
 
 @pytest.mark.gpu

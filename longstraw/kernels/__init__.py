@@ -2,7 +2,8 @@
 
 Each module wraps one family of kernels (`attention`: flash, cuDNN, the
 explicit softmax; `fla_gated_delta`: Gated DeltaNet through
-flash-linear-attention), says where each applies, and is imported lazily
+flash-linear-attention; `fla_causal_conv`: the short causal convolution
+through it), says where each applies, and is imported lazily
 where a library is optional. `KernelPolicy` (`Options.kernels`) chooses
 among them for one compiled loss.
 """
@@ -15,10 +16,10 @@ from collections.abc import Iterator
 from typing import Literal
 
 from ..errors import LongStrawError
-from . import attention, fla_gated_delta
+from . import attention, fla_causal_conv, fla_gated_delta
 
 ATTENTION_CHOICES = ("sdpa", *attention.KERNELS)
-GATED_DELTA_CHOICES = ("auto", "torch")
+FLA_CHOICES = ("auto", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +31,20 @@ class KernelPolicy:
     (the explicit softmax) pick one.
     A fused kernel runs only where it applies (CUDA, 16-bit, no mask, head
     dim <= 256); elsewhere the explicit softmax does.
-    `gated_delta`: "auto" runs fla's kernels where fla is installed and
-    applies (CUDA, 16-bit), "torch" the PyTorch kernel everywhere."""
+    `gated_delta` and `causal_conv`: "auto" runs fla's kernels where fla
+    is installed and applies (CUDA, 16-bit), "torch" the PyTorch kernel
+    everywhere."""
 
     attention: Literal["sdpa", "flash", "cudnn", "math"] = "sdpa"
     gated_delta: Literal["auto", "torch"] = "auto"
+    causal_conv: Literal["auto", "torch"] = "auto"
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_CHOICES:
             raise LongStrawError(f"kernels['attention'] must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
-        if self.gated_delta not in GATED_DELTA_CHOICES:
-            raise LongStrawError(f"kernels['gated_delta'] must be one of {GATED_DELTA_CHOICES}, got {self.gated_delta!r}")
+        for name in ("gated_delta", "causal_conv"):
+            if getattr(self, name) not in FLA_CHOICES:
+                raise LongStrawError(f"kernels['{name}'] must be one of {FLA_CHOICES}, got {getattr(self, name)!r}")
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -50,4 +54,6 @@ class KernelPolicy:
                 stack.enter_context(attention.choosing(attention.preferring(self.attention)))
             if self.gated_delta == "torch":
                 stack.enter_context(fla_gated_delta.disabled())
+            if self.causal_conv == "torch":
+                stack.enter_context(fla_causal_conv.disabled())
             yield

@@ -1,0 +1,101 @@
+"""Qwen3.5's short causal convolution through flash-linear-attention (fla).
+
+The PyTorch kernel (`passes.causal_conv.causal_conv1d_reference`)
+concatenates the carried tail in front of the input and runs PyTorch's
+depthwise convolution, and its backward recomputes that under autograd
+1,024 positions at a time: on an H200 at Qwen3.5-27B shapes the
+convolution, its concatenations and its span-wise backward took about 3 s
+of every 8 layers' exact step at 393K positions. fla does forward and
+backward in one fused Triton kernel each, reading the strided input in place.
+
+fla keeps a state of the last K inputs, `[B, C, K]`, and never reads the
+first of them; the carry here is the last K-1, `[B, C, K-1]`, so fla's
+state is the carry with a zero column in front. Inputs follow
+`longstraw::causal_conv1d`: x `[B, C, L]`, weight `[C, K]`, bias `[C]` or None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from ..state import has_values
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+@functools.cache
+def fla_ops() -> SimpleNamespace | None:
+    """fla's convolution entry points, or None when fla is not installed."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
+    except ImportError:
+        return None
+    return SimpleNamespace(fwd=causal_conv1d_fwd, bwd=causal_conv1d_bwd)
+
+
+_DISABLED: list[bool] = []
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """fla's convolution is not used by steps run while this is active."""
+    _DISABLED.append(True)
+    try:
+        yield
+    finally:
+        _DISABLED.pop()
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> bool:
+    """CUDA, 16-bit inputs and weights of one dtype, an activation fla has,
+    and at least K positions (fla's final state of a shorter input mixes in
+    the initial one, which the carry's gradient would have to undo); not on
+    fake tensors (the planner's simulation), which Triton cannot launch on."""
+    return (
+        not _DISABLED
+        and x.is_cuda
+        and has_values(x)
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and activation in ACTIVATIONS
+        and x.shape[-1] >= weight.shape[-1]
+        and fla_ops() is not None
+    )
+
+
+def causal_conv_forward(
+    tail: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(activation(conv over [tail; x]), the last K-1 inputs), like the reference."""
+    out, final = fla_ops().fwd(
+        x=x.transpose(1, 2), weight=weight.contiguous(), bias=bias, residual=None,
+        initial_state=F.pad(tail, (1, 0)), output_final_state=True, activation=activation,
+    )
+    return out.transpose(1, 2), final[..., 1:]
+
+
+def causal_conv_grads(
+    tail: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    grad_out: torch.Tensor | None,
+    grad_tail: torch.Tensor | None,
+    activation: str | None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of `causal_conv_forward` for (tail, x, weight, bias)."""
+    xt = x.transpose(1, 2)
+    dy = torch.zeros_like(xt) if grad_out is None else grad_out.transpose(1, 2).to(x.dtype)
+    dht = None if grad_tail is None else F.pad(grad_tail.to(x.dtype), (1, 0))
+    dx, dw, db, _, dh0 = fla_ops().bwd(
+        x=xt, dy=dy, dht=dht, weight=weight.contiguous(), bias=bias, residual=None,
+        initial_state=F.pad(tail, (1, 0)), activation=activation,
+    )
+    return dh0[..., 1:], dx.transpose(1, 2), dw, db
