@@ -45,6 +45,7 @@ from grpo.measure import GiB, is_oom, release, sync  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.results import git_commit  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
+from longstraw.kernels import fla_causal_conv  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
 from longstraw.runtime import GroupRunner, phase_of  # noqa: E402
@@ -324,8 +325,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--runs", required=True,
-                        help="MODE:P[:CHUNK][:memory|:profile],... in order (mode: exact or detached; memory: "
-                             "what is live at each phase's peak; profile: CUDA time per operator and phase)")
+                        help="MODE:P[:CHUNK][:memory|:profile][:auto|:torch],... in order (mode: exact or detached; "
+                             "memory: what is live at each phase's peak; profile: CUDA time per operator and phase; "
+                             "auto|torch: kernels['causal_conv'] for this run)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size (MODE:P:CHUNK in --runs overrides it)")
@@ -338,6 +340,8 @@ def main() -> None:
     parser.add_argument("--attention-on-host", action="store_true",
                         help="attention_outputs_on_host: the reverse pass reads the capture's attention outputs")
     parser.add_argument("--head-chunk", type=int, default=256, help="head_chunk_size (0: the LM head runs whole)")
+    parser.add_argument("--conv", choices=["auto", "torch"], default="auto",
+                        help="kernels['causal_conv'] (MODE:P[:CHUNK]:torch in --runs overrides it for one run)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke run of the script)")
     parser.add_argument("--budget-s", type=float, default=560, help="skip runs once this much wall time is spent")
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
@@ -353,6 +357,7 @@ def main() -> None:
         options = {"prefix_chunk_size": None, "recompute_layers": None, "memory_budget_gb": args.budget_gb, "progress": False}
     options["attention_outputs_on_host"] = args.attention_on_host
     options["head_chunk_size"] = args.head_chunk or None
+    options["kernels"] = {"causal_conv": args.conv}
     result = {
         # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
         "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",
@@ -360,7 +365,8 @@ def main() -> None:
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora,
-        "sdpa": args.sdpa, "float32_adapters": not args.bf16_adapters, "runs": [],
+        "sdpa": args.sdpa, "float32_adapters": not args.bf16_adapters,
+        "fla_causal_conv": fla_causal_conv.fla_ops() is not None, "runs": [],
     }
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
@@ -382,10 +388,13 @@ def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype:
             mode, P, *rest = item.split(":")
             chunk = [x for x in rest if x.isdigit()]
             diagnose = next((x for x in rest if x in ("memory", "profile")), None)
+            conv = next((x for x in rest if x in ("auto", "torch")), options["kernels"]["causal_conv"])
             if time.perf_counter() - started > args.budget_s:
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
                 continue
-            run_options = {**options, "prefix_chunk_size": int(chunk[0])} if chunk else options
+            run_options = {**options, "kernels": {"causal_conv": conv}}
+            if chunk:
+                run_options["prefix_chunk_size"] = int(chunk[0])
             result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
                                           diagnose=diagnose))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
