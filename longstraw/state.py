@@ -20,14 +20,10 @@ Two kinds of `StateSlot` are decided at compile time:
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import enum
 import logging
 import math
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -178,38 +174,34 @@ class HostAttentionOutputs:
     that would leave less than `HOST_RESERVE` of the host's memory available
     is not kept: its chunk runs the forward as without the option.
 
-    Copies run in `HostCopier`'s worker, off the compute stream: the capture
-    hands each entry over and goes on, and the reverse pass `prefetch`es a
-    chunk's entries when it starts the chunk, so they arrive while the
-    chunk's first layers run."""
+    Copies go through `HostCopier`, off the compute stream: the capture hands
+    each entry over and goes on, and the reverse pass `prefetch`es a chunk's
+    entries when it starts the chunk, so they arrive while its first layers run."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copier = HostCopier(device)
-        self.entries: dict[tuple[int, int], Future] = {}  # -> the host copies (out, lse)
-        self.layouts: dict[tuple[int, int], tuple[tuple[torch.Size, torch.dtype], ...]] = {}
+        self.entries: dict[tuple[int, int], Landing] = {}
         self.arriving: dict[tuple[int, int], Arrival] = {}  # prefetched for the reverse chunk about to run
         # fetched for the reverse chunk being run: the forward's, for its recomputation
         self.fetched: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.refused = False
 
     def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        nbytes = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+        new_bytes = self.copier.host_bytes_to_take((out, lse))
         available, total = host_memory()
-        if available - nbytes - self.copier.pending_bytes < HOST_RESERVE * total:
+        if new_bytes and available - new_bytes < HOST_RESERVE * total:
             if not self.refused:
                 log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
                             "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)
                 self.refused = True
             return
-        # pageable memory, exact sizes: pinned blocks are rounded up to a power of two (72 GB would pin 92)
         self.entries[slot, offset] = self.copier.to_host((out, lse))
-        self.layouts[slot, offset] = ((out.shape, out.dtype), (lse.shape, lse.dtype))
 
     def prefetch(self, offset: int) -> None:
         """Start bringing a prompt chunk's entries back to the device."""
         for key in [k for k in self.entries if k[1] == offset and k not in self.fetched]:
-            self.arriving[key] = self.copier.to_device(self.entries[key], self.layouts[key])
+            self.arriving[key] = self.copier.to_device(self.entries[key])
 
     def get(self, slot: int, offset: int) -> tuple[torch.Tensor, ...] | None:
         """The kept entry on the device; asked again (layer-wise
@@ -221,113 +213,140 @@ class HostAttentionOutputs:
             return tuple(t.to(self.device, copy=True) for t in self.fetched.pop(key))
         if key not in self.entries:
             return None
-        arrival = self.arriving.pop(key, None) or self.copier.to_device(self.entries[key], self.layouts[key])
+        arrival = self.arriving.pop(key, None) or self.copier.to_device(self.entries[key])
         self.fetched[key] = arrival.wait()
         return tuple(t.to(self.device, copy=True) for t in self.fetched[key])
 
     def drop(self, offset: int) -> None:
         """Forget a chunk's entries once the reverse pass is done with it."""
-        for key in [k for k in self.arriving if k[1] == offset]:
-            self.arriving.pop(key).wait()  # the worker may still be filling them: free them after it
-        for table in (self.entries, self.layouts, self.fetched):
+        for table in (self.entries, self.arriving, self.fetched):
             for key in [k for k in table if k[1] == offset]:
                 del table[key]
 
     def close(self) -> None:
-        for arrival in self.arriving.values():
-            arrival.wait()
-        self.entries, self.layouts, self.arriving, self.fetched = {}, {}, {}, {}
+        self.entries, self.arriving, self.fetched = {}, {}, {}
         self.copier.close()
 
 
-HOST_COPIES_IN_FLIGHT = 2 << 30
-"""Device bytes `HostCopier` lets wait for their copy to the host before the caller waits."""
+PINNED_SLAB = 1 << 30
+"""Bytes of pinned host memory `HostCopier` asks for at a time: PyTorch's
+pinned allocator rounds every block up to a power of two, so one block per
+100 MB attention output would take 128 MB."""
+_ALIGN = 512
+
+
+@dataclasses.dataclass
+class Landing:
+    """Host copies of device tensors, and the event after which they hold the values (None off CUDA)."""
+
+    host: tuple[torch.Tensor, ...]
+    landed: "torch.cuda.Event | None"
 
 
 @dataclasses.dataclass
 class Arrival:
-    """Device tensors a `HostCopier` worker is filling; `wait` makes the
-    caller's stream wait for them."""
+    """Device tensors being filled from a `Landing`; `wait` makes the caller's stream wait for them."""
 
     tensors: tuple[torch.Tensor, ...]
-    done: Future  # the worker's copy, resolved to its event (None off CUDA)
+    done: "torch.cuda.Event | None"
 
     def wait(self) -> tuple[torch.Tensor, ...]:
-        event = self.done.result()
-        if event is not None:
-            torch.cuda.current_stream(self.tensors[0].device).wait_event(event)
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensors[0].device).wait_event(self.done)
         return self.tensors
 
 
 class HostCopier:
-    """Copies between the device and pageable host memory in one worker
-    thread on a side stream. A pageable copy blocks the thread that issues
-    it until it is done; issued from the compute thread, each copy of a
-    100 MB attention output stalled the GPU for 38 ms. Device tensors handed
-    to the host stay referenced by the worker until their copy is done, so
-    the caching allocator cannot reuse them early; `HOST_COPIES_IN_FLIGHT`
-    bounds what they hold."""
+    """Copies between the device and host memory that do not hold up the
+    compute stream. On CUDA the host side is pinned memory, handed out of
+    `PINNED_SLAB`-sized blocks, and the copies run on a side stream ordered
+    by events. A pageable copy instead blocks the thread that issues it and,
+    issued from a worker thread, still held up the compute thread's launches:
+    each 100 MB attention output stalled an H200 for ~38 ms. Off CUDA, plain copies."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-host-copy")
-        self.in_flight: collections.deque[tuple[Future, int]] = collections.deque()  # (copy, bytes), oldest first
+        self.slabs: list[torch.Tensor] = []
+        self.used = PINNED_SLAB  # bytes handed out of the last slab: a first copy takes a new one
 
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes handed to the host and not yet copied there."""
-        return sum(nbytes for future, nbytes in self.in_flight if not future.done())
+    def host_bytes_to_take(self, tensors: tuple[torch.Tensor, ...]) -> int:
+        """New host memory copies of `tensors` would take (whole slabs on CUDA)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self.stream is None:
+            return sum(sizes)
+        taken, used = 0, self.used
+        for nbytes in sizes:
+            if nbytes > PINNED_SLAB:
+                taken += nbytes
+            elif _aligned(used) + nbytes > PINNED_SLAB:
+                taken, used = taken + PINNED_SLAB, nbytes
+            else:
+                used = _aligned(used) + nbytes
+        return max(taken - reusable_pinned_bytes(), 0)
 
-    def to_host(self, tensors: tuple[torch.Tensor, ...]) -> Future:
-        """Host copies of `tensors` as they are now (the worker copies a
-        device copy, so later in-place writes cannot reach it)."""
+    def to_host(self, tensors: tuple[torch.Tensor, ...]) -> Landing:
+        """Host copies of `tensors` as they are now (the side stream copies
+        a device copy, so later in-place writes cannot reach it)."""
         tensors = tuple(t.detach().clone() for t in tensors)
-        ready = self._event()
+        if self.stream is None:
+            return Landing(tensors, None)
+        ready = _event()
+        host = tuple(self._pinned(t) for t in tensors)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for target, source in zip(host, tensors):
+                target.copy_(source, non_blocking=True)
+                source.record_stream(self.stream)  # its memory is not reused before the copy is done
+            return Landing(host, _event())
 
-        def copy() -> tuple[torch.Tensor, ...]:
-            with self._on_side_stream(ready):
-                return tuple(t.to("cpu", copy=True) for t in tensors)
-
-        future = self.worker.submit(copy)
-        self.in_flight.append((future, sum(t.numel() * t.element_size() for t in tensors)))
-        while self.in_flight and (self.in_flight[0][0].done() or self.pending_bytes > HOST_COPIES_IN_FLIGHT):
-            self.in_flight.popleft()[0].result()  # waits for the oldest, and raises a failed copy's error here
-        return future
-
-    def to_device(self, source: Future, layouts: tuple[tuple[torch.Size, torch.dtype], ...]) -> Arrival:
-        """Device tensors, allocated on the caller's stream, that the worker
-        fills from `source`'s host tensors once they are there."""
-        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layouts)
-        allocated = self._event()
-
-        def copy() -> "torch.cuda.Event | None":
-            with self._on_side_stream(allocated):
-                for target, host in zip(tensors, source.result()):
-                    target.copy_(host)
-                return self._event()
-
-        return Arrival(tensors, self.worker.submit(copy))
+    def to_device(self, landing: Landing) -> Arrival:
+        """Device tensors, allocated on the caller's stream, that the side
+        stream fills from `landing` (after its copy to the host: the same stream)."""
+        if self.stream is None:
+            return Arrival(tuple(t.clone() for t in landing.host), None)
+        tensors = tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in landing.host)
+        allocated = _event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(allocated)
+            for target, source in zip(tensors, landing.host):
+                target.copy_(source, non_blocking=True)
+            return Arrival(tensors, _event())
 
     def close(self) -> None:
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        """Give the slabs back (to PyTorch's pinned cache, which keeps them for the next step)."""
+        self.slabs, self.used = [], PINNED_SLAB
 
-    def _event(self) -> "torch.cuda.Event | None":
-        """An event at the current stream's position (None off CUDA)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+    def _pinned(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        if nbytes > PINNED_SLAB:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        start = _aligned(self.used)
+        if start + nbytes > PINNED_SLAB:
+            self.slabs.append(torch.empty(PINNED_SLAB, dtype=torch.uint8, pin_memory=True))
+            start = 0
+        self.used = start + nbytes
+        return self.slabs[-1][start:start + nbytes].view(like.dtype).view(like.shape)
 
-    @contextlib.contextmanager
-    def _on_side_stream(self, after: "torch.cuda.Event | None") -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(after)
-            yield
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _event() -> "torch.cuda.Event":
+    """An event at the current stream's position."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def reusable_pinned_bytes() -> int:
+    """Pinned host memory PyTorch's allocator holds cached and free (host
+    memory that is not available to the system, but is to a new slab)."""
+    if not torch.cuda.is_available():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    return max(stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0), 0)
 
 
 def host_memory() -> tuple[int, int]:

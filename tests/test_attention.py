@@ -230,16 +230,11 @@ def test_attention_outputs_on_host_skip_the_reverse_forward(kind, recompute, mon
     assert kept.branch == without.branch
 
 
-@pytest.mark.parametrize("in_flight", [0, None])
-def test_attention_outputs_arrive_before_they_are_read(in_flight, monkeypatch):
-    """The copies run in the copier's worker: the reverse pass prefetches
-    each chunk's entries when it starts the chunk, so every first read finds
-    its entry arriving; with no copy allowed in flight (each keep waits for
-    its copy) the gradients are the same."""
+def test_attention_outputs_arrive_before_they_are_read(monkeypatch):
+    """The reverse pass prefetches each chunk's kept entries when it starts
+    the chunk, so every first read finds its entry on the way."""
     from longstraw import state
 
-    if in_flight is not None:
-        monkeypatch.setattr(state, "HOST_COPIES_IN_FLIGHT", in_flight)
     reads: list[bool] = []
     get = state.HostAttentionOutputs.get
 
@@ -248,9 +243,7 @@ def test_attention_outputs_arrive_before_they_are_read(in_flight, monkeypatch):
         return get(self, slot, offset)
 
     monkeypatch.setattr(state.HostAttentionOutputs, "get", recorded)
-    loss, grads, _ = _attention_run(monkeypatch, "qwen3", True)
-    kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", True, attention_outputs_on_host=True)
-    assert torch.equal(loss, kept_loss) and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    _, _, kept = _attention_run(monkeypatch, "qwen3", True, attention_outputs_on_host=True)
     assert len(reads) == 2 * kept.prompt and all(reads)  # each chunk and layer: the forward, then its recomputation
 
 

@@ -32,12 +32,13 @@ def _need_fla():
         pytest.fail("flash-linear-attention is not installed: these tests check its kernels")
 
 
-@pytest.mark.parametrize("shape", [(1, 8192, 10240, 4), (2, 100, 96, 4), (1, 5, 64, 4)],
+@pytest.mark.parametrize("shape", [(1, 8192, 10240, 4), (2, 100, 10240, 4), (1, 5, 10240, 4)],
                          ids=["qwen3.5-27b-chunk", "batch-unaligned", "shortest"])
 @pytest.mark.parametrize("activation, bias", [("silu", False), (None, True)])
 def test_forward_and_grads_match_the_reference(shape, activation, bias):
     """x is a transposed [B, L, C] tensor, as in Qwen3.5; every output and
-    gradient (carry included) within bf16 rounding of float64."""
+    gradient (carry included) within bf16 rounding of float64. One channel
+    count (Qwen3.5-27B's): Triton compiles every autotuned configuration anew for each."""
     _need_fla()
     B, L, C, K = shape
     gen = torch.Generator().manual_seed(L)
