@@ -287,7 +287,9 @@ class HostCopier:
 
     def to_host(self, tensors: tuple[torch.Tensor, ...]) -> Landing:
         """Host copies of `tensors` as they are now (the side stream copies
-        a device copy, so later in-place writes cannot reach it)."""
+        a device copy, so later in-place writes cannot reach it), with
+        their strides: flash attention's output is a transposed layout, and
+        the backward kernels are handed the kept output in place of it."""
         tensors = tuple(t.detach().clone() for t in tensors)
         if self.stream is None:
             return Landing(tensors, None)
@@ -305,7 +307,7 @@ class HostCopier:
         stream fills from `landing` (after its copy to the host: the same stream)."""
         if self.stream is None:
             return Arrival(tuple(t.clone() for t in landing.host), None)
-        tensors = tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in landing.host)
+        tensors = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device) for t in landing.host)
         allocated = _event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(allocated)
@@ -318,15 +320,16 @@ class HostCopier:
         self.slabs, self.used = [], PINNED_SLAB
 
     def _pinned(self, like: torch.Tensor) -> torch.Tensor:
+        """Pinned memory laid out like `like` (dense: a clone's layout)."""
         nbytes = like.numel() * like.element_size()
         if nbytes > PINNED_SLAB:
-            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, pin_memory=True)
         start = _aligned(self.used)
         if start + nbytes > PINNED_SLAB:
             self.slabs.append(torch.empty(PINNED_SLAB, dtype=torch.uint8, pin_memory=True))
             start = 0
         self.used = start + nbytes
-        return self.slabs[-1][start:start + nbytes].view(like.dtype).view(like.shape)
+        return self.slabs[-1][start:start + nbytes].view(like.dtype).as_strided(like.shape, like.stride())
 
 
 def _aligned(nbytes: int) -> int:

@@ -4,6 +4,7 @@ their own size; what `verify_state` checks on every write."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 
@@ -139,3 +140,22 @@ def test_the_planner_counts_the_chunks_the_runtime_runs():
             assert len(chunks) == chunk_count(prefix_len, size)
             assert sum(n for _, n in chunks) == prefix_len and all(0 < n <= size for _, n in chunks)
             assert [o for o, _ in chunks] == list(range(0, prefix_len, size))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_host_copies_keep_values_and_layout(device):
+    """`HostCopier` round trip (on CUDA through pinned slabs and a side
+    stream): the values as they were when handed over (a later in-place
+    write does not reach them) and the same strides (flash attention's
+    output is a transposed layout its backward reads)."""
+    from longstraw.state import HostCopier
+
+    copier = HostCopier(torch.device(device))
+    out = torch.randn(1, 6, 4, 8, device=device).transpose(1, 2)  # [1, 4, 6, 8] laid out as [1, 6, 4, 8]
+    lse = torch.randn(1, 4, 6, device=device)
+    want = (out.clone(), lse.clone())
+    landing = copier.to_host((out, lse))
+    out.add_(1.0)
+    back = copier.to_device(landing).wait()
+    assert all(torch.equal(b, w) for b, w in zip(back, want))
+    assert back[0].stride() == out.stride() and back[1].stride() == lse.stride()
