@@ -200,7 +200,9 @@ class CompiledGroupLoss:
             raise PlanningDone(plan, self.activations)
         if plan is None:
             return self.gm(*args)
-        outputs = GroupFunction.apply(plan.runner, *args)
+        # without a backward to follow (no_grad, or nothing requires grad) the capture keeps nothing for one
+        backward = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        outputs = GroupFunction.apply(plan.runner, backward, *args)
         return plan.tail.module(*args, *outputs)
 
     def _plan_for(self, args: Sequence[Any]) -> GroupPlan | None:

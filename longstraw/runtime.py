@@ -216,25 +216,27 @@ class GroupRunner:
     # forward ------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], CallState]:
+    def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         self.check_shared_values(values)
         prefix_len = self.prefix_len(values)
         self.last_call = CallRecord(prefix_len)
-        return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size)
+        return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size, backward)
 
     @torch.no_grad()
     def run(
-        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int
+        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int, backward: bool = True
     ) -> tuple[list[torch.Tensor], CallState]:
         """Capture and branches from the outer values; `end` and `group_size`
-        are the traced ones except when `longstraw.explain` simulates other sizes."""
+        are the traced ones except when `longstraw.explain` simulates other sizes.
+        Without a `backward` to follow, exact mode keeps nothing for its
+        reverse pass (chunk-boundary carries, attention outputs on the host)."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
-        exact = self.options.prompt_grad == "exact"
+        exact = self.options.prompt_grad == "exact" and backward
         kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
         state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept)
@@ -409,9 +411,9 @@ class GroupFunction(torch.autograd.Function):
     outputs the stacked branch outputs."""
 
     @staticmethod
-    def forward(ctx, runner: GroupRunner, *inputs):
+    def forward(ctx, runner: GroupRunner, backward: bool, *inputs):
         with runner.options.kernels.active():
-            outputs, call = runner.forward(inputs)
+            outputs, call = runner.forward(inputs, backward)
         ctx.runner, ctx.call = runner, call
         tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         ctx.tensor_positions = tensor_positions
@@ -438,4 +440,4 @@ class GroupFunction(torch.autograd.Function):
         with ctx.runner.options.kernels.active():
             grads = ctx.runner.backward(ctx.call, inputs, grad_outputs)
         ctx.call = None
-        return (None, *grads)
+        return (None, None, *grads)

@@ -468,3 +468,30 @@ def test_verify_state_catches_a_replay_that_differs(monkeypatch):
         loss.backward()
     assert any("reverse pass over prompt chunk [8, 12)" in n for n in getattr(info.value, "__notes__", []))
     assert grads_equal(grads_of(model), before)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_exact_capture_keeps_nothing_for_a_backward_that_cannot_come(grad, monkeypatch):
+    """Under no_grad (a reference model scored in the loss, an evaluation)
+    exact mode keeps no chunk-boundary carries and no attention outputs
+    for a reverse pass; with autograd on it keeps both, and the loss is the same."""
+    from longstraw import runtime, state
+
+    made: list[tuple[bool, bool]] = []
+    original = state.PromptState.__init__
+
+    def recorded(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append((self.boundaries, self.attention_outputs is not None))
+
+    monkeypatch.setattr(runtime.PromptState, "__init__", recorded)
+    model = make_model("qwen3")
+    group = make_group(2, 24, 4)
+    backend = longstraw.Backend(prompt_grad="exact", prefix_chunk_size=8, attention_outputs_on_host=True)
+    compiled = compile_loss(grpo_loss_f64, backend)
+    with torch.set_grad_enabled(grad):
+        loss = compiled(model, *group)
+    assert made == [(grad, grad)]
+    assert loss.requires_grad == grad
+    with torch.no_grad():
+        assert_close(loss.detach(), grpo_loss_f64(model, *group), 1e-12, "loss")
