@@ -341,13 +341,18 @@ def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 
 def _repeat_interleave(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """An integer repeat count `r` along `d` makes row `i * r + j` a copy of
+    row `i`: the output dimension is the input's factors times a new one of
+    size `r` (HF's batched_mm experts repeat each token once per expert it
+    routes to). A tensor of counts gives a dimension of its own."""
     dims, shape = an._in(node.args[0])
     d = arg(node, 2, "dim")
     if d is None:
         return None
     d %= len(shape)
     out = list(dims)
-    out[d] = an.fresh(an._out_shape(node)[d])
+    repeats = arg(node, 1, "repeats")
+    out[d] = dims[d] + an.fresh(repeats) if type(repeats) is int else an.fresh(an._out_shape(node)[d])
     return out
 
 
@@ -608,6 +613,32 @@ def _min_max(an: DimAnalysis, node: fx.Node) -> Any:
     return [kept, list(kept)]
 
 
+def _topk(an: DimAnalysis, node: fx.Node) -> list[list[Dim]]:
+    """`(values, indices)` of the `k` largest along `dim`: mixes that
+    dimension only (MoE routers pick experts per position this way)."""
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 2, "dim", -1) % len(shape)
+    an.mixes[node] = [dims[d]]
+    kept = dims[:d] + [an.fresh(arg(node, 1, "k"))] + dims[d + 1:]
+    return [kept, list(kept)]
+
+
+def _sort(an: DimAnalysis, node: fx.Node) -> list[list[Dim]]:
+    """`(values, indices)` sorted along `dim`: every output row may come from
+    any input row, so it mixes that dimension (HF's grouped_mm experts sort
+    token rows by expert)."""
+    dims, shape = an._in(node.args[0])
+    d = arg(node, 1, "dim", -1) % len(shape)
+    an.mixes[node] = [dims[d]]
+    return [list(dims), list(dims)]
+
+
+def _one_hot(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    """Each index becomes a row over a new class dimension, position by position."""
+    dims, _ = an._in(node.args[0])
+    return dims + [an.fresh(an._out_shape(node)[-1])]
+
+
 def _tensor_attribute(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     """`x.T`, `x.mT`, `x.mH`: transposes; any other tensor attribute has no rule."""
     dims = an.dims_of(node.args[0])
@@ -731,6 +762,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "split": _split, "chunk": _split, "unbind": _split,
     "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "addmm": _addmm, "baddbmm": _addmm,
     "gather": _gather,
+    "topk": _topk, "sort": _sort, "one_hot": _one_hot,
     "min": _min_max, "max": _min_max,
     "getattr": _tensor_attribute,
     "diff": _diff,

@@ -105,6 +105,22 @@ def _in_torch(frame: str) -> bool:
     return len(parts) > 1 and os.path.normpath(parts[1]).startswith(TORCH_DIR + os.sep)
 
 
+def experts_hint(node: fx.Node) -> str:
+    """What to do when `node` sits in an HF experts module, else ''."""
+    for _, cls in (node.meta.get("nn_module_stack") or {}).values():
+        name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
+        if name.endswith("Experts"):
+            return (f" It is in HF's experts module `{name}`, whose experts implementation reorders token rows in a way "
+                    f"LongStraw does not prove per position (grouped_mm sorts them by expert); {USE_BATCHED_MM}.")
+    return ""
+
+
+USE_BATCHED_MM = (
+    "LongStraw proves HF's batched_mm experts per position (each token's rows are its own): call "
+    "`model.set_experts_implementation('batched_mm')` before compiling"
+)
+
+
 # HF layers whose operators LongStraw claims only after a model module binds
 # them (class name -> the module whose `bound()` does it).
 _NEEDS_BINDING = {"Qwen3_5GatedDeltaNet": "longstraw.models.qwen3_5"}

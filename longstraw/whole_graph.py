@@ -31,7 +31,7 @@ import os
 import torch
 import torch.fx as fx
 
-from .errors import TORCH_DIR, USE_SDPA
+from .errors import TORCH_DIR, USE_BATCHED_MM, USE_SDPA
 
 _HOW = (
     "LongStraw needs the whole loss in one graph; `torch._dynamo.explain(loss_fn)(*args)` lists every graph break, "
@@ -52,6 +52,17 @@ DDP_SPLIT = (
     "(`torch._dynamo.config.optimize_ddp`, on by default; a backend cannot turn it off). To use DDP, "
     f"{DDP_RECIPE}. DDP then reduces the gradients LongStraw returns exactly as in eager (after the backward, "
     "without overlap)."
+)
+# HF's eager experts loop runs only the experts some token routes to (`nonzero`, then a Python loop over them).
+_EXPERTS_LOOP = (
+    "This is HF's eager experts loop (`experts_implementation='eager'`), which iterates over the experts the "
+    f"tokens route to, a number Dynamo cannot trace into one graph. {USE_BATCHED_MM}"
+)
+_HF_OUTPUT_CAPTURING = os.path.join("transformers", "utils", "output_capturing.py")
+_ROUTER_LOGITS = (
+    "HF collects `output_router_logits` (and `output_attentions`, `output_hidden_states`) through hooks Dynamo "
+    "cannot trace: leave them off. A router's load-balancing loss averages routing over every position of the "
+    "group, so LongStraw cannot run it per position anyway; compute it in a separate eager pass if you need it."
 )
 # Graph breaks inside these files, and what to do: HF's flex path breaks in create_block_mask before any
 # flex_attention node is traced; in DDP's forward or FSDP2's hooks, the wrapper ran inside the compiled
@@ -112,6 +123,10 @@ def _describe(reason) -> str:
     lines = [line.strip() for line in reason.reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
     hints += [fix for prefix, fix in _BREAK_FIXES if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
+    if stack and "expert" in (stack[-1].line or ""):
+        hints.append(_EXPERTS_LOOP)
+    if any(f.filename.endswith(_HF_OUTPUT_CAPTURING) for f in stack):
+        hints.append(_ROUTER_LOGITS)
     return f"{where}: {' '.join(lines[:1] + hints)}".rstrip(".")  # the caller ends the sentence
 
 
