@@ -79,7 +79,7 @@ def moe_experts(
 @moe_experts.register_fake
 def _(hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_proj_bias, down_proj_bias,
       has_gate, is_transposed, activation):
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # HF's sum over k: contiguous
 
 
 def _setup(ctx, inputs, output):
