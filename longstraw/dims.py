@@ -734,6 +734,18 @@ def _sdpa(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     return dq[:-1] + [dv[-1]]
 
 
+def _moe_experts(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """`longstraw::moe_experts` (HF's experts as one operator) is per position:
+    a token's output row reads its own hidden, expert-id and routing-weight
+    rows and the expert weights, which are parameters."""
+    if getattr(node.target, "namespace", None) != "longstraw":
+        return None
+    hidden, _ = an._in(node.args[0])
+    for routing in node.args[1:3]:
+        an.unify(an.dims_of(routing)[0], hidden[0])
+    return list(hidden)
+
+
 def _factory(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     return an._fresh_dims(an._out_shape(node))
 
@@ -769,6 +781,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "scaled_dot_product_attention": _sdpa,
     "rms_norm": _norm, "layer_norm": _norm,
     "tril": _triangular, "triu": _triangular,
+    "moe_experts.default": _moe_experts,
     **{name: _reduce for name in _REDUCE},
     **{name: _along_dim for name in _ALONG_DIM},
     **{name: _factory for name in _FACTORY},

@@ -111,7 +111,10 @@ def experts_hint(node: fx.Node) -> str:
         name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
         if name.endswith("Experts"):
             return (f" It is in HF's experts module `{name}`, whose experts implementation reorders token rows in a way "
-                    f"LongStraw does not prove per position (grouped_mm sorts them by expert); {USE_BATCHED_MM}.")
+                    f"LongStraw does not prove per position (grouped_mm sorts them by expert). LongStraw runs HF's "
+                    f"grouped_mm as one per-position operator (`longstraw::moe_experts`) only for experts modules that "
+                    f"are not expert-parallel, have no post-expert norm, and use HF's default gate and the activation "
+                    f"class their config's `hidden_act` names; {USE_BATCHED_MM}.")
     return ""
 
 

@@ -56,7 +56,8 @@ DDP_SPLIT = (
 # HF's eager experts loop runs only the experts some token routes to (`nonzero`, then a Python loop over them).
 _EXPERTS_LOOP = (
     "This is HF's eager experts loop (`experts_implementation='eager'`), which iterates over the experts the "
-    f"tokens route to, a number Dynamo cannot trace into one graph. {USE_BATCHED_MM}"
+    f"tokens route to, a number Dynamo cannot trace into one graph. {USE_BATCHED_MM} (or 'grouped_mm', HF's "
+    "default, which LongStraw runs as one per-position operator, `longstraw::moe_experts`)"
 )
 _HF_OUTPUT_CAPTURING = os.path.join("transformers", "utils", "output_capturing.py")
 _ROUTER_LOGITS = (

@@ -3,7 +3,9 @@
 Some HF layers compute a position-mixing operator in plain Python (Qwen3.5's
 Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
 graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
-drop-ins for those functions that call LongStraw's operators instead.
+drop-ins for those functions that call LongStraw's operators instead;
+`longstraw.models.moe` traces HF's grouped_mm experts as one per-position
+operator.
 
 `install_trace_bindings()` runs when `longstraw` is imported: for every HF
 modeling module with a binding, imported before or after, Dynamo traces the
@@ -22,7 +24,10 @@ import importlib.machinery
 import sys
 import types
 
-BINDINGS = {"transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5"}
+BINDINGS = {
+    "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
+    "transformers.integrations.moe": "longstraw.models.moe",
+}
 """HF modeling module -> the binding module that substitutes its functions in traces."""
 
 

@@ -5,8 +5,11 @@ run over each position's expert axis, every token's row is repeated once
 per chosen expert, multiplied by that expert's weights and summed back.
 The dimension rules prove it (`topk`, `repeat_interleave` with an integer
 count), so it matches eager in both modes with a chunked prefix, under
-NaN-filled memory. The other implementations and routers that depend on
-other positions are refused with the cause and the fix.
+NaN-filled memory. HF's `grouped_mm` (the default) sorts all token rows by
+expert; LongStraw traces it as one per-position operator,
+`longstraw::moe_experts`, which runs HF's function inside, and matches eager
+the same way. The eager loop, modules the operator does not cover and
+routers that depend on other positions are refused with the cause and the fix.
 """
 
 from __future__ import annotations
@@ -42,9 +45,18 @@ def make_moe(experts: str) -> torch.nn.Module:
     return model
 
 
+@pytest.fixture
+def grouped_mm_fallback(monkeypatch):
+    """torch's CPU grouped_mm kernel has no float64: HF's own fallback (a
+    loop of `mm` per expert, what HF runs where the kernel is missing) in
+    eager and inside `longstraw::moe_experts` alike."""
+    monkeypatch.setattr(transformers.integrations.moe, "_can_use_grouped_mm", lambda *args: False)
+
+
+@pytest.mark.parametrize("experts", ["batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("mode", ["exact", "detached"])
-def test_batched_mm_experts_match_eager(mode):
-    model = make_moe("batched_mm")
+def test_experts_match_eager(experts, mode, grouped_mm_fallback):
+    model = make_moe(experts)
     group = make_group(3, 11, 5, vocab=VOCAB, pad=True)
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4, verify_state=True)
     with deterministic_algorithms(True):
@@ -57,14 +69,31 @@ def test_batched_mm_experts_match_eager(mode):
     assert_grads_close(got, want, TOL)
     assert any("experts" in name for name in got)
     assert backend.plans[-1].prefix_len == 10
+    ops = [n.target for n in backend.plans[-1].partition.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.longstraw.moe_experts.default) == (2 if experts == "grouped_mm" else 0)
 
 
-def test_grouped_mm_experts_are_refused_with_the_fix():
-    """grouped_mm sorts all token rows by expert: `sort` mixes positions."""
+def test_grouped_mm_kernel_runs_inside_the_operator():
+    """float32 on torch's own grouped_mm kernel (no fallback): each step runs
+    it on its own rows, so only the summation order differs from eager."""
+    model = make_moe("grouped_mm").float()
+    group = make_group(3, 11, 5, vocab=VOCAB, pad=True)
+    want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
+    compiled = torch.compile(grpo_loss_f64, backend=longstraw.Backend(prefix_chunk_size=4, verify_state=True))
+    got_loss, got = compiled_loss_and_grads(compiled, model, *group)
+    assert_close(got_loss, want_loss, 1e-5, "loss")
+    assert_grads_close(got, want, 1e-4)
+
+
+def test_expert_parallel_grouped_mm_is_refused_with_the_fix():
+    """`longstraw::moe_experts` does not cover expert parallelism: HF's grouped_mm
+    is traced as it is, and its `sort` of all token rows by expert mixes positions."""
+    model = make_moe("grouped_mm")
+    model.model.layers[0].mlp.experts._is_expert_parallel = True
     compiled = torch.compile(grpo_loss_f64, backend=longstraw.Backend(prefix_chunk_size=4))
     with raises_longstraw(r"operator `sort` .* `model\.model\.layers\.0\.mlp\.experts` at .*moe\.py:\d+ .*mixes values "
-                          r"across sequence positions.*set_experts_implementation\('batched_mm'\)"):
-        compiled(make_moe("grouped_mm"), *make_group(2, 7, 3, vocab=VOCAB))
+                          r"across sequence positions.*expert-parallel.*set_experts_implementation\('batched_mm'\)"):
+        compiled(model, *make_group(2, 7, 3, vocab=VOCAB))
 
 
 def test_eager_experts_loop_is_refused_with_the_fix():

@@ -37,8 +37,8 @@ _MLA = dict(
 # Messages of the refused families (regular expressions).
 EAGER_ATTENTION = r"explicit matmul and softmax \(HF's attn_implementation='eager'\).*attn_implementation='sdpa'"
 DATA_DEPENDENT_ROUTING = r"Dynamo broke the graph at .*Dynamic shape operator"
-_ISSUE_MOE = ("HF's eager experts loop is a graph break (token-dependent shapes); "
-              "`model.set_experts_implementation('batched_mm')` is proven per position (Qwen3-MoE: `tests/test_moe.py`).")
+_ISSUE_MOE = ("HF's eager experts loop is a graph break (token-dependent shapes); HF's default `grouped_mm` "
+              "(one per-position operator) and `batched_mm` compile (Qwen3-MoE: `tests/test_moe.py`).")
 
 
 @dataclasses.dataclass(frozen=True)
