@@ -37,6 +37,25 @@ def test_a_preferred_kernel_runs_only_where_it_applies():
     assert attention.kernel_for(q, None) is attention.MATH
 
 
+def test_fla_never_runs_on_fake_tensors(monkeypatch):
+    """The planner simulates steps on fake CUDA tensors: a Triton launch on
+    their made-up data pointers faults the device (an H200 run of the hybrid
+    died of it in fla's l2norm), so fla applies only to real tensors. fla
+    itself is stood in for: this runs without CUDA or fla installed."""
+    for family in (fla_gated_delta, fla_causal_conv):
+        monkeypatch.setattr(family, "fla_ops", lambda: object())
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        q = torch.empty(1, 8, 2, 16, device="cuda", dtype=torch.bfloat16)
+        x, weight = torch.empty(1, 16, 8, device="cuda", dtype=torch.bfloat16), torch.empty(16, 4, device="cuda", dtype=torch.bfloat16)
+    assert q.is_cuda and not fla_gated_delta.applies(q)
+    assert not fla_causal_conv.applies(x, weight, None, "silu")
+    real_q, real_x, real_weight = (torch.empty(t.shape, dtype=t.dtype) for t in (q, x, weight))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert fla_gated_delta.applies(real_q) and fla_causal_conv.applies(real_x, real_weight, None, "silu")
+    with KernelPolicy(gated_delta="torch", causal_conv="torch").active():
+        assert not fla_gated_delta.applies(real_q) and not fla_causal_conv.applies(real_x, real_weight, None, "silu")
+
+
 @pytest.mark.parametrize("kernels, active", [({}, (False, False, False)),
                                               ({"attention": "flash", "gated_delta": "torch", "causal_conv": "torch"},
                                                (True, True, True))])
@@ -47,7 +66,7 @@ def test_the_compiled_loss_runs_its_policy(kernels, active, caplog):
     seen: set[tuple[bool, bool, bool]] = set()
 
     def record(where: str):
-        seen.add((bool(attention._CHOOSERS), bool(fla_gated_delta._DISABLED), bool(fla_causal_conv._DISABLED)))
+        seen.add((bool(attention._CHOOSERS), not fla_gated_delta.SWITCH.on, not fla_causal_conv.SWITCH.on))
         return contextlib.nullcontext()
 
     backend = longstraw.Backend(kernels=kernels, prefix_chunk_size=8)
@@ -55,7 +74,7 @@ def test_the_compiled_loss_runs_its_policy(kernels, active, caplog):
         compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), make_model("qwen3"), *make_group(2, 20, 4))
     assert seen == {active}
     assert {r.getMessage().split()[0] for r in caplog.records if r.name == "longstraw.attention"} == {"MathKernel"}
-    assert not fla_gated_delta._DISABLED and not fla_causal_conv._DISABLED and not attention._CHOOSERS
+    assert fla_gated_delta.SWITCH.on and fla_causal_conv.SWITCH.on and not attention._CHOOSERS
 
 
 @pytest.mark.gpu

@@ -53,7 +53,7 @@ class KernelPolicy:
             if self.attention != "sdpa":
                 stack.enter_context(attention.choosing(attention.preferring(self.attention)))
             if self.gated_delta == "torch":
-                stack.enter_context(fla_gated_delta.disabled())
+                stack.enter_context(fla_gated_delta.SWITCH.off())
             if self.causal_conv == "torch":
-                stack.enter_context(fla_causal_conv.disabled())
+                stack.enter_context(fla_causal_conv.SWITCH.off())
             yield

@@ -16,15 +16,14 @@ state is the carry with a zero column in front. Inputs follow
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from ..state import has_values
+from .switch import KernelSwitch
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -39,17 +38,7 @@ def fla_ops() -> SimpleNamespace | None:
     return SimpleNamespace(fwd=causal_conv1d_fwd, bwd=causal_conv1d_bwd)
 
 
-_DISABLED: list[bool] = []
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """fla's convolution is not used by steps run while this is active."""
-    _DISABLED.append(True)
-    try:
-        yield
-    finally:
-        _DISABLED.pop()
+SWITCH = KernelSwitch("fla causal_conv")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> bool:
@@ -58,7 +47,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     the initial one, which the carry's gradient would have to undo); not on
     fake tensors (the planner's simulation), which Triton cannot launch on."""
     return (
-        not _DISABLED
+        SWITCH.on
         and x.is_cuda
         and has_values(x)
         and x.dtype in (torch.float16, torch.bfloat16)

@@ -18,12 +18,13 @@ v [B, L, Hv, Dv]; g, beta [B, L, Hv]; state [B, Hv, Dk, Dv] float32.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
+
+from ..state import has_values
+from .switch import KernelSwitch
 
 CHUNK = 64  # fla's chunk size; the log2 decays below are cumulative within these
 
@@ -51,22 +52,20 @@ def fla_ops() -> SimpleNamespace | None:
     )
 
 
-_DISABLED: list[bool] = []
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """fla is not used by steps run while this is active (the PyTorch kernel runs instead)."""
-    _DISABLED.append(True)
-    try:
-        yield
-    finally:
-        _DISABLED.pop()
+SWITCH = KernelSwitch("fla gated_delta")
 
 
 def applies(q: torch.Tensor) -> bool:
-    """fla runs on CUDA with 16-bit inputs (it would compute float32 inputs in TF32), unless `disabled`."""
-    return not _DISABLED and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and fla_ops() is not None
+    """fla runs on CUDA with 16-bit inputs (it would compute float32 inputs
+    in TF32), unless switched off; not on fake tensors (the planner's
+    simulation): Triton would launch on their made-up data pointers."""
+    return (
+        SWITCH.on
+        and q.is_cuda
+        and has_values(q)
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and fla_ops() is not None
+    )
 
 
 def gated_delta_forward(q, k, v, g, beta, initial_state, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
