@@ -174,17 +174,23 @@ class HostAttentionOutputs:
     that would leave less than `HOST_RESERVE` of the host's memory available
     is not kept: its chunk runs the forward as without the option.
 
-    Copies go through `HostCopier`, off the compute stream: the capture hands
-    each entry over and goes on, and the reverse pass `prefetch`es a chunk's
-    entries when it starts the chunk, so they arrive while its first layers run."""
+    Copies go through `HostCopier`, off the compute stream. The device holds
+    the entry being read and the next one only: with layer-wise
+    recomputation every entry is read twice per reverse chunk (the forward,
+    then the layer's recomputation in the backward), and holding each from
+    its first read to its second held every attention layer's output for the
+    chunk (1.5 GB at Qwen3.5-27B's depth and 8,192 positions). The order of
+    reads is the same in every chunk: it is learned from the first chunk the
+    reverse pass reads, and each read starts the copy of the next."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copier = HostCopier(device)
         self.entries: dict[tuple[int, int], Landing] = {}
-        self.arriving: dict[tuple[int, int], Arrival] = {}  # prefetched for the reverse chunk about to run
-        # fetched for the reverse chunk being run: the forward's, for its recomputation
-        self.fetched: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.arriving: dict[tuple[int, int], Arrival] = {}  # the next reads' entries, on their way
+        self.order: list[int] = []  # slots in the order a reverse chunk reads them (learned)
+        self.learned = False
+        self.reads = 0  # in the chunk being run
         self.refused = False
 
     def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -199,33 +205,42 @@ class HostAttentionOutputs:
         self.entries[slot, offset] = self.copier.to_host((out, lse))
 
     def prefetch(self, offset: int) -> None:
-        """Start bringing a prompt chunk's entries back to the device."""
-        for key in [k for k in self.entries if k[1] == offset and k not in self.fetched]:
-            self.arriving[key] = self.copier.to_device(self.entries[key])
+        """The reverse pass starts the chunk at `offset`: start bringing its first read back."""
+        self.reads = 0
+        self._start(offset)
 
     def get(self, slot: int, offset: int) -> tuple[torch.Tensor, ...] | None:
-        """The kept entry on the device; asked again (layer-wise
-        recomputation), a copy of the same, by the same operator as the
-        first time (selective checkpointing checks that recomputation
-        dispatches what the forward did)."""
+        """The kept entry, in new device memory (each read its own copy),
+        or None where nothing was kept."""
         key = (slot, offset)
-        if key in self.fetched:
-            return tuple(t.to(self.device, copy=True) for t in self.fetched.pop(key))
         if key not in self.entries:
             return None
+        if not self.learned:
+            self.order.append(slot)
         arrival = self.arriving.pop(key, None) or self.copier.to_device(self.entries[key])
-        self.fetched[key] = arrival.wait()
-        return tuple(t.to(self.device, copy=True) for t in self.fetched[key])
+        self.reads += 1
+        self._start(offset)
+        return arrival.wait()
 
     def drop(self, offset: int) -> None:
         """Forget a chunk's entries once the reverse pass is done with it."""
-        for table in (self.entries, self.arriving, self.fetched):
-            for key in [k for k in table if k[1] == offset]:
-                del table[key]
+        self.learned = self.learned or bool(self.order)
+        for key in [k for k in self.arriving if k[1] == offset]:
+            self.arriving.pop(key).wait()  # never read: its memory is reused only after the copy into it
+        for key in [k for k in self.entries if k[1] == offset]:
+            del self.entries[key]
 
     def close(self) -> None:
-        self.entries, self.arriving, self.fetched = {}, {}, {}
+        self.entries, self.arriving = {}, {}
         self.copier.close()
+
+    def _start(self, offset: int) -> None:
+        """Start copying the entry of the chunk's next read, where the order is known."""
+        if not self.learned or self.reads >= len(self.order):
+            return
+        key = (self.order[self.reads], offset)
+        if key in self.entries and key not in self.arriving:
+            self.arriving[key] = self.copier.to_device(self.entries[key])
 
 
 PINNED_SLAB = 1 << 30
@@ -237,10 +252,10 @@ _ALIGN = 512
 
 @dataclasses.dataclass
 class Landing:
-    """Host copies of device tensors, and the event after which they hold the values (None off CUDA)."""
+    """Host copies of device tensors (on CUDA, written by the copier's side
+    stream, so a copy back issued there later reads them complete)."""
 
     host: tuple[torch.Tensor, ...]
-    landed: "torch.cuda.Event | None"
 
 
 @dataclasses.dataclass
@@ -292,7 +307,7 @@ class HostCopier:
         the backward kernels are handed the kept output in place of it."""
         tensors = tuple(t.detach().clone() for t in tensors)
         if self.stream is None:
-            return Landing(tensors, None)
+            return Landing(tensors)
         ready = _event()
         host = tuple(self._pinned(t) for t in tensors)
         with torch.cuda.stream(self.stream):
@@ -300,7 +315,7 @@ class HostCopier:
             for target, source in zip(host, tensors):
                 target.copy_(source, non_blocking=True)
                 source.record_stream(self.stream)  # its memory is not reused before the copy is done
-            return Landing(host, _event())
+            return Landing(host)
 
     def to_device(self, landing: Landing) -> Arrival:
         """Device tensors, allocated on the caller's stream, that the side
