@@ -450,6 +450,9 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     elementwise ops such as `copy_` and `add_`)."""
     target, op, rest = node.args[0], node.args[1], node.args[2:]
     dims, shape = an._in(target)
+    if op.rstrip("_") in _SCATTERS:
+        named = dict(zip(("dim", "index", "src"), rest)) | dict(node.kwargs)
+        return _scatter_into(an, node, target, named["dim"], named["index"], named.get("src", named.get("value")))
     if op == "setitem":
         index, value = rest
         mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
@@ -482,6 +485,40 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 
 _FILLS = {"copy", "fill", "zero"}
+_SCATTERS = {"scatter", "scatter_add"}
+
+
+def _scatter(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
+    """`x.scatter(dim, index, src)` / `scatter_add`, out of place."""
+    src = arg(node, 3, "src")
+    return _scatter_into(an, node, node.args[0], arg(node, 1, "dim"), arg(node, 2, "index"),
+                         arg(node, 3, "value") if src is None else src)
+
+
+def _scatter_into(an: DimAnalysis, node: fx.Node, target: fx.Node, dim: int, index: Any, src: Any) -> list[Dim] | None:
+    """x with `src` written along `dim` at `index`: mixes `dim` only. Along
+    every other dimension the index must cover x (a shorter index writes
+    only x's first rows there, which depends on where a row is, so no rule);
+    a tensor `src` is aligned with the index (DeepSeek-V3's router marks
+    its chosen expert groups this way)."""
+    dims, shape = an._in(target)
+    if not isinstance(index, fx.Node) or tensor_of(index) is None:
+        return None
+    d = dim % len(shape)
+    index_dims, index_shape = an._in(index)
+    if len(index_shape) != len(shape) or any(index_shape[i] != shape[i] for i in range(len(shape)) if i != d):
+        return None
+    for i in range(len(shape)):
+        if i != d:
+            an.unify(dims[i], index_dims[i])
+    if isinstance(src, fx.Node) and tensor_of(src) is not None:
+        src_dims, src_shape = an._in(src)
+        if tuple(src_shape) != tuple(index_shape):
+            return None
+        for a, b in zip(index_dims, src_dims):
+            an.unify(a, b)
+    an.mixes[node] = [dims[d]]
+    return list(dims)
 
 
 def _addmm(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -773,7 +810,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack,
     "split": _split, "chunk": _split, "unbind": _split,
     "matmul": _matmul, "bmm": _matmul, "mm": _matmul, "addmm": _addmm, "baddbmm": _addmm,
-    "gather": _gather,
+    "gather": _gather, "scatter": _scatter, "scatter_add": _scatter,
     "topk": _topk, "sort": _sort, "one_hot": _one_hot,
     "min": _min_max, "max": _min_max,
     "getattr": _tensor_attribute,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.dims import DimAnalysis
+from longstraw.functionalize import is_updated
 from longstraw.nodes import is_sdpa, op_name
 from longstraw.partition import classify, with_state
 from longstraw.passes import DEFAULT_PASSES
@@ -115,3 +116,41 @@ def test_codegen_emits_the_steps(graph):
     assert build_outer(part).module.graph.find_nodes(op="placeholder")
     tail = build_tail(part)
     assert len(list(tail.module.graph.find_nodes(op="placeholder"))) == len(part.placeholders) + len(part.branch_outputs)
+
+
+def _scatter_graph(write):
+    """DimAnalysis of `write(x, idx)` after an embedding lookup, x `[G, L, C]`."""
+    def fn(emb, ids, idx):
+        return write(emb[ids], idx).sum()
+
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(fn, backend=lambda gm, ex: graphs.append((gm, list(ex))) or gm.forward, fullgraph=True)(
+        torch.randn(VOCAB, C), torch.randint(0, VOCAB, (G, P)), torch.randint(0, C, (G, P, 2)))
+    gm = specialize(*graphs[0]).gm
+    ids = next(n for n in gm.graph.find_nodes(op="placeholder") if "ids" in n.name)
+    an = DimAnalysis(gm.graph)
+    scatter = next(n for n in gm.graph.nodes if "scatter" in str(n.target) or is_updated(n) and "scatter" in n.args[1])
+    return an, an.classes(an.dims_of(ids)[1])[0], scatter
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_scatter_along_channels_mixes_only_channels(inplace):
+    """DeepSeek-V3's router marks its chosen expert groups with a scatter along the group axis."""
+    write = (lambda x, idx: torch.zeros_like(x).scatter_(2, idx, 1.0)) if inplace else \
+        (lambda x, idx: x.scatter(2, idx, torch.ones(idx.shape, dtype=x.dtype)))
+    an, token, scatter = _scatter_graph(write)
+    assert scatter not in an.unknown
+    assert token in an.classes(an.dims_of(scatter)[1])
+    assert token not in {c for d in an.mixes[scatter] for c in an.classes(d)}
+
+
+def test_a_scatter_along_positions_mixes_positions():
+    an, token, scatter = _scatter_graph(lambda x, idx: torch.zeros_like(x).scatter(1, idx[..., :1].expand(-1, -1, C) % P, x))
+    assert token in {c for d in an.mixes[scatter] for c in an.classes(d)}
+
+
+def test_a_scatter_over_some_positions_has_no_rule():
+    """A shorter index along a dimension writes only its first rows: which rows depends on where a row is."""
+    an, _, scatter = _scatter_graph(lambda x, idx: torch.zeros_like(x).scatter(2, idx[:, : P - 3], 1.0))
+    assert scatter in an.unknown

@@ -60,10 +60,11 @@ class Family:
     attn_implementation: str = "sdpa"
     bind: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     detached: Callable[..., Any] | None = None
+    experts: str = "eager"  # HF's experts implementation for MoE layers (grouped_mm has no float64 kernel)
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         config = self.config()
-        config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+        config._experts_implementation = self.experts
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation)
         return model.double().eval()
@@ -119,6 +120,12 @@ SUPPORTED = [
     Family("persimmon", _hf(T.PersimmonConfig)),
     Family("bitnet", _hf(T.BitNetConfig)),
     Family("ministral", _hf(T.MinistralConfig)),
+    Family("qwen3_moe", _hf(T.Qwen3MoeConfig, **_MOE), experts="batched_mm",
+           note="MoE, softmax top-k router, HF's `batched_mm` experts (`grouped_mm`: `tests/test_moe.py`)"),
+    Family("mixtral", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2), experts="batched_mm",
+           note="MoE, HF's `batched_mm` experts"),
+    Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
+           note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
 ]
 
 REFUSED = [
@@ -139,15 +146,17 @@ REFUSED = [
            note="No attention: a pure state-space model; no pass claims its convolution or its scan."),
     Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]),
            refused=r"operator `conv1d` .* has no dimension rule", note="Its short convolution has no pass yet."),
-    Family("qwen3_moe", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
-    Family("mixtral", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2), refused=DATA_DEPENDENT_ROUTING,
-           note=_ISSUE_MOE),
-    Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1),
+    Family("qwen3_moe (eager experts)", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("mixtral (eager experts)", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("deepseek_v3 (MoE layers, eager experts)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1),
            refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
     Family("qwen3_next", _hf(T.Qwen3NextConfig, **_MOE, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=8, linear_value_head_dim=8,
-                             layer_types=["linear_attention", "full_attention"]),
-           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+                             layer_types=["linear_attention", "full_attention"]), experts="batched_mm",
+           refused=r"operator `conv1d` .* in module `model.model.layers.0.linear_attn` .* has no dimension rule",
+           note="Its Gated DeltaNet layer (HF's `Qwen3NextGatedDeltaNet`) is not bound to LongStraw's operators "
+                "yet, as Qwen3.5's is (`longstraw.models.qwen3_5`); its MoE layers compile."),
     Family("qwen3_5 (unbound)", qwen3_5.tiny_config, bind=qwen3_5.unbound,
            refused=r"`Qwen3_5GatedDeltaNet` reaches LongStraw.s operators through `longstraw.models.qwen3_5`.*unbound\(\)",
            note="HF's pure-PyTorch Gated DeltaNet loops over chunks; outside `qwen3_5.unbound()` LongStraw's operators "
