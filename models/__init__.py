@@ -26,6 +26,7 @@ import types
 
 BINDINGS = {
     "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
+    "transformers.models.qwen3_next.modeling_qwen3_next": "longstraw.models.qwen3_5",
     "transformers.integrations.moe": "longstraw.models.moe",
 }
 """HF modeling module -> the binding module that substitutes its functions in traces."""

@@ -1,5 +1,5 @@
-"""Qwen3.5 / Qwen3.6 (transformers `qwen3_5`): route the linear-attention
-layers to LongStraw's registered operators.
+"""Qwen3.5 / Qwen3.6 and Qwen3-Next (transformers `qwen3_5`, `qwen3_next`):
+route the linear-attention layers to LongStraw's registered operators.
 
 HF's Gated DeltaNet layer calls two module-level functions: a causal
 depthwise convolution and a chunked gated delta rule written as a Python
@@ -32,7 +32,8 @@ import torch
 from longstraw.passes.causal_conv import causal_conv1d
 from longstraw.passes.gated_delta import gated_delta_rule
 
-_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",)
+_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next")
+"""HF modeling modules whose Gated DeltaNet layer calls these two functions by these names."""
 
 
 def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
@@ -84,8 +85,8 @@ def _traced(drop_in: Callable, hf_function: Callable) -> Callable:
 
 
 def bind() -> dict[tuple[object, str], object]:
-    """Route HF Qwen3.5 layers to the registered operators; returns what was
-    replaced, for `unbind`."""
+    """Route HF Qwen3.5 and Qwen3-Next layers to the registered operators;
+    returns what was replaced, for `unbind`."""
     import importlib
 
     replaced: dict[tuple[object, str], object] = {}
