@@ -8,23 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-import longstraw
 from longstraw.kernels import KernelPolicy, fla_causal_conv
-from longstraw.models import qwen3_5
 from longstraw.passes import causal_conv
 
-from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.losses import grpo_loss_f64
-from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
-from helpers.tiny_models import make_group
+from helpers.fused_kernels import assert_fused_as_accurate, relative_error
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _need_fla():
@@ -53,12 +43,12 @@ def test_forward_and_grads_match_the_reference(shape, activation, bias):
     wanted = [t for t in inputs if t is not None]
     want = torch.autograd.grad([out, new_tail], wanted, [grad_out.double(), grad_tail.double()])
     got_out, got_tail = fla_causal_conv.causal_conv_forward(tail, x, weight, b, activation)
-    assert got_out.shape == out.shape and _rel(got_out, out) < 1e-2
+    assert got_out.shape == out.shape and relative_error(got_out, out) < 1e-2
     assert torch.equal(got_tail, x[..., L - (K - 1):])  # the carry is the inputs themselves
     got = [g for g in fla_causal_conv.causal_conv_grads(tail, x, weight, b, grad_out, grad_tail, activation) if g is not None]
     for name, a, w in zip(["tail", "x", "weight", "bias"], got, want):
         assert a.shape == w.shape, name
-        assert _rel(a, w) < 2e-2, f"d{name}: relative error {_rel(a, w):.2e}"
+        assert relative_error(a, w) < 2e-2, f"d{name}: relative error {relative_error(a, w):.2e}"
 
 
 def test_not_on_fake_tensors_or_when_disabled():
@@ -76,32 +66,13 @@ def test_not_on_fake_tensors_or_when_disabled():
 def test_hybrid_with_fla_convolution_is_as_accurate_as_the_pytorch_kernel(mode, monkeypatch):
     """bf16 on CUDA, the same compiled loss with fla's convolution and with
     the PyTorch kernel, each against float64 eager gradients of the same
-    weights: fla's error is at most twice the PyTorch kernel's. Chunks of
-    96, so the carry crosses steps both ways."""
+    weights: fla's error is at most twice the PyTorch kernel's."""
     _need_fla()
-    torch.manual_seed(0)
-    cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
-    model = transformers.Qwen3_5ForCausalLM(cfg).cuda().bfloat16()
-    group = [x.cuda() for x in make_group(3, 300, 40, vocab=cfg.vocab_size, pad=True)]
-    results = {}
-    with qwen3_5.bound():
-        for policy in ("auto", "torch"):
-            calls = []
-            grads = fla_causal_conv.causal_conv_grads
-            monkeypatch.setattr(fla_causal_conv, "causal_conv_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
-            torch._dynamo.reset()
-            backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=96, kernels={"causal_conv": policy})
-            results[policy] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
-            assert bool(calls) == (policy == "auto")
-        model = model.double()
-        truth = (eager_loss_and_grads if mode == "exact" else hybrid_detached_reference)(
-            *((grpo_loss_f64,) if mode == "exact" else ()), model, *group
-        )
-    (loss, grads), (loss_ref, grads_ref), (loss_true, grads_true) = results["auto"], results["torch"], truth
-    assert _rel(loss, loss_true) <= 2 * _rel(loss_ref, loss_true) + 1e-3
-    errors = {
-        name: (_rel(grads[name], want), _rel(grads_ref[name], want))
-        for name, want in grads_true.items() if want is not None and want.abs().max() > 0
-    }
-    worse = {name: e for name, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
-    assert not worse, f"(fla, PyTorch kernel) relative errors against float64 eager: {worse}"
+    grads = fla_causal_conv.causal_conv_grads
+
+    def setup(fused):
+        calls = []
+        monkeypatch.setattr(fla_causal_conv, "causal_conv_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
+        return {"kernels": {"causal_conv": "auto" if fused else "torch"}}, lambda: bool(calls)
+
+    assert_fused_as_accurate(mode, setup)

@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
-import longstraw
 from longstraw import carry
 from longstraw.kernels import fla_gated_delta
 from longstraw.kernels.gated_delta import gated_delta_rule_reference
-from longstraw.models import qwen3_5
 from longstraw.passes import gated_delta
 
-from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.losses import grpo_loss_f64
-from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
-from helpers.tiny_models import make_group
+from helpers.fused_kernels import assert_fused_as_accurate, relative_error
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _need_fla():
@@ -54,11 +44,11 @@ def test_grads_match_autograd_through_the_reference(shape, l2norm):
     out, final = gated_delta_rule_reference(*inputs[1:], inputs[0], l2norm)
     want = torch.autograd.grad([out, final], inputs, [grad_out.double(), grad_state.double()])
     fla_out, fla_final = fla_gated_delta.gated_delta_forward(q, k, v, g, beta, state, l2norm)
-    forward_error = max(_rel(fla_out, out), _rel(fla_final, final))
+    forward_error = max(relative_error(fla_out, out), relative_error(fla_final, final))
     got = fla_gated_delta.gated_delta_grads(state, q, k, v, g, beta, grad_out, grad_state, use_qk_l2norm=l2norm)
     for name, x, a, b in zip(["state", "q", "k", "v", "g", "beta"], (state, q, k, v, g, beta), got, want):
         assert a.dtype == x.dtype and a.shape == b.shape, name
-        err = _rel(a, b)
+        err = relative_error(a, b)
         assert err < max(3e-2, 10 * forward_error), f"d{name}: relative error {err:.2e} (forward {forward_error:.2e})"
 
 
@@ -67,35 +57,16 @@ def test_hybrid_with_fla_backward_is_as_accurate_as_the_pytorch_backward(mode, m
     """bf16 on CUDA, the same compiled loss with fla's backward and with
     autograd through the PyTorch kernel (the forwards are fla's in both),
     each against the float64 eager gradients of the same weights: fla's
-    error is at most twice the PyTorch kernel's. Chunks of 96, so the
-    carry's gradient crosses steps, and spans of 64 inside a step."""
+    error is at most twice the PyTorch kernel's. Spans of 64 inside a step."""
     _need_fla()
     monkeypatch.setattr(gated_delta, "FLA_SPAN", 64)
-    torch.manual_seed(0)
-    cfg = qwen3_5.tiny_config(hidden_size=128, linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32)
-    model = transformers.Qwen3_5ForCausalLM(cfg).cuda().bfloat16()
-    group = [x.cuda() for x in make_group(3, 300, 40, vocab=cfg.vocab_size, pad=True)]
-    results = {}
-    with qwen3_5.bound():
-        for fused in (True, False):
-            if not fused:
-                monkeypatch.setattr(gated_delta, "CarryKernel", lambda **k: carry.CarryKernel(**{**k, "grads": None}))
-            calls = []
-            grads = fla_gated_delta.gated_delta_grads
-            monkeypatch.setattr(fla_gated_delta, "gated_delta_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
-            torch._dynamo.reset()
-            backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=96)
-            results[fused] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
-            assert bool(calls) == fused
-        model = model.double()
-        truth = (eager_loss_and_grads if mode == "exact" else hybrid_detached_reference)(
-            *((grpo_loss_f64,) if mode == "exact" else ()), model, *group
-        )
-    (loss, grads), (loss_ref, grads_ref), (loss_true, grads_true) = results[True], results[False], truth
-    assert _rel(loss, loss_true) <= 2 * _rel(loss_ref, loss_true) + 1e-3
-    errors = {
-        name: (_rel(grads[name], want), _rel(grads_ref[name], want))
-        for name, want in grads_true.items() if want is not None and want.abs().max() > 0
-    }
-    worse = {name: e for name, e in errors.items() if e[0] > 2 * e[1] + 1e-3}
-    assert not worse, f"(fla, PyTorch kernel) relative errors against float64 eager: {worse}"
+    grads = fla_gated_delta.gated_delta_grads
+
+    def setup(fused):
+        if not fused:
+            monkeypatch.setattr(gated_delta, "CarryKernel", lambda **k: carry.CarryKernel(**{**k, "grads": None}))
+        calls = []
+        monkeypatch.setattr(fla_gated_delta, "gated_delta_grads", lambda *a, **k: (calls.append(1), grads(*a, **k))[1])
+        return {}, lambda: bool(calls)
+
+    assert_fused_as_accurate(mode, setup)
