@@ -215,7 +215,7 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
     assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None)
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
     """The simulation runs one span's backward per signature of a carried
     operator (Gated DeltaNet, the causal convolution) and accounts for the

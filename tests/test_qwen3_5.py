@@ -74,7 +74,7 @@ def test_gated_delta_from_carried_state(cut):
     assert rel_err(state_b, state) < 1e-12
 
 
-@pytest.mark.parametrize("L", [20, 150], ids=["one_chunk", "three_chunks"])
+@pytest.mark.parametrize("L", [pytest.param(20, marks=pytest.mark.slow), 150], ids=["one_chunk", "three_chunks"])
 def test_gated_delta_op_gradients(L):
     """The chunk scan's hand-written backward, across chunk boundaries too."""
     # a slow decay, so the state carried over a 64-position chunk is not negligible
@@ -124,8 +124,11 @@ CASES = [  # G, P, R, chunk (neither dividing P-1 nor a multiple of 64), pad
 ]
 
 
-@pytest.mark.parametrize("G,P,R,chunk,pad", CASES)
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+# Every case in exact mode; detached, the first two in CI and the rest with `-m slow`.
+@pytest.mark.parametrize("mode,G,P,R,chunk,pad", [
+    *[("exact", *case) for case in CASES],
+    *[pytest.param("detached", *case, marks=[pytest.mark.slow] if i >= 2 else []) for i, case in enumerate(CASES)],
+])
 def test_parity(mode, G, P, R, chunk, pad):
     model = make_qwen3_5()
     args = make_group(G, P, R, pad=pad, seed=P)
@@ -222,7 +225,7 @@ def test_state_report_qwen3_6_27b(capsys):
     assert report["causal_conv"] == (0, 3 * (2 * 16 * 128 + 48 * 128) * 3 * 2)  # conv channels x (K-1), bf16
 
 
-@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("mode", [pytest.param("detached", marks=pytest.mark.slow), "exact"])
 def test_carries_do_not_hold_their_chunks(mode):
     """The conv carry is the last K-1 inputs of a chunk-sized tensor; it must
     be kept as a copy, not a view that pins the chunk's storage; so must its

@@ -42,7 +42,7 @@ def run(model, group, mode: str, recompute: bool):
     return loss, grads, backend.plans[-1].runner
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_recomputing_replay_gives_the_same_gradients(kind, mode):
     model = MODELS[kind]()
@@ -84,7 +84,7 @@ def _activations(layers: int, recompute: bool, mode: str) -> int:
     return report.plan(P=65, G=2, R=64, prompt_grad=mode).activations
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 def test_what_a_replay_holds_stops_growing_with_depth(mode):
     """Simulated peak of a step under autograd, 2 against 8 layers: without
     recomputation every layer's activations stay; with it only each layer's

@@ -189,7 +189,7 @@ def test_two_compiled_losses_do_not_share_state():
 # --- compiles over changing shapes ---------------------------------------------------
 
 
-def test_compiles_over_twenty_steps_with_changing_shapes():
+def test_compiles_over_a_dozen_steps_with_changing_shapes():
     """Dynamo compiles the loss twice (the first shapes, then once with
     dynamic sizes); LongStraw plans once per new (G, P, R) signature of each
     compiled graph and reuses the plan when a signature comes back: the
@@ -204,13 +204,13 @@ def test_compiles_over_twenty_steps_with_changing_shapes():
 
     backend = Counting(prefix_chunk_size=16, plan_cache_size=32)
     step = compile_loss(grpo_loss_f64, backend)
-    shapes = [(3, 20 + 7 * (i % 5), 4 + (i % 3)) for i in range(20)]
+    shapes = [(3, 20 + 7 * (i % 3), 4 + (i % 2)) for i in range(12)]
     for i, (G, P, R) in enumerate(shapes):
         loss, grads = compiled_loss_and_grads(step, model, *make_group(G, P, R, seed=i))
         assert torch.isfinite(loss)
     assert len(compiles) == 2
-    assert len(set(shapes)) == 15
-    assert len(backend.plans) == 1 + 15
+    assert len(set(shapes)) == 6
+    assert len(backend.plans) == 1 + 6
 
 
 # --- per-row inputs that require grad ------------------------------------------------
