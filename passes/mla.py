@@ -5,7 +5,7 @@ HF computes, per layer, a latent `c = kv_a_layernorm(...)` [B, 1, L, r] and a
 rope key `k_pe` [B, 1, L, dr] shared over heads, decompresses
 `kv_b_proj(c)` into per-head `k_nope` [B, H, L, dn] and `v` [B, H, L, dv],
 and calls SDPA on `K = [k_nope | k_pe]`, `V = v`. `mla_of` proves that
-structure from the graph (the SDPA's K and V, the split, the view and the
+structure from the graph (causal SDPA, its K and V, the split, the view and the
 `kv_b_proj` linear of one latent, the head expansion of one rope key);
 anything else is left to the general attention pass.
 
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
-from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
+from longstraw.mask import band_of
+from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, SiteState, StepEmitter
@@ -135,9 +136,21 @@ def _copied_source(value: fx.Node, target: fx.Node, index: object) -> fx.Node | 
     return src if a.shape == b.shape and a.dtype == b.dtype else None
 
 
+def _causal(node: fx.Node) -> bool:
+    """SDPA with `is_causal=True`, or with a positions-only mask proved causal
+    (`band_of`: true exactly where the key is not after the query)."""
+    mask, is_causal = arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False)
+    if mask is None:
+        return bool(is_causal)
+    if is_causal or not isinstance(mask, fx.Node) or any(n.op == "placeholder" for n in ancestors([mask])):
+        return False
+    length = tensor_of(node.args[0]).shape[-2]
+    return tuple(tensor_of(mask).shape[-2:]) == (length, length) and band_of(mask) == (0, math.inf)
+
+
 def mla_of(node: fx.Node) -> LatentAttention | None:
     """The latent attention `node` computes, if the graph proves it (module docstring)."""
-    if not is_sdpa(node) or arg(node, 3, "attn_mask") is not None or not arg(node, 5, "is_causal", False):
+    if not is_sdpa(node) or not _causal(node):
         return None
     if arg(node, 4, "dropout_p", 0.0) != 0.0 or arg(node, 7, "enable_gqa", False):
         return None
@@ -202,6 +215,10 @@ class LatentAttentionPass(ArchitecturePass):
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
         q = node.args[0]
         return (q, 2), (q, 0)
+
+    def positional_inputs(self, node: fx.Node) -> list[fx.Node]:
+        mask = arg(node, 3, "attn_mask")
+        return [mask] if isinstance(mask, fx.Node) else []  # proved causal: the step builds its own
 
     def state_inputs(self, node: fx.Node) -> list[fx.Node]:
         found = mla_of(node)
