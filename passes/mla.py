@@ -17,7 +17,9 @@ The step attends in latent space (absorbed attention): with
     out    = softmax(scores) c W_uv^T
 
 so earlier positions are never decompressed: r + dr values per position
-(512 + 64 at DeepSeek-V3 shapes) instead of H x (dn + dr + dv). Gradients
+(512 + 64 at DeepSeek-V3 shapes) instead of H x (dn + dr + dv). That is
+multi-query attention of head dim r + dr over one key head, run by the
+attention pass's explicit-softmax kernel one key block at a time. Gradients
 of earlier positions' latent and rope key go to d(state) (exact mode);
 `kv_b_proj` gets its gradient from both the query and the output side.
 """
@@ -29,10 +31,10 @@ import math
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
+from longstraw.kernels.attention import MATH, compute_dtype
 from longstraw.mask import band_of
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
@@ -237,32 +239,69 @@ class LatentAttentionPass(ArchitecturePass):
         return emitter.graph.call_function(latent_attention_step, args, kwargs)
 
 
-class _PastAndOwn(torch.autograd.Function):
-    """A slot's positions `[0, o + n)`: the state's `[0, o)` followed by the
-    step's own `own`. The gradient of `[0, o)` goes to d(state)."""
+class _LatentOverState(torch.autograd.Function):
+    """Multi-query attention of the absorbed queries over `[latent | rope
+    key]` at positions `[0, o + n)`, values the latent: earlier positions
+    are read from the state buffers, the step's own from `latent`, `rope_key`.
+
+    The key block `[T, r + dr]` is assembled once per step (the state's
+    size, no head axis); the explicit-softmax kernel of the attention pass
+    walks it in blocks, forward and backward, so no step holds all its
+    scores. Backward: d(latent) = dK[:r] + dV, d(rope key) = dK[r:]; earlier
+    positions' go to d(state) (exact mode)."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, slot: int, own: torch.Tensor) -> torch.Tensor:
-        token_dim = step.state.slots[slot].token_dim
-        past = step.visible(slot).narrow(token_dim, 0, step.offset)
-        ctx.step, ctx.slot, ctx.token_dim = step, slot, token_dim
-        return torch.cat([past, own], token_dim)
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float):
+        c = torch.cat([_flat(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, step.offset),
+                       latent.reshape(step.length, -1)])
+        k_pe = torch.cat([_flat(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, step.offset),
+                          rope_key.reshape(step.length, -1)])
+        keys = torch.cat([c, k_pe], -1)[None, None]  # [1, 1, T, r + dr]
+        rank = c.shape[-1]
+        out, lse = MATH.forward(query, keys, keys[..., :rank], None, scale, step.offset)
+        ctx.step, ctx.slots, ctx.scale, ctx.rank = step, (latent_slot, rope_slot), scale, rank
+        ctx.own_shapes = latent.shape, rope_key.shape
+        ctx.save_for_backward(query, keys, out, lse)
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad_out):
         step: StepContext = ctx.step
-        step.accumulate_grad(ctx.slot, grad, 0)
-        return None, None, grad.narrow(ctx.token_dim, step.offset, step.length)
+        latent_slot, rope_slot = ctx.slots
+        query, keys, out, lse = ctx.saved_tensors
+        rank, o = ctx.rank, step.offset
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(query.shape, dtype=compute_dtype(query), device=query.device)
+        grad_keys = torch.zeros_like(keys[0, 0])  # [T, r + dr]
+        for start, length in MATH.blocks(query, o):
+            block = keys.narrow(-2, start, length)
+            gq, gk, gv = MATH.backward(grad_out, query, block, block[..., :rank], out, lse, None, ctx.scale, o, start)
+            grad_q += gq
+            grad_keys.narrow(0, start, length).copy_(gk[0, 0])
+            grad_keys.narrow(0, start, length)[:, :rank] += gv[0, 0]
+        if o > 0:
+            step.accumulate_grad(latent_slot, _slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
+            step.accumulate_grad(rope_slot, _slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
+        own = grad_keys[o:]
+        latent_shape, rope_shape = ctx.own_shapes
+        return (None, grad_q.to(query.dtype), own[:, :rank].reshape(latent_shape), own[:, rank:].reshape(rope_shape),
+                None, None, None)
 
 
-def _positions(step: StepContext, slot: int, own: torch.Tensor) -> torch.Tensor:
-    """[o + n, features] of a slot whose other dims are all 1 (batch one row)."""
-    full = _PastAndOwn.apply(step, slot, own)
+def _flat(step: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
+    """[positions, features] of a slot-layout tensor whose other dims are all 1."""
     token_dim = step.state.slots[slot].token_dim
-    positions = step.offset + step.length
-    if full.numel() != positions * full.shape[-1] or token_dim == full.dim() - 1:
-        raise LongStrawError(f"latent attention: state {tuple(full.shape)} is not one row of positions x features")
-    return full.movedim(token_dim, 0).reshape(positions, full.shape[-1])
+    positions = value.shape[token_dim]
+    if value.numel() != positions * value.shape[-1] or token_dim == value.dim() - 1:
+        raise LongStrawError(f"latent attention: state {tuple(value.shape)} is not one row of positions x features")
+    return value.reshape(positions, value.shape[-1])
+
+
+def _slot_layout(step: StepContext, slot: int, flat: torch.Tensor) -> torch.Tensor:
+    """`flat` [m, features] in the slot's layout (the inverse of `_flat`)."""
+    shape = list(step.state.slots[slot].shape)
+    shape[step.state.slots[slot].token_dim] = flat.shape[0]
+    return flat.reshape(shape)
 
 
 def latent_attention_step(
@@ -280,14 +319,9 @@ def latent_attention_step(
     """Absorbed causal attention of the step's queries `q` [1, H, n, dn + dr]
     over positions `[0, o + n)` of the latent and the rope key; returns
     [1, H, n, dv] like the SDPA it replaces."""
-    c = _positions(ctx, latent_slot, latent)  # [T, r]
-    k_pe = _positions(ctx, rope_slot, rope_key)  # [T, dr]
-    heads, n = q.shape[1], q.shape[2]
-    w = weight.view(heads, -1, c.shape[-1])  # [H, dn + dv, r]
+    heads, rank = q.shape[1], latent.shape[-1]
+    w = weight.view(heads, -1, rank)  # [H, dn + dv, r]
     q_latent = torch.einsum("bhnd,hdr->bhnr", q[..., :nope_dim], w[:, :nope_dim])
-    query = torch.cat([q_latent, q[..., nope_dim:]], -1)
-    keys = torch.cat([c, k_pe], -1).expand(q.shape[0], heads, -1, -1)
-    values = c.expand(q.shape[0], heads, -1, -1)
-    visible = torch.ones(n, c.shape[0], dtype=torch.bool, device=q.device).tril(ctx.offset)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+    query = torch.cat([q_latent, q[..., nope_dim:]], -1)  # [1, H, n, r + dr]
+    out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
     return torch.einsum("bhnr,hvr->bhnv", out, w[:, nope_dim:])

@@ -16,6 +16,7 @@ import transformers
 from torch import nn
 
 import longstraw
+from longstraw.kernels import attention as attention_kernels
 from longstraw.nodes import is_sdpa
 from longstraw.passes import DEFAULT_PASSES, CausalAttentionPass, LatentAttentionPass
 from longstraw.passes.mla import mla_of
@@ -107,6 +108,14 @@ def test_yarn_scale_is_the_one_hf_passes():
     compile_loss(grpo_loss_f64, backend)(model, *make_group(2, 7, 3))
     scales = {mla_of(n).scale for n in backend.plans[-1].partition.claims}
     assert scales == {scaling}
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_key_blocks_of_one_position(monkeypatch, mode):
+    """The kernel's blocks split the state and the step's own positions into
+    single keys: each block's gradient lands at its positions."""
+    monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", 1)
+    check_parity(make_deepseek_v3(), mode, (2, 11, 4, 3), deterministic=True)
 
 
 def test_recomputed_layers_match_eager():
