@@ -132,7 +132,9 @@ def _copied_source(value: fx.Node, target: fx.Node, index: object) -> fx.Node | 
     if not isinstance(value, fx.Node) or not is_updated(value) or value.args[1] != "copy_" or len(value.args) != 3:
         return None
     view, src = value.args[0], value.args[2]
-    if op_name(view) != "getitem" or view.args[0] is not target or view.args[1] != index or not isinstance(src, fx.Node):
+    if op_name(view) != "getitem" or view.args[0] is not target or view.args[1] != index:
+        return None
+    if not isinstance(src, fx.Node):
         return None
     a, b = tensor_of(view), tensor_of(src)
     return src if a.shape == b.shape and a.dtype == b.dtype else None
@@ -186,7 +188,8 @@ def mla_of(node: fx.Node) -> LatentAttention | None:
     if op_name(transposed) != "transpose" or {d % 4 for d in transposed.args[1:3]} != {1, 2}:
         return None
     viewed = transposed.args[0]
-    if op_name(viewed) not in ("view", "reshape") or tuple(tensor_of(viewed).shape) != (batch, length, heads, nope_dim + value_dim):
+    viewed_shape = (batch, length, heads, nope_dim + value_dim)
+    if op_name(viewed) not in ("view", "reshape") or tuple(tensor_of(viewed).shape) != viewed_shape:
         return None
     linear = viewed.args[0]
     if op_name(linear) != "linear" or arg(linear, 2, "bias") is not None:
