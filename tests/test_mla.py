@@ -135,6 +135,22 @@ def test_branch_order_does_not_matter(mode):
     assert_grads_close(grads_b, grads_a, 1e-12)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_cuda_matches_eager(mode):
+    """Float64 on CUDA: the step's tensors are made on the step's device."""
+    model = make_deepseek_v3(experts=True).cuda()
+    group = [t.cuda() for t in make_group(3, 13, 5, pad=True)]
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=5, verify_state=True)
+    if mode == "exact":
+        want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
+    else:
+        want_loss, want = detached_reference(model, *group)
+    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    assert_close(got_loss, want_loss, TOL, "loss")
+    assert_grads_close(got, want, TOL)
+
+
 # --- what is captured --------------------------------------------------------------------------
 
 
