@@ -61,8 +61,9 @@ def check_parity(model: nn.Module, mode: str, shape: tuple, deterministic: bool 
 
 
 # (G, P, R, prefix_chunk_size): chunks that divide the prompt and chunks that
-# do not, one chunk, one-position chunks, a two-token prompt, G = 1.
-SHAPES = [(3, 13, 5, 5), (2, 9, 4, 3), (4, 17, 3, 32), (1, 6, 7, 1), (3, 2, 4, 4)]
+# do not, one chunk, one-position chunks, a two-token prompt, G = 1, a
+# one-token prompt (no state: the branch attends over its own positions).
+SHAPES = [(3, 13, 5, 5), (2, 9, 4, 3), (4, 17, 3, 32), (1, 6, 7, 1), (3, 2, 4, 4), (2, 1, 4, 1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}-P{}-R{}-chunk{}".format(*s))
@@ -118,8 +119,10 @@ def test_key_blocks_of_one_position(monkeypatch, mode):
     check_parity(make_deepseek_v3(), mode, (2, 11, 4, 3), deterministic=True)
 
 
-def test_recomputed_layers_match_eager():
-    check_parity(make_deepseek_v3(), "exact", (3, 13, 5, 4), recompute_layers=True)
+@pytest.mark.parametrize("option", ["recompute_layers", "attention_outputs_on_host"])
+def test_options_match_eager(option):
+    """Layer recomputation; the general pass's kept attention outputs (MLA keeps none)."""
+    check_parity(make_deepseek_v3(), "exact", (3, 13, 5, 4), **{option: True})
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
