@@ -19,7 +19,7 @@ import longstraw
 from longstraw.kernels import attention as attention_kernels
 from longstraw.nodes import is_sdpa
 from longstraw.passes import DEFAULT_PASSES, CausalAttentionPass, LatentAttentionPass
-from longstraw.passes.mla import mla_of
+from longstraw.passes.mla import latent_attention_step, mla_of
 from longstraw.passes.sliding_window import window_of
 
 from helpers.compare import assert_close, assert_grads_close
@@ -207,6 +207,17 @@ def test_state_at_deepseek_v3_shapes(capsys):
         print(f"\nDeepSeek-V3 attention state per layer and position (bf16): latent + rope key {sizes['latent']:,} B, "
               f"decompressed K/V {sizes['decompressed']:,} B")
     assert sizes == {"latent": (512 + 64) * 2, "decompressed": 128 * (192 + 128) * 2}
+
+
+def test_steps_never_decompress():
+    """No step applies kv_b_proj as a linear: K and V are never built, the
+    weight is read only by the absorbed attention."""
+    backend = longstraw.Backend(prefix_chunk_size=4)
+    compile_loss(grpo_loss_f64, backend)(make_deepseek_v3(), *make_group(2, 7, 3))
+    runner = backend.plans[-1].runner
+    for step in (runner.prefix, runner.branch):
+        weights = [n for n in step.module.graph.nodes if n.op == "placeholder" and "kv_b_proj" in n.name]
+        assert weights and all(u.target is latent_attention_step for w in weights for u in w.users)
 
 
 # --- what is not claimed -----------------------------------------------------------------------
