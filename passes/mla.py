@@ -247,31 +247,27 @@ class _LatentOverState(torch.autograd.Function):
     key]` at positions `[0, o + n)`, values the latent: earlier positions
     are read from the state buffers, the step's own from `latent`, `rope_key`.
 
-    The key block `[T, r + dr]` is assembled once per step (the state's
-    size, no head axis); the explicit-softmax kernel of the attention pass
-    walks it in blocks, forward and backward, so no step holds all its
-    scores. Backward: d(latent) = dK[:r] + dV, d(rope key) = dK[r:]; earlier
+    The keys `[T, r + dr]` (one layer's state, no head axis) are assembled
+    in forward and again in backward, never kept between them; the
+    explicit-softmax kernel of the attention pass walks them in blocks, so
+    no step holds all its scores. Backward: d(latent) = dK[:r] + dV, d(rope key) = dK[r:]; earlier
     positions' go to d(state) (exact mode)."""
 
     @staticmethod
     def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float):
-        c = torch.cat([_flat(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, step.offset),
-                       latent.reshape(step.length, -1)])
-        k_pe = torch.cat([_flat(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, step.offset),
-                          rope_key.reshape(step.length, -1)])
-        keys = torch.cat([c, k_pe], -1)[None, None]  # [1, 1, T, r + dr]
-        rank = c.shape[-1]
+        keys = _keys(step, latent_slot, rope_slot, latent, rope_key)
+        rank = latent.shape[-1]
         out, lse = MATH.forward(query, keys, keys[..., :rank], None, scale, step.offset)
         ctx.step, ctx.slots, ctx.scale, ctx.rank = step, (latent_slot, rope_slot), scale, rank
-        ctx.own_shapes = latent.shape, rope_key.shape
-        ctx.save_for_backward(query, keys, out, lse)
+        ctx.save_for_backward(query, latent, rope_key, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         step: StepContext = ctx.step
         latent_slot, rope_slot = ctx.slots
-        query, keys, out, lse = ctx.saved_tensors
+        query, latent, rope_key, out, lse = ctx.saved_tensors
+        keys = _keys(step, latent_slot, rope_slot, latent, rope_key)  # rebuilt: a saved copy is a layer's state
         rank, o = ctx.rank, step.offset
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(query.shape, dtype=compute_dtype(query), device=query.device)
@@ -286,9 +282,19 @@ class _LatentOverState(torch.autograd.Function):
             step.accumulate_grad(latent_slot, _slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
             step.accumulate_grad(rope_slot, _slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
         own = grad_keys[o:]
-        latent_shape, rope_shape = ctx.own_shapes
-        return (None, grad_q.to(query.dtype), own[:, :rank].reshape(latent_shape), own[:, rank:].reshape(rope_shape),
-                None, None, None)
+        grad_latent, grad_rope = own[:, :rank].reshape(latent.shape), own[:, rank:].reshape(rope_key.shape)
+        return None, grad_q.to(query.dtype), grad_latent, grad_rope, None, None, None
+
+
+def _keys(
+    step: StepContext, latent_slot: int, rope_slot: int, latent: torch.Tensor, rope_key: torch.Tensor
+) -> torch.Tensor:
+    """[1, 1, o + n, r + dr]: the state's earlier positions, then the step's own
+    (never read back from the buffers, which other branches overwrite)."""
+    o, n = step.offset, step.length
+    c = torch.cat([_flat(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, o), latent.reshape(n, -1)])
+    k_pe = torch.cat([_flat(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, o), rope_key.reshape(n, -1)])
+    return torch.cat([c, k_pe], -1)[None, None]
 
 
 def _flat(step: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
