@@ -14,10 +14,11 @@ from .attention import CausalAttentionPass
 from .base import ArchitecturePass, CarryPass, DimRules, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
+from .mla import LatentAttentionPass
 from .sliding_window import SlidingWindowAttentionPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
-    CausalAttentionPass(), SlidingWindowAttentionPass(), GatedDeltaPass(), CausalConvPass()
+    CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), GatedDeltaPass(), CausalConvPass()
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_PASSES",
     "DimRules",
     "GatedDeltaPass",
+    "LatentAttentionPass",
     "SiteState",
     "SlidingWindowAttentionPass",
 ]

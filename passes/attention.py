@@ -26,6 +26,7 @@ from longstraw.recompute import keep_through_recomputation
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
+from .mla import mla_of
 from .sliding_window import window_of
 
 
@@ -33,8 +34,9 @@ class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
 
     def claims(self, node: fx.Node) -> bool:
-        # a proved sliding window is `SlidingWindowAttentionPass`'s: its state is fixed-size
-        return is_sdpa(node) and window_of(node) is None
+        # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved
+        # latent attention `LatentAttentionPass`'s (latent state)
+        return is_sdpa(node) and window_of(node) is None and mla_of(node) is None
 
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
         q = node.args[0]

@@ -80,6 +80,15 @@ def _qwen3_5_detached(loss_fn, model, prompt, responses, advantages, mask):
     return hybrid_detached_reference(model, prompt, responses, advantages, mask)
 
 
+def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
+    """MLA's state is the latent and the rope key (`passes/mla.py`): the
+    detached contract holds those constant, which is HF's cache path
+    (`kv_b_proj` still sees the prompt through the branches' attention)."""
+    from helpers.reference import detached_reference
+
+    return detached_reference(model, prompt, responses, advantages, mask)
+
+
 T = transformers
 SUPPORTED = [
     Family("qwen3", _hf(T.Qwen3Config)),
@@ -94,8 +103,8 @@ SUPPORTED = [
     Family("smollm3", _hf(T.SmolLM3Config, pad_token_id=0, no_rope_layer_interval=2), note="NoPE layers"),
     Family("gpt2", _hf(T.GPT2Config, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
                        bos_token_id=0, eos_token_id=0), note="Conv1D (`addmm` over `[B*T, C]`)"),
-    Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2),
-           note="MLA, dense layers; detached holds the expanded K/V constant"),
+    Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2), detached=_latent_detached,
+           note="MLA, dense layers; state: the normed KV latent and the rope key (absorbed attention, `tests/test_mla.py`)"),
     Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_qwen3_5_detached,
            note="Gated DeltaNet + gated attention; compiles as is, no binding step"),
     Family("starcoder2", _hf(T.Starcoder2Config)),
@@ -130,7 +139,7 @@ SUPPORTED = [
            experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
            note="Gated DeltaNet + gated attention + MoE; its linear attention binds as Qwen3.5's (`longstraw.models.qwen3_5`)"),
     Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
-           note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
+           detached=_latent_detached, note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
 ]
 
 REFUSED = [
