@@ -36,7 +36,7 @@ from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
 from longstraw.kernels.attention import MATH, compute_dtype
 from longstraw.mask import band_of
-from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
+from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, SiteState, StepEmitter
@@ -146,15 +146,15 @@ def _causal(node: fx.Node) -> bool:
     mask, is_causal = arg(node, 3, "attn_mask"), arg(node, 5, "is_causal", False)
     if mask is None:
         return bool(is_causal)
-    if is_causal or not isinstance(mask, fx.Node) or any(n.op == "placeholder" for n in ancestors([mask])):
-        return False
+    if is_causal or not isinstance(mask, fx.Node):
+        return False  # band_of proves nothing of a mask that reads an input
     length = tensor_of(node.args[0]).shape[-2]
     return tuple(tensor_of(mask).shape[-2:]) == (length, length) and band_of(mask) == (0, math.inf)
 
 
 def mla_of(node: fx.Node) -> LatentAttention | None:
     """The latent attention `node` computes, if the graph proves it (module docstring)."""
-    if not is_sdpa(node) or not _causal(node):
+    if not is_sdpa(node):
         return None
     if arg(node, 4, "dropout_p", 0.0) != 0.0 or arg(node, 7, "enable_gqa", False):
         return None
@@ -201,6 +201,8 @@ def mla_of(node: fx.Node) -> LatentAttention | None:
         return None
     # [B, (1,) L, r] in this order: the view to [B, L, H, dn + dv] reads rows batch-major
     if [d for d in c.shape[:-1] if d != 1] != [d for d in (batch, length) if d != 1]:
+        return None
+    if not _causal(node):  # last: the mask proof walks the mask's construction
         return None
     scale = arg(node, 6, "scale")
     return LatentAttention(
