@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+import longstraw
+
+from helpers.compare import assert_close, assert_grads_close
+from helpers.losses import grpo_loss_f64
 from helpers.reference import with_fresh_grads
 
 
@@ -25,3 +29,15 @@ def compiled_loss_and_grads(compiled, model, *args):
         return loss
 
     return with_fresh_grads(model, run)
+
+
+def assert_branch_order_does_not_matter(model, mode: str, group, prefix_chunk_size: int) -> None:
+    """Permuting the responses permutes nothing in the loss or the gradients:
+    no branch sees state left by another."""
+    prompt, responses, advantages, mask = group
+    perm = torch.tensor([2, 0, 3, 1])
+    compiled = compile_loss(grpo_loss_f64, longstraw.Backend(prompt_grad=mode, prefix_chunk_size=prefix_chunk_size))
+    loss_a, grads_a = compiled_loss_and_grads(compiled, model, prompt, responses, advantages, mask)
+    loss_b, grads_b = compiled_loss_and_grads(compiled, model, prompt, responses[perm], advantages[perm], mask[perm])
+    assert_close(loss_b, loss_a, 1e-13, "loss")
+    assert_grads_close(grads_b, grads_a, 1e-12)
