@@ -267,14 +267,23 @@ def select_topk(
     ctx: StepContext, query: torch.Tensor, own_keys: torch.Tensor, weights: torch.Tensor, index_slot: int,
     scale: float, k: int,
 ) -> Selection:
-    """The top-`k` keys of `[0, o + n)` per query at `[o, o + n)`, tile by
-    tile over the keys (module docstring); float32 as HF's indexer."""
+    """The top-`k` keys of `[0, o + n)` for the step's queries at `[o, o + n)`."""
     o, n = ctx.offset, ctx.length
     heads = query.shape[-2]
-    q = query.reshape(n, heads, -1).float()  # [n, H, D]
-    w = weights.reshape(n, 1, heads).float()  # [n, 1, H]
-    earlier = flat_positions(ctx, index_slot, ctx.visible(index_slot)).narrow(0, 0, o)
-    own = own_keys.reshape(n, -1)
+    earlier = flat_positions(ctx, index_slot, ctx.visible(index_slot)).narrow(0, 0, o)  # [o, D]
+    return tiled_topk(query.reshape(n, heads, -1), weights.reshape(n, heads), earlier, own_keys.reshape(n, -1), scale, k)
+
+
+def tiled_topk(
+    query: torch.Tensor, weights: torch.Tensor, earlier: torch.Tensor, own: torch.Tensor, scale: float, k: int
+) -> Selection:
+    """Per query `query` [n, H, D] (weights [n, H]) at positions `[o, o + n)`,
+    the `k` best of the keys `[0, o + n)` (`earlier` [o, D], then `own`
+    [n, D]), walked `INDEX_KEY_TILE` keys at a time (module docstring);
+    float32, as HF's indexer."""
+    o, n = earlier.shape[0], own.shape[0]
+    q = query.float()
+    w = weights.float()[:, None, :]  # [n, 1, H]
     rows = torch.arange(o, o + n, device=q.device)[:, None]
     best = torch.empty(n, 0, dtype=torch.float32, device=q.device)
     positions = torch.empty(n, 0, dtype=torch.long, device=q.device)
@@ -284,7 +293,7 @@ def select_topk(
         scores = torch.matmul(w, torch.relu(torch.matmul(q, keys.T) * scale)).squeeze(-2)  # [n, count]
         columns = torch.arange(start, start + count, device=q.device)[None, :]
         scores = scores.masked_fill(columns > rows, -math.inf)
-        merged = torch.cat([best, scores], -1)
+        merged = torch.cat([best, scores], -1)  # [n, <= k + count]: the best so far first (earlier positions)
         order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         best = merged.gather(-1, order)
         positions = torch.cat([positions, columns.expand(n, -1)], -1).gather(-1, order)
