@@ -18,7 +18,8 @@ The step selects without a query x key score matrix: it walks the keys
 (value, position) pairs seen so far (a stable sort of the running best and
 the tile, running best first). Among equal scores the earlier position
 wins; `torch.topk`'s choice among ties is unspecified, so a tie across the
-k-th place is the one case where the selection may differ from eager's.
+k-th place is the one case where the selection may differ from eager's:
+the step warns when it sees one.
 A query with fewer than `k` earlier positions reads all of them, as eager
 (its extra picks are later positions, which the causal mask drops).
 
@@ -31,18 +32,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 import torch.fx as fx
 
 from longstraw.mask import band_of
-from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
+from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 from .mla import absorbed_attention, flat_positions, latent_of
 
 INDEX_KEY_TILE = 4096  # keys scored at once per step (scores: n x tile float32 per index head)
+TIE = (
+    "longstraw: DSA top-k selection: a query's k-th and (k+1)-th index scores are equal; LongStraw keeps the "
+    "earlier position, eager's torch.topk picks among ties as it likes, so this selection may differ from an "
+    "eager run's (docs/design.md, GLM-5 / DeepSeek sparse attention)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +117,8 @@ def _index_mask(mask: fx.Node) -> tuple[fx.Node, fx.Node] | None:
             continue
         ones, dim, index, value = scattered.args
         if value is not False or not isinstance(dim, int) or dim % tensor_of(scattered).dim() != 2:
+            continue
+        if tensor_of(scattered).shape[-1] != tensor_of(scattered).shape[-2]:  # keys beyond the queries (a cache)
             continue
         if op_name(ones) != "new_ones" or tensor_of(ones).dtype != torch.bool:
             continue
@@ -186,10 +195,19 @@ def _scores_of(scores: fx.Node, k: int, length: int) -> TopkSelection | None:
     return TopkSelection(query=query, key=key, weights=weights, scale=scaled.args[1], k=k)
 
 
-def claims_selection(node: fx.Node) -> bool:
-    """An SDPA whose mask is built with a top-k: this pass's, proved or refused."""
+def claims_selection(node: fx.Node, hops: int = 12) -> bool:
+    """An SDPA whose mask is built with a top-k (within `hops` operators of
+    it; DSA's is 7 away): this pass's, proved or refused."""
     mask = arg(node, 3, "attn_mask")
-    return is_sdpa(node) and isinstance(mask, fx.Node) and any(op_name(n) == "topk" for n in ancestors([mask]))
+    if not is_sdpa(node) or not isinstance(mask, fx.Node):
+        return False
+    frontier, seen = {mask}, {mask}
+    for _ in range(hops):
+        if any(op_name(n) == "topk" for n in frontier):
+            return True
+        frontier = {m for n in frontier for m in n.all_input_nodes} - seen
+        seen |= frontier
+    return False
 
 
 class SparseLatentAttentionPass(ArchitecturePass):
@@ -201,6 +219,8 @@ class SparseLatentAttentionPass(ArchitecturePass):
         return claims_selection(node)
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
+        if arg(node, 4, "dropout_p", 0.0) != 0.0:
+            return "attention dropout is not replayed; put the model in eval mode or set attention_dropout=0"
         if selection_of(node) is None:
             return (
                 "its attn_mask selects keys with a top-k that is not DeepSeek sparse attention's indexer as "
@@ -212,8 +232,6 @@ class SparseLatentAttentionPass(ArchitecturePass):
                 "it applies a DSA top-k selection to attention that is not proved to be multi-head latent "
                 "attention (passes/mla.py): only MLA with a DSA indexer is supported"
             )
-        if arg(node, 4, "dropout_p", 0.0) != 0.0:
-            return "attention dropout is not replayed; put the model in eval mode or set attention_dropout=0"
         return None
 
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
@@ -293,11 +311,13 @@ def tiled_topk(
         scores = torch.matmul(w, torch.relu(torch.matmul(q, keys.T) * scale)).squeeze(-2)  # [n, count]
         columns = torch.arange(start, start + count, device=q.device)[None, :]
         scores = scores.masked_fill(columns > rows, -math.inf)
-        merged = torch.cat([best, scores], -1)  # [n, <= k + count]: the best so far first (earlier positions)
-        order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        merged = torch.cat([best, scores], -1)  # [n, <= k + 1 + count]: the best so far first (earlier positions)
+        order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]  # one more: tie check
         best = merged.gather(-1, order)
         positions = torch.cat([positions, columns.expand(n, -1)], -1).gather(-1, order)
-    return Selection(positions, best > -math.inf)
+    if best.shape[1] > k and bool(((best[:, k - 1] == best[:, k]) & (best[:, k] > -math.inf)).any()):
+        warnings.warn(TIE, stacklevel=2)
+    return Selection(positions[:, :k], best[:, :k] > -math.inf)
 
 
 def _key_tile(earlier: torch.Tensor, own: torch.Tensor, start: int, count: int) -> torch.Tensor:
