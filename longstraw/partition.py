@@ -311,7 +311,9 @@ def _positional(graph: fx.Graph, claims: dict[fx.Node, ArchitecturePass], sequen
     per_position = {m for node, p in claims.items() for m in p.per_position_inputs(node)}
     out: set[fx.Node] = set()
     for node in reversed(graph.nodes):
-        if node.op == "placeholder" or not (node in roots or node.users) or is_side_effect(node) or node in per_position:
+        if node.op == "placeholder" or not (node in roots or node.users) or is_side_effect(node):
+            continue
+        if node in per_position:
             continue
         if all(u in out or (u in consumers and not _used_outside(u, node, consumers[u])) for u in node.users):
             out.add(node)

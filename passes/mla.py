@@ -300,8 +300,10 @@ def _keys(
     """[1, 1, o + n, r + dr]: the state's earlier positions, then the step's own
     (never read back from the buffers, which other branches overwrite)."""
     o, n = step.offset, step.length
-    c = torch.cat([flat_positions(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, o), latent.reshape(n, -1)])
-    k_pe = torch.cat([flat_positions(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, o), rope_key.reshape(n, -1)])
+    earlier_c = flat_positions(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, o)
+    earlier_pe = flat_positions(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, o)
+    c = torch.cat([earlier_c, latent.reshape(n, -1)])
+    k_pe = torch.cat([earlier_pe, rope_key.reshape(n, -1)])
     return torch.cat([c, k_pe], -1)[None, None]
 
 

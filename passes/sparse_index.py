@@ -14,7 +14,7 @@ around it. The state per position is the latent, the rope key and the
 index key; the index query and weights are per-position inputs of the step.
 
 The step selects without a query x key score matrix: it walks the keys
-`[0, o + n)` in tiles of `INDEX_KEY_TILE`, keeping per query the best `k`
+`[0, o + n)` in tiles (`tiled_topk`), keeping per query the best `k`
 (value, position) pairs seen so far (a stable sort of the running best and
 the tile, running best first). Among equal scores the earlier position
 wins; `torch.topk`'s choice among ties is unspecified, so a tie across the
@@ -44,7 +44,8 @@ from longstraw.state import StepContext
 from .base import ArchitecturePass, SiteState, StepEmitter
 from .mla import absorbed_attention, flat_positions, latent_of
 
-INDEX_KEY_TILE = 4096  # keys scored at once per step (scores: n x tile float32 per index head)
+INDEX_KEY_TILE = 4096  # at most this many keys scored at once
+INDEX_BLOCK_SCORES = 1 << 24  # and at most this many float32 scores (queries x index heads x keys) at once
 TIE = (
     "longstraw: DSA top-k selection: a query's k-th and (k+1)-th index scores are equal; LongStraw keeps the "
     "earlier position, eager's torch.topk picks among ties as it likes, so this selection may differ from an "
@@ -289,7 +290,8 @@ def select_topk(
     o, n = ctx.offset, ctx.length
     heads = query.shape[-2]
     earlier = flat_positions(ctx, index_slot, ctx.visible(index_slot)).narrow(0, 0, o)  # [o, D]
-    return tiled_topk(query.reshape(n, heads, -1), weights.reshape(n, heads), earlier, own_keys.reshape(n, -1), scale, k)
+    own = own_keys.reshape(n, -1)  # [n, D]
+    return tiled_topk(query.reshape(n, heads, -1), weights.reshape(n, heads), earlier, own, scale, k)
 
 
 def tiled_topk(
@@ -297,7 +299,8 @@ def tiled_topk(
 ) -> Selection:
     """Per query `query` [n, H, D] (weights [n, H]) at positions `[o, o + n)`,
     the `k` best of the keys `[0, o + n)` (`earlier` [o, D], then `own`
-    [n, D]), walked `INDEX_KEY_TILE` keys at a time (module docstring);
+    [n, D]), walked a tile of keys at a time (`INDEX_KEY_TILE` keys, fewer
+    where n x H x tile would pass `INDEX_BLOCK_SCORES`; module docstring);
     float32, as HF's indexer."""
     o, n = earlier.shape[0], own.shape[0]
     q = query.float()
@@ -305,8 +308,9 @@ def tiled_topk(
     rows = torch.arange(o, o + n, device=q.device)[:, None]
     best = torch.empty(n, 0, dtype=torch.float32, device=q.device)
     positions = torch.empty(n, 0, dtype=torch.long, device=q.device)
-    for start in range(0, o + n, INDEX_KEY_TILE):
-        count = min(INDEX_KEY_TILE, o + n - start)
+    tile = max(1, min(INDEX_KEY_TILE, INDEX_BLOCK_SCORES // (n * q.shape[1])))
+    for start in range(0, o + n, tile):
+        count = min(tile, o + n - start)
         keys = _key_tile(earlier, own, start, count).float()  # [count, D]
         scores = torch.matmul(w, torch.relu(torch.matmul(q, keys.T) * scale)).squeeze(-2)  # [n, count]
         columns = torch.arange(start, start + count, device=q.device)[None, :]

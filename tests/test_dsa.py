@@ -73,7 +73,8 @@ class IndexerInputs:
             q = module.wq_b(q_resid).view(batch, length, module.n_heads, module.head_dim)
             k = module.k_norm(module.wk(hidden)).unsqueeze(2)
             rope = module.qk_rope_head_dim
-            q_rot, k_rot = hf_glm.apply_rotary_pos_emb_interleave(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+            q_rot, k_rot = hf_glm.apply_rotary_pos_emb_interleave(q[..., :rope], k[..., :rope], cos, sin,
+                                                                  unsqueeze_dim=2)
             q = torch.cat([q_rot, q[..., rope:]], -1)  # [B, L, H, D]
             k = torch.cat([k_rot, k[..., rope:]], -1).squeeze(2)  # [B, L, D]
             w = module.weights_proj(hidden) * module.n_heads ** -0.5  # [B, L, H]
@@ -113,9 +114,10 @@ def boundary_gap(model: torch.nn.Module, group: tuple) -> float:
     return min(gaps, default=float("inf"))
 
 
-def check_parity(model, mode: str, shape: tuple, deterministic: bool = False, **options) -> None:
+def check_parity(model, mode: str, shape: tuple, deterministic: bool = False, device: str = "cpu",
+                 **options) -> None:
     G, P, R, chunk = shape
-    group = make_group(G, P, R, pad=True)
+    group = tuple(t.to(device) for t in make_group(G, P, R, pad=True))
     assert boundary_gap(model, group) > MARGIN, "a tie across the k-th place: pick another shape or seed"
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True, **options)
     with deterministic_algorithms(deterministic), warnings.catch_warnings():
@@ -194,15 +196,25 @@ def test_branch_order_does_not_matter(mode):
     assert_branch_order_does_not_matter(make_glm5(), mode, make_group(4, 33, 5, pad=True), 8)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_cuda_matches_eager(mode):
+    """Float64 on CUDA: the selection's tensors are made on the step's device."""
+    check_parity(make_glm5().cuda(), mode, (3, 64, 6, 24), device="cuda")
+
+
 # --- the selection -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tile", [1, 5, 4096])
-def test_selection_equals_eager_for_every_query(monkeypatch, tile):
+@pytest.mark.parametrize("tile, budget", [(1, 1 << 24), (5, 1 << 24), (4096, 1 << 24), (4096, 200)],
+                         ids=["tile1", "tile5", "one-tile", "score-budget"])
+def test_selection_equals_eager_for_every_query(monkeypatch, tile, budget):
     """For every query of every row and layer, the tiled selection over
     `[earlier state | own keys]`, whatever the split point, picks exactly the
-    positions eager's `topk` picked (restricted to earlier positions)."""
+    positions eager's `topk` picked (restricted to earlier positions). The
+    score budget cuts tiles to 200 // (queries x index heads) keys (1 to 4)."""
     monkeypatch.setattr(sparse_index, "INDEX_KEY_TILE", tile)
+    monkeypatch.setattr(sparse_index, "INDEX_BLOCK_SCORES", budget)
     model = make_glm5()
     prompt, responses, *_ = group = make_group(3, 40, 6)
     assert boundary_gap(model, group) > MARGIN
