@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from longstraw.mask import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
-from longstraw.state import StepContext
+from longstraw.state import StepContext, has_values
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 from .mla import absorbed_attention, flat_positions, latent_of
@@ -319,8 +319,9 @@ def tiled_topk(
         order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]  # one more: tie check
         best = merged.gather(-1, order)
         positions = torch.cat([positions, columns.expand(n, -1)], -1).gather(-1, order)
-    if best.shape[1] > k and bool(((best[:, k - 1] == best[:, k]) & (best[:, k] > -math.inf)).any()):
-        warnings.warn(TIE, stacklevel=2)
+    if best.shape[1] > k and has_values(best):  # the planner's simulation runs on fake tensors
+        if bool(((best[:, k - 1] == best[:, k]) & (best[:, k] > -math.inf)).any()):
+            warnings.warn(TIE, stacklevel=2)
     return Selection(positions[:, :k], best[:, :k] > -math.inf)
 
 
