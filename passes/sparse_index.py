@@ -228,6 +228,12 @@ class SparseLatentAttentionPass(ArchitecturePass):
                 "LongStraw proves it (passes/sparse_index.py: relu scores of an index query against one index "
                 "key per position, weighted over index heads, causal, scattered into the causal mask)"
             )
+        batch, _, length, _ = tensor_of(node.args[0]).shape
+        if batch == length:
+            return (
+                f"the group size equals the sequence length ({batch}), so the shapes cannot tell the latent's "
+                "group axis from its positions (passes/mla.py): use another group size or response length"
+            )
         if latent_of(node) is None:
             return (
                 "it applies a DSA top-k selection to attention that is not proved to be multi-head latent "

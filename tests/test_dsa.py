@@ -361,5 +361,12 @@ def test_selection_over_attention_not_proved_mla_is_refused():
         compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))(model, *make_group(2, 20, 3))
 
 
+def test_group_as_long_as_the_sequence_is_refused():
+    """G == P + R: MLA's shape proof cannot tell the latent's axes apart,
+    and no other pass runs a DSA selection."""
+    with pytest.raises(UnsupportedGraphError, match=r"group size equals the sequence length \(8\)"):
+        compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=4))(make_glm5(), *make_group(8, 5, 3))
+
+
 def test_sparse_pass_is_a_default_pass():
     assert any(isinstance(p, SparseLatentAttentionPass) for p in DEFAULT_PASSES)
