@@ -134,9 +134,9 @@ def check_parity(model, mode: str, shape: tuple, deterministic: bool = False, de
 
 
 # (G, P, R, prefix_chunk_size): chunks that do not divide the prompt, one
-# chunk longer than the prompt; index_topk = 8 < P throughout. CI runs one
-# shape per mode, `-m slow` the rest.
-SHAPES = [(3, 64, 6, 24), (2, 41, 5, 7), (4, 17, 3, 32)]
+# chunk longer than the prompt, a 200-position prompt; index_topk = 8 < P
+# throughout. CI runs one shape per mode, `-m slow` the rest.
+SHAPES = [(3, 64, 6, 24), (2, 41, 5, 7), (4, 17, 3, 32), (3, 200, 5, 48)]
 CASES = [
     pytest.param(mode, shape, marks=() if (mode, shape) in (("exact", SHAPES[0]), ("detached", SHAPES[1])) else
                  pytest.mark.slow, id="{}-G{}-P{}-R{}-chunk{}".format(mode, *shape))
