@@ -57,6 +57,11 @@ def make_glm5(experts: bool = True, seed: int = 0, **overrides) -> torch.nn.Modu
     return model.double().eval()
 
 
+def one_layer() -> torch.nn.Module:
+    """One dense GLM-5 layer: what the planning and refusal tests need."""
+    return make_glm5(experts=False, num_hidden_layers=1, mlp_layer_types=["dense"])
+
+
 class IndexerInputs:
     """Records, per full indexer, its query, key and weights (float64, as HF
     computes them before its float32 casts) and the indices it returned."""
@@ -304,7 +309,7 @@ def test_prompt_selection_is_tiled(monkeypatch):
 def test_planner_simulates_the_step():
     """The memory planner runs the steps on fake tensors: the selection's
     tie check reads no values there."""
-    model = make_glm5(experts=False, num_hidden_layers=1, mlp_layer_types=["dense"])
+    model = one_layer()
     cfg = model.config
     report = longstraw.explain(grpo_loss_f64, model, *make_group(2, 20, 3), options={"prefix_chunk_size": 8})
     plan = report.plan(P=64, G=2, R=16)
@@ -346,14 +351,14 @@ def test_other_indexer_forms_are_refused(monkeypatch):
     naming the SDPA, its module and this pass."""
     monkeypatch.setattr(hf_glm.F, "relu", torch.nn.functional.silu)
     with pytest.raises(UnsupportedGraphError, match=r"scaled_dot_product_attention.*self_attn.*top-k.*sparse_index"):
-        compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))(make_glm5(), *make_group(2, 20, 3))
+        compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))(one_layer(), *make_group(2, 20, 3))
 
 
 def test_selection_over_attention_not_proved_mla_is_refused():
     """A bias on kv_b_proj: the attention is not the proved MLA, so the
     selection has no pass to run it (the general attention pass does not
     take a mask that depends on the inputs)."""
-    model = make_glm5()
+    model = one_layer()
     for layer in model.model.layers:
         old = layer.self_attn.kv_b_proj
         layer.self_attn.kv_b_proj = torch.nn.Linear(old.in_features, old.out_features, bias=True, dtype=torch.float64)
@@ -365,7 +370,7 @@ def test_group_as_long_as_the_sequence_is_refused():
     """G == P + R: MLA's shape proof cannot tell the latent's axes apart,
     and no other pass runs a DSA selection."""
     with pytest.raises(UnsupportedGraphError, match=r"group size equals the sequence length \(8\)"):
-        compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=4))(make_glm5(), *make_group(8, 5, 3))
+        compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=4))(one_layer(), *make_group(8, 5, 3))
 
 
 def test_sparse_pass_is_a_default_pass():
