@@ -251,8 +251,9 @@ class LatentAttentionPass(ArchitecturePass):
 
 class _LatentOverState(torch.autograd.Function):
     """Multi-query attention of the absorbed queries over `[latent | rope
-    key]` at positions `[0, o + n)` (causal, or as `mask` selects), values the latent: earlier positions
-    are read from the state buffers, the step's own from `latent`, `rope_key`.
+    key]` at positions `[0, o + n)` (causal, or the keys `mask` selects),
+    values the latent: earlier positions are read from the state buffers,
+    the step's own from `latent`, `rope_key`.
 
     The keys `[T, r + dr]` (one layer's state, no head axis) are assembled
     in forward and again in backward, never kept between them; the
@@ -317,7 +318,7 @@ def flat_positions(step: StepContext, slot: int, value: torch.Tensor) -> torch.T
 
 
 def slot_layout(step: StepContext, slot: int, flat: torch.Tensor) -> torch.Tensor:
-    """`flat` [m, features] in the slot's layout (the inverse of `_flat`)."""
+    """`flat` [m, features] in the slot's layout (the inverse of `flat_positions`)."""
     shape = list(step.state.slots[slot].shape)
     shape[step.state.slots[slot].token_dim] = flat.shape[0]
     return flat.reshape(shape)
