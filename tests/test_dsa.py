@@ -134,6 +134,8 @@ def check_parity(model, mode: str, shape: tuple, deterministic: bool = False, de
         got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
     assert_close(got_loss, want_loss, TOL, "loss")
     assert_grads_close(got, want, TOL)
+    indexer = [name for name in got if ".indexer." in name]
+    assert indexer and all(got[name] is None for name in indexer)  # eager's indexer runs under no_grad
     kinds = {s.reason.split(":")[0] for s in backend.plans[-1].partition.slots}
     assert kinds == {"sparse_latent_attention"}, kinds
 
