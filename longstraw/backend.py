@@ -30,7 +30,8 @@ from .planner import DEFAULT_CHUNK, MemoryModel, available_budget, default_budge
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .state import SlotKind
-from .stepgraph import StepGraph, build_outer, build_step, build_tail
+from .stages import stages_of
+from .stepgraph import StepGraph, build_outer, build_tail
 from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
@@ -232,8 +233,7 @@ class CompiledGroupLoss:
             guards, gm = special.guards, special.gm
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             part = with_state(classify(gm, params, self.backend.passes))
-            branch = build_step(part, "branch", self.options.head_chunk_size)
-            runner = GroupRunner(part, self.options, build_outer(part), build_step(part, "prefix"), branch)
+            runner = GroupRunner(part, self.options, build_outer(part), stages_of(part, self.options.head_chunk_size))
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args, self.activations)
         except UnsupportedGraphError as err:

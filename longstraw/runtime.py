@@ -34,7 +34,8 @@ from .options import Options
 from .carry import SpanGraphs
 from .partition import Partition
 from .recompute import LayerwiseStep
-from .state import HostAttentionOutputs, PromptState, SlotKind, StepContext, chunk_schedule, has_values
+from .stages import Stage
+from .state import HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -91,6 +92,7 @@ class GroupCall:
     group: Group
     state: PromptState | None
     rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
+    handed: dict[int, dict[Any, torch.Tensor]]  # per row: what a frozen stage handed the replayed one
 
 
 @dataclasses.dataclass
@@ -103,14 +105,13 @@ class CallState:
 
 
 class GroupRunner:
-    def __init__(
-        self, part: Partition, options: Options, outer: StepGraph, prefix: StepGraph, branch: StepGraph
-    ) -> None:
+    def __init__(self, part: Partition, options: Options, outer: StepGraph, stages: Sequence[Stage]) -> None:
         self.part = part
         self.options = options
         self.outer = outer
-        self.prefix = prefix
-        self.branch = branch
+        self.stages = list(stages)  # `stages.py`: a frozen scoring stage first, if any; the last is replayed
+        self.prefix = self.stages[-1].prefix
+        self.branch = self.stages[-1].branch
         self.roots = {r.node: r for r in part.roots}
         self.position = {p: i for i, p in enumerate(part.placeholders)}
         self.imports = step_imports(part)
@@ -120,10 +121,12 @@ class GroupRunner:
         self.import_ancestors = {self.position[n] for n in ancestors(self.imports) if n.op == "placeholder"}
         # data inputs the prompt's step reads directly are shared values too (a per-row
         # offset added to the embeddings); imports never hold parameters
-        prefix_values = set(prefix.externals)
+        prefix_values = {n for stage in self.stages for n in stage.prefix.externals}
         self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
         self.last_call: CallRecord | None = None
-        self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
+        self.random = any(
+            is_random(n) for stage in self.stages for step in (stage.prefix, stage.branch) for n in step.module.graph.nodes
+        )
         self.replayed: dict[str, torch.nn.Module] = {}
 
     def replay_module(self, which: str) -> torch.nn.Module:
@@ -161,11 +164,14 @@ class GroupRunner:
     # inputs of the steps ------------------------------------------------
 
     def _step_inputs(
-        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int
+        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int,
+        handed: dict[Any, torch.Tensor] | None = None,
     ) -> list[Any]:
         out = []
         for node in step.externals:
-            if node in self.roots:
+            if handed is not None and node in handed:
+                out.append(handed[node])
+            elif node in self.roots:
                 root = self.roots[node]
                 value = values[node]
                 if root.batch_dim is not None:
@@ -284,23 +290,28 @@ class GroupRunner:
         its reverse pass (chunk-boundary carries, attention outputs on the host)."""
         part = self.part
         device = next(v for v in values.values() if isinstance(v, torch.Tensor)).device
-        per_row: dict[int, list[torch.Tensor]] = {}
+        per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls = []
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
-            state = self._capture(inputs, values, group, end, backward, rng)
+            handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
-            for row in group.rows:
-                if self.random:
-                    rng["branch", row] = RngState.capture(device)
-                with _noting(f"running branch {row} of {part.group_size}"):
-                    ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False)
-                    inputs_of_row = self._step_inputs(self.branch, inputs, values, row, group.prefix_len, branch_len)
-                    per_row[row] = self.branch.module(ctx, *inputs_of_row)
-            if i < len(groups) - 1:
-                state.release()
-                state = None
-            calls.append(GroupCall(group, state, rng))
+            for stage in self.stages:
+                state = self._capture(inputs, values, group, end, backward, rng, stage)
+                for row in group.rows:
+                    if self.random:
+                        rng["branch", row] = RngState.capture(device)
+                    with _noting(f"running branch {row} of {part.group_size}"):
+                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False)
+                        inputs_of_row = self._step_inputs(
+                            stage.branch, inputs, values, row, group.prefix_len, branch_len, handed[row])
+                        outs = stage.branch.module(ctx, *inputs_of_row)
+                    per_row.setdefault(row, {}).update(zip(stage.outputs, outs))
+                    handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
+                if stage is not self.stages[-1] or i < len(groups) - 1:
+                    state.release()
+                    state = None
+            calls.append(GroupCall(group, state, rng, handed))
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
@@ -314,12 +325,15 @@ class GroupRunner:
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
-        rng: dict[tuple[str, int], RngState], again: bool = False,
+        rng: dict[tuple[str, int], RngState], stage: Stage | None = None, again: bool = False,
     ) -> PromptState:
-        """The group's prompt state, captured chunk by chunk from its first
-        row. `again` (in backward) restores each chunk's RNG state from `rng`
-        instead of recording it, so the state is the forward's."""
+        """The group's prompt state for `stage`'s slots (default: the
+        replayed stage), captured chunk by chunk from its first row. `again`
+        (in backward) restores each chunk's RNG state from `rng` instead of
+        recording it, so the state is the forward's."""
         part = self.part
+        stage = self.stages[-1] if stage is None else stage
+        backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         verify = self.options.verify_state and real
@@ -327,15 +341,16 @@ class GroupRunner:
         exact = self.options.prompt_grad == "exact" and backward
         kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
-                            boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept)
+                            boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept,
+                            active=stage.active if len(self.stages) > 1 else None)
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
         for offset, length in self._walk(self._chunks(group.prefix_len), "prompt capture"):
             if self.random and not again:
-                rng["chunk", offset] = RngState.capture(device)
+                rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
             with _noting(f"{what} [{offset}, {offset + length})"), restored:
                 ctx = StepContext(state, offset, length, grad_enabled=False)
-                self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, group.rows[0], offset, length))
+                stage.prefix.module(ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
         if verify and (slot := state.unwritten()) is not None:
             raise LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
         if self.options.check_finite:
@@ -345,9 +360,9 @@ class GroupRunner:
     def _check_finite(self, state: PromptState) -> None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
         tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
-                   if slot.kind == SlotKind.SEQUENCE]
+                   if slot.index in state.buffers]
         # the carries branches read (a non-finite earlier boundary reaches the state after it)
-        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.kind == SlotKind.CARRY]
+        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.index in state.carries]
         if not tensors or not has_values(tensors[0][1]):
             return
         finite = torch.stack([t.isfinite().all() for _, t in tensors])
@@ -397,6 +412,7 @@ class GroupRunner:
         if state is None:
             with torch.no_grad():
                 state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, again=True)
+        stage = self.stages[-1]
         prefix_len = group.prefix_len
         # d(state) matters only if some trainable input feeds the captured state
         exact = (
@@ -407,12 +423,13 @@ class GroupRunner:
         branch_len = call.end - prefix_len
         for row in group.rows:
             slices = [
-                None if g is None else g.narrow(part.batch_dim(node), row, 1)
-                for g, node in zip(grad_outputs, part.branch_outputs)
+                None if grad_outputs[i] is None else grad_outputs[i].narrow(part.batch_dim(part.branch_outputs[i]), row, 1)
+                for i in stage.outputs
             ]
             with self._replaying(group_call, ("branch", row), f"replaying branch {row} of {part.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
-                outs = self.replay_module("branch")(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
+                outs = self.replay_module("branch")(
+                    ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len, group_call.handed[row]))
                 self._accumulate(leaves, outs, slices)
         if exact:
             for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
@@ -423,7 +440,7 @@ class GroupRunner:
                     ctx = StepContext(state, offset, length, grad_enabled=True)
                     outs = self.replay_module("prefix")(
                         ctx, *self._step_inputs(self.prefix, inputs, values, group.rows[0], offset, length))
-                    seeds = [state.seed(slot, offset, length) for slot in part.slots]
+                    seeds = [state.seed(slot, offset, length) for slot in stage.slots]
                     self._accumulate(leaves, outs, seeds)
                 if state.attention_outputs is not None:
                     state.attention_outputs.drop(offset)

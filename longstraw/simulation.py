@@ -203,8 +203,12 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     part = plan.partition
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False)
-    prefix, branch = steps or (plan.runner.prefix, plan.runner.branch)
-    runner = _SampledRunner(part, options, plan.runner.outer, prefix, branch)
+    live = plan.runner.stages[-1]
+    if steps is None:
+        stages = plan.runner.stages
+    else:  # cut to a few layers: the frozen scoring stage (`stages.py`), if any, is left out of the estimate
+        stages = [dataclasses.replace(live, prefix=steps[0], branch=steps[1])]
+    runner = _SampledRunner(part, options, plan.runner.outer, stages)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):

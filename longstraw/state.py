@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import logging
 import math
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,9 +80,9 @@ class PromptState:
     def __init__(
         self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
         boundaries: bool = True, span_graphs: "SpanGraphs | None" = None,
-        attention_outputs: "HostAttentionOutputs | None" = None,
+        attention_outputs: "HostAttentionOutputs | None" = None, active: Collection[int] | None = None,
     ) -> None:
-        self.slots = slots
+        self.slots = slots  # every slot of the plan, indexed by `StateSlot.index`; `active` ones get memory
         self.span_graphs = span_graphs  # CUDA graphs of carried operators' spanwise backward (carry.py)
         self.attention_outputs = attention_outputs  # exact mode: the capture's attention outputs, for the reverse pass
         self.prefix_len = prefix_len
@@ -92,6 +93,8 @@ class PromptState:
         self.buffers: dict[int, torch.Tensor] = {}
         self.carries: dict[int, dict[int, torch.Tensor]] = {}
         for slot in slots:
+            if active is not None and slot.index not in active:
+                continue
             if slot.kind == SlotKind.SEQUENCE:
                 shape = list(slot.shape)
                 shape[slot.token_dim] = capacity

@@ -30,7 +30,7 @@ from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .mask import MaskTiles
 from .partition import Partition
-from .state import SlotKind, write_state
+from .state import SlotKind, StateSlot, write_state
 
 _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
@@ -435,10 +435,11 @@ class _StepBuilder:
 
     def build(
         self, outputs: list[fx.Node], importer: Callable[[fx.Node], bool], head_chunk: int | None = None,
-        read: int | None = None,
+        read: int | None = None, slots: list[StateSlot] | None = None,
     ) -> StepGraph:
         """`outputs`: original nodes to return; for the prefix kind, the
-        captured state of every slot in slot order instead. `head_chunk`:
+        captured state of each of `slots` (default: every slot) in slot
+        order instead. `head_chunk`:
         run the branch step's head region that many positions at a time.
         `read`: the class of read positions, sized by the context's
         `head_start` and `head_length` (the graph of one head chunk)."""
@@ -470,7 +471,8 @@ class _StepBuilder:
         if region is not None:
             self.emit_head(region, head_chunk)
         if self.kind == "prefix":
-            results = [self.env[s.node] if s.kind == SlotKind.SEQUENCE else self.carries[s.index] for s in part.slots]
+            results = [self.env[s.node] if s.kind == SlotKind.SEQUENCE else self.carries[s.index]
+                       for s in (part.slots if slots is None else slots)]
         else:
             results = [self.env[o] for o in outputs]
         self.graph.output(tuple(results))
@@ -524,11 +526,18 @@ def _tree_copy(
     return tree, root, leaves, origin
 
 
-def build_step(part: Partition, kind: str, head_chunk: int | None = None) -> StepGraph:
-    """`prefix`: outputs the captured tensors for positions [o, o+n) of the
-    prompt row. `branch`: outputs the branch outputs of one response, its
-    head region `head_chunk` positions at a time when it has one."""
-    imports = set(step_imports(part))
-    outputs = [s.node for s in part.slots] if kind == "prefix" else list(part.branch_outputs)
-    outputs = list(dict.fromkeys(outputs))
-    return _StepBuilder(part, kind).build(outputs, lambda n: n in imports, head_chunk)
+def build_step(
+    part: Partition, kind: str, head_chunk: int | None = None, slots: list[StateSlot] | None = None,
+    outputs: list[fx.Node] | None = None, handed: set[fx.Node] = frozenset(),
+) -> StepGraph:
+    """`prefix`: outputs the captured tensors of `slots` (default: all) for
+    positions [o, o+n) of the prompt row. `branch`: outputs `outputs`
+    (default: all branch outputs) of one response, its head region
+    `head_chunk` positions at a time when it has one. Nodes in `handed` are
+    inputs of the step (computed per row by an earlier stage, `stages.py`)."""
+    imports = set(step_imports(part)) | set(handed)
+    if kind == "prefix":
+        wanted = [s.node for s in (part.slots if slots is None else slots)]
+    else:
+        wanted = list(part.branch_outputs if outputs is None else outputs)
+    return _StepBuilder(part, kind).build(list(dict.fromkeys(wanted)), lambda n: n in imports, head_chunk, slots=slots)

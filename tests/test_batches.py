@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import longstraw
-from longstraw import state as state_module
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close
 from helpers.families import FAMILIES
-from helpers.harness import compiled_loss_and_grads
+from helpers.harness import compiled_loss_and_grads, count_live_states
 from helpers.losses import grpo_tail, logits_of
 from helpers.reference import eager_loss_and_grads, grads_of, prompt_state_detached
 from test_families import deterministic_algorithms
@@ -78,25 +77,11 @@ def test_several_prompts_sweep(family, sizes):
 def test_one_group_state_live_at_a_time(monkeypatch):
     """Three prompts: at most one PromptState holds buffers at any moment,
     and each group but the last is captured twice (forward, then backward)."""
-    live, peak, made = set(), [0], [0]
-    original_init, original_release = state_module.PromptState.__init__, state_module.PromptState.release
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        live.add(id(self))
-        made[0] += 1
-        peak[0] = max(peak[0], len(live))
-
-    def release(self):
-        live.discard(id(self))
-        original_release(self)
-
-    monkeypatch.setattr(state_module.PromptState, "__init__", init)
-    monkeypatch.setattr(state_module.PromptState, "release", release)
+    states = count_live_states(monkeypatch)
     model = FAMILIES["qwen3"].build()
     batch = make_batch([2, 3, 2], P=10, R=3, vocab=model.config.vocab_size)
     compiled_loss_and_grads(torch.compile(batch_loss, backend=longstraw.Backend(prefix_chunk_size=4)), model, *batch)
-    assert peak[0] == 1 and made[0] == 5 and not live
+    assert states.peak == 1 and states.made == 5
 
 
 def test_a_prompt_with_one_completion_is_refused():

@@ -17,7 +17,7 @@ import longstraw
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close
-from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.harness import compile_loss, compiled_loss_and_grads, count_live_states
 from helpers.losses import grpo_loss_f64, grpo_tail, logits_of, pg_tail
 from helpers.reference import (
     detached_at_attention,
@@ -366,6 +366,27 @@ def test_policy_and_frozen_reference_build_the_sequences_twice(kind, mode):
     plan = backend.plans[-1]
     assert plan.prefix_len == 12
     assert len(plan.partition.slots) == 2 * 2 * 2  # K and V of both models' two layers: one shared prompt
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_frozen_reference_state_is_freed_before_the_policy_is_captured(mode, monkeypatch):
+    """The reference's prompt is captured, its branches scored and its state
+    freed before the policy's capture: two states are never live together,
+    and each holds only its own model's slots."""
+    policy, reference = make_model("qwen3", seed=0), make_model("qwen3", seed=1)
+    reference.requires_grad_(False)
+    args = make_group(3, 13, 5, pad=True)
+    loss_fn = kl_to_reference_loss(reference)
+    states = count_live_states(monkeypatch)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4)
+    got = compiled_loss_and_grads(compile_loss(loss_fn, backend), policy, *args)
+    assert states.peak == 1 and states.slots == [4, 4]  # K and V of one model's two layers each
+    stages = backend.plans[-1].runner.stages
+    assert [len(s.slots) for s in stages] == [4, 4] and [len(s.outputs) for s in stages] == [0, 1]
+    assert stages[0].hands and stages[1].handed == frozenset(stages[0].hands)  # the reference's per-token values
+    want = eager_loss_and_grads(loss_fn, policy, *args) if mode == "exact" else None
+    if want is not None:
+        assert_matches(got, want, HF_TOL)
 
 
 def test_one_model_with_and_without_grad():

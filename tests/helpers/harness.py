@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import longstraw
+from longstraw import state as state_module
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.losses import grpo_loss_f64
@@ -41,3 +44,33 @@ def assert_branch_order_does_not_matter(model, mode: str, group, prefix_chunk_si
     loss_b, grads_b = compiled_loss_and_grads(compiled, model, prompt, responses[perm], advantages[perm], mask[perm])
     assert_close(loss_b, loss_a, 1e-13, "loss")
     assert_grads_close(grads_b, grads_a, 1e-12)
+
+
+@dataclasses.dataclass
+class LiveStates:
+    """PromptStates made, and the most holding memory at once."""
+
+    made: int = 0
+    peak: int = 0
+    slots: list[int] = dataclasses.field(default_factory=list)  # buffers and carries of each state made
+
+
+def count_live_states(monkeypatch) -> LiveStates:
+    """Count `PromptState`s between construction and `release` for the rest of the test."""
+    count, live = LiveStates(), set()
+    init, release = state_module.PromptState.__init__, state_module.PromptState.release
+
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        live.add(id(self))
+        count.made += 1
+        count.peak = max(count.peak, len(live))
+        count.slots.append(len(self.buffers) + len(self.carries))
+
+    def counting_release(self):
+        live.discard(id(self))
+        release(self)
+
+    monkeypatch.setattr(state_module.PromptState, "__init__", counting_init)
+    monkeypatch.setattr(state_module.PromptState, "release", counting_release)
+    return count
