@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers.integrations import moe as moe_integration
 
 import longstraw
 from longstraw.models import qwen3_5
@@ -12,6 +13,8 @@ from longstraw.models import qwen3_5
 from .models import Group, grpo_loss, policy_loss
 
 MODES = ("eager", "eager_ckpt", "eager_shared_prefix", "longstraw_detached", "longstraw_exact")
+# GLM-5's shared-prefix step would need a packed sparse-attention mask or HF's indexed cache repeated per branch: not built
+MODES_OF = {"dense": MODES, "hybrid": MODES, "glm5": tuple(m for m in MODES if m != "eager_shared_prefix")}
 
 
 def eager_step(model, group: Group) -> torch.Tensor:
@@ -72,7 +75,8 @@ def _repeat_layer(layer, G: int) -> None:
 class Runner:
     """Builds the step of one mode for one model; `step(group)` runs loss + backward.
     The hybrid's Gated DeltaNet runs LongStraw's operators in the longstraw
-    modes and, with `longstraw_operators`, in the eager ones too; else HF's own."""
+    modes and, with `longstraw_operators`, in the eager ones too; else HF's own.
+    GLM-5's float64 experts run HF's grouped_mm fallback (torch's kernel has no float64)."""
 
     def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False) -> None:
         self.model, self.kind, self.mode = model, kind, mode
@@ -81,7 +85,10 @@ class Runner:
 
     def __enter__(self):
         model = self.model
-        if self.kind == "hybrid":
+        if self.mode not in MODES_OF[self.kind]:
+            raise ValueError(f"{self.mode} is not built for the {self.kind} slice (modes: {', '.join(MODES_OF[self.kind])})")
+        if self.kind == "glm5":
+            self._unbind = _float64_grouped_mm_fallback()
             self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta()
         if self.mode == "eager_ckpt":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -102,6 +109,8 @@ class Runner:
             self.model.set_attn_implementation("sdpa")
         if self.kind == "hybrid":
             qwen3_5.unbind(self._unbind)
+        if self.kind == "glm5":
+            moe_integration.__dict__.update(self._unbind)
         self.compiled = None
         torch._dynamo.reset()
 
@@ -128,3 +137,16 @@ def _torch_gated_delta():
         replaced[(hf, name)] = fn
         setattr(hf, name, getattr(fn, "__wrapped__", fn))
     return replaced
+
+
+def _float64_grouped_mm_fallback() -> dict:
+    """HF picks torch's grouped_mm kernel on CPU and CUDA, which refuses
+    float64; for float64 weights it runs HF's own fallback instead (what
+    tests/test_moe.py does). Returns what to put back."""
+    can_use = moe_integration._can_use_grouped_mm
+
+    def unless_float64(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        return weight.dtype != torch.float64 and can_use(input, weight, offs)
+
+    moe_integration._can_use_grouped_mm = unless_float64
+    return {"_can_use_grouped_mm": can_use}
