@@ -36,7 +36,9 @@ def glm5_config(tiny: bool) -> transformers.PretrainedConfig:
     experts per token of 2048 and one shared expert, vocabulary 154,880).
     The slice keeps them and cuts what only sets the size: 4 layers (one
     dense, then MoE) and 16 routed experts, so weights and gradients fit
-    one H200 while each token's work is GLM-5's."""
+    one H200 while each token's work is GLM-5's. Tiny: one dense and one
+    MoE layer (each compiled layer costs CPU test time)."""
+    layers = GLM5_MLP_LAYERS[:2] if tiny else GLM5_MLP_LAYERS
     if tiny:
         shapes = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
                   "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 32,
@@ -44,7 +46,7 @@ def glm5_config(tiny: bool) -> transformers.PretrainedConfig:
                   "n_routed_experts": 4, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 16}
     else:
         shapes = {"n_routed_experts": GLM5_ROUTED_EXPERTS}
-    return transformers.GlmMoeDsaConfig(num_hidden_layers=len(GLM5_MLP_LAYERS), mlp_layer_types=GLM5_MLP_LAYERS,
+    return transformers.GlmMoeDsaConfig(num_hidden_layers=len(layers), mlp_layer_types=layers,
                                         max_position_embeddings=1 << 22, **shapes)
 
 
