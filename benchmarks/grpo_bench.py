@@ -65,10 +65,10 @@ files into the plot and `summary.json` (on a machine with matplotlib):
 
     python benchmarks/grpo_bench.py --model dense --out-dir $OUT
     python benchmarks/grpo_bench.py --model glm5 --parts sweep,speed,parity --sweep-modes eager,eager_ckpt \
-        --start eager:1024,eager_ckpt:1024 --bisect-resolution 1024 --p-speed-from eager_ckpt --p-parity 4096 \
-        --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_a_h200
+        --start eager:1024,eager_ckpt:1024 --bisect-resolution 1024 --p-speed-from eager_ckpt --p-parity 2048 \
+        --budget-s 500 --out-dir $OUT --name grpo_bench_glm5_a_h200
     python benchmarks/grpo_bench.py --model glm5 --parts gdelta,sweep --sweep-modes longstraw_detached,longstraw_exact \
-        --p-gdelta 32768 --p-max 262144 --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_b_h200
+        --p-gdelta 32768 --p-max 262144 --budget-s 500 --out-dir $OUT --name grpo_bench_glm5_b_h200
     python benchmarks/grpo_bench.py --report benchmarks/results/grpo_bench_*.json
 """
 
