@@ -22,13 +22,27 @@ GlmMoeDsaConfig's default (GLM-5) layer shapes, one dense and three MoE
 layers, 16 routed experts (8 chosen per token, one shared), grouped_mm
 experts; bf16, random init. Eager hybrid modes run HF's PyTorch Gated
 DeltaNet (fla's backward does not run on this Triton). GLM-5 has no
-shared-prefix mode. Its eager modes hold G x 32 float32 index-score
-matrices of (P + R)^2, so they stop at a few thousand positions (start
-them at 1024: `--start eager:1024,eager_ckpt:1024`); LongStraw's
-attention walks every key under the selection mask, so its sweep is
-limited by time (`--p-max 262144`). `--p-speed-from eager_ckpt` times
-every mode at the largest P the sweep found for eager + checkpointing
-(run `sweep` before `speed`).
+shared-prefix mode.
+
+GLM-5 on one H200 takes three commands (each under the 10-minute limit;
+the JSON is written after every run, so a command stopped at the limit
+keeps what it measured). Its eager modes hold G x 32 float32 index-score
+matrices of (P + R)^2 and stop at a few thousand positions, so their
+sweeps start at 1024; `--p-speed-from eager_ckpt` then times every mode
+at the largest P eager + checkpointing reached. LongStraw's attention
+walks every key under the selection mask (O(P^2) work), so its sweeps
+are limited by time: from 16384 to at most 262144. Parity runs at 2048
+(the responses' queries already select 2048 of up to 3072 keys; float64
+at GLM-5 shapes holds 38 GB of weights and as much of gradients):
+
+    python benchmarks/grpo_bench.py --model glm5 --parts sweep,speed --sweep-modes eager,eager_ckpt \
+        --modes eager_ckpt,longstraw_detached,longstraw_exact --start eager:1024,eager_ckpt:1024 \
+        --bisect-resolution 1024 --p-max 16384 --p-speed-from eager_ckpt --budget-s 540 \
+        --out-dir $OUT --name grpo_bench_glm5_a_h200
+    python benchmarks/grpo_bench.py --model glm5 --parts sweep --sweep-modes longstraw_detached,longstraw_exact \
+        --p-min 16384 --p-max 262144 --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_b_h200
+    python benchmarks/grpo_bench.py --model glm5 --parts parity,gdelta --p-parity 2048 --p-gdelta 16384 \
+        --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_c_h200
 
 Parts (`--parts`), all in one process; every run is bounded by
 `--budget-s` so a command stays inside the 10-minute device limit:
@@ -64,11 +78,6 @@ Each run writes `<out-dir>/grpo_bench_<model>.json`; `--report` turns result
 files into the plot and `summary.json` (on a machine with matplotlib):
 
     python benchmarks/grpo_bench.py --model dense --out-dir $OUT
-    python benchmarks/grpo_bench.py --model glm5 --parts sweep,speed,parity --sweep-modes eager,eager_ckpt \
-        --start eager:1024,eager_ckpt:1024 --bisect-resolution 1024 --p-speed-from eager_ckpt --p-parity 2048 \
-        --budget-s 500 --out-dir $OUT --name grpo_bench_glm5_a_h200
-    python benchmarks/grpo_bench.py --model glm5 --parts gdelta,sweep --sweep-modes longstraw_detached,longstraw_exact \
-        --p-gdelta 32768 --p-max 262144 --budget-s 500 --out-dir $OUT --name grpo_bench_glm5_b_h200
     python benchmarks/grpo_bench.py --report benchmarks/results/grpo_bench_*.json
 """
 
