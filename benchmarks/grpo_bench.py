@@ -31,7 +31,10 @@ matrices of (P + R)^2 and stop at a few thousand positions, so their
 sweeps start at 1024; `--p-speed-from eager_ckpt` then times every mode
 at the largest P eager + checkpointing reached. LongStraw's attention
 walks every key under the selection mask (O(P^2) work), so its sweeps
-are limited by time: from 16384 to at most 262144. Parity runs at 2048
+are limited by time: from 16384 to at most 262144, exact first (each
+mode gets the time left but a minute per later mode, and its first step
+compiles); a later command extends a sweep stopped by time with `--start
+MODE:P` (the report merges them). Parity runs at 2048
 (the responses' queries already select 2048 of up to 3072 keys; float64
 at GLM-5 shapes holds 38 GB of weights and as much of gradients):
 
@@ -39,7 +42,7 @@ at GLM-5 shapes holds 38 GB of weights and as much of gradients):
         --modes eager_ckpt,longstraw_detached,longstraw_exact --start eager:1024,eager_ckpt:1024 \
         --bisect-resolution 1024 --p-max 16384 --p-speed-from eager_ckpt --budget-s 540 \
         --out-dir $OUT --name grpo_bench_glm5_a_h200
-    python benchmarks/grpo_bench.py --model glm5 --parts sweep --sweep-modes longstraw_detached,longstraw_exact \
+    python benchmarks/grpo_bench.py --model glm5 --parts sweep --sweep-modes longstraw_exact,longstraw_detached \
         --p-min 16384 --p-max 262144 --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_b_h200
     python benchmarks/grpo_bench.py --model glm5 --parts parity,gdelta --p-parity 2048 --p-gdelta 16384 \
         --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_c_h200
