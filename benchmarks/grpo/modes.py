@@ -76,7 +76,8 @@ class Runner:
     """Builds the step of one mode for one model; `step(group)` runs loss + backward.
     The hybrid's Gated DeltaNet runs LongStraw's operators in the longstraw
     modes and, with `longstraw_operators`, in the eager ones too; else HF's own.
-    GLM-5's experts run HF's grouped_mm fallback but in bf16 (parity's float32 and float64 runs)."""
+    GLM-5's experts run torch's grouped_mm in bf16 and HF's fallback in
+    other dtypes (parity's float32 and float64 runs)."""
 
     def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False) -> None:
         self.model, self.kind, self.mode = model, kind, mode
@@ -88,7 +89,7 @@ class Runner:
         if self.mode not in MODES_OF[self.kind]:
             raise ValueError(f"{self.mode} is not built for the {self.kind} slice (modes: {', '.join(MODES_OF[self.kind])})")
         if self.kind == "glm5":
-            self._unbind = _grouped_mm_fallback_unless_bf16()
+            self._can_use_grouped_mm = _grouped_mm_fallback_unless_bf16()
         if self.kind == "hybrid":
             self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta()
         if self.mode == "eager_ckpt":
@@ -111,7 +112,7 @@ class Runner:
         if self.kind == "hybrid":
             qwen3_5.unbind(self._unbind)
         if self.kind == "glm5":
-            moe_integration.__dict__.update(self._unbind)
+            moe_integration._can_use_grouped_mm = self._can_use_grouped_mm
         self.compiled = None
         torch._dynamo.reset()
 
@@ -140,16 +141,16 @@ def _torch_gated_delta():
     return replaced
 
 
-def _grouped_mm_fallback_unless_bf16() -> dict:
+def _grouped_mm_fallback_unless_bf16() -> Callable:
     """HF picks torch's grouped_mm kernel on CPU and CUDA in every dtype; the
     CPU kernel refuses float64 and torch's own checks of the CUDA kernel
     (its meta function) accept bf16 only. Other dtypes run HF's fallback,
     one matmul per expert (what tests/test_moe.py does for float64).
-    Returns what to put back."""
+    Returns HF's own choice, to put back."""
     can_use = moe_integration._can_use_grouped_mm
 
     def only_bf16(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
         return weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
 
     moe_integration._can_use_grouped_mm = only_bf16
-    return {"_can_use_grouped_mm": can_use}
+    return can_use
