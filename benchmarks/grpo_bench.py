@@ -17,8 +17,35 @@ Modes (same model, prompt, responses, advantages and loss in every one):
 
 Models: `dense` is the 4-layer slice with Qwen3-8B layer shapes, `hybrid`
 3 Gated DeltaNet + 1 full attention layers at transformers' default
-Qwen3_5TextConfig shapes; bf16, random init. Eager hybrid modes run HF's
-PyTorch Gated DeltaNet (fla's backward does not run on this Triton).
+Qwen3_5TextConfig shapes, `glm5` transformers' glm_moe_dsa at
+GlmMoeDsaConfig's default (GLM-5) layer shapes, one dense and three MoE
+layers, 16 routed experts (8 chosen per token, one shared), grouped_mm
+experts; bf16, random init. Eager hybrid modes run HF's PyTorch Gated
+DeltaNet (fla's backward does not run on this Triton). GLM-5 has no
+shared-prefix mode.
+
+GLM-5 on one H200 takes three commands (each under the 10-minute limit;
+the JSON is written after every run, so a command stopped at the limit
+keeps what it measured). Its eager modes hold G x 32 float32 index-score
+matrices of (P + R)^2 and stop at a few thousand positions, so their
+sweeps start at 1024; `--p-speed-from eager_ckpt` then times every mode
+at the largest P eager + checkpointing reached. LongStraw's attention
+walks every key under the selection mask (O(P^2) work), so its sweeps
+are limited by time: from 16384 to at most 262144, exact first (each
+mode gets the time left but a minute per later mode, and its first step
+compiles); a later command extends a sweep stopped by time with `--start
+MODE:P` (the report merges them). Parity runs at 2048
+(the responses' queries already select 2048 of up to 3072 keys; float64
+at GLM-5 shapes holds 38 GB of weights and as much of gradients):
+
+    python benchmarks/grpo_bench.py --model glm5 --parts sweep,speed --sweep-modes eager,eager_ckpt \
+        --modes eager_ckpt,longstraw_detached,longstraw_exact --start eager:1024,eager_ckpt:1024 \
+        --bisect-resolution 1024 --p-max 16384 --p-speed-from eager_ckpt --budget-s 540 \
+        --out-dir $OUT --name grpo_bench_glm5_a_h200
+    python benchmarks/grpo_bench.py --model glm5 --parts sweep --sweep-modes longstraw_exact,longstraw_detached \
+        --p-min 16384 --p-max 262144 --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_b_h200
+    python benchmarks/grpo_bench.py --model glm5 --parts parity,gdelta --p-parity 2048 --p-gdelta 16384 \
+        --budget-s 540 --out-dir $OUT --name grpo_bench_glm5_c_h200
 
 Parts (`--parts`), all in one process; every run is bounded by
 `--budget-s` so a command stays inside the 10-minute device limit:
@@ -40,7 +67,9 @@ Parts (`--parts`), all in one process; every run is bounded by
   trace    what is live at the peak of a longstraw step (allocator trace).
   profile  where a longstraw step's time goes (torch.profiler), at --p-speed.
 
-MFU counts model FLOPs the mode's algorithm needs, without recomputation:
+MFU counts model FLOPs the mode's algorithm needs, without recomputation
+(GLM-5: MLA as the model defines it, the top-k keys DSA selects, the
+indexer forward only; see grpo/flops.py):
 2 per parameter-token in every linear (the LM head only on the kept
 positions), 4*H*D per visible key per query in attention, 4*H*Dk*Dv per
 token in Gated DeltaNet; backward is twice forward. At prompt positions the
@@ -68,7 +97,7 @@ import transformers
 from grpo.flops import PEAK_FLOPS, FlopModel
 from grpo.measure import Clock, memory_floor, peak_breakdown, profile_step
 from grpo.models import build_model
-from grpo.modes import MODES
+from grpo.modes import MODES_OF
 from grpo.parity import kernels, parity
 from grpo.results import git_commit, print_table, report
 from grpo.sweep import capture_mfu, gdelta, speed, sweep
@@ -76,9 +105,9 @@ from grpo.sweep import capture_mfu, gdelta, speed, sweep
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("dense", "hybrid"), default="dense")
+    parser.add_argument("--model", choices=tuple(MODES_OF), default="dense")
     parser.add_argument("--parts", default="kernels,parity,speed,capture,gdelta,sweep")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=None, help="modes of speed (default: every mode the model has)")
     parser.add_argument("--sweep-modes", default=None, help="modes of the sweep (default: --modes)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
@@ -88,6 +117,7 @@ def main() -> None:
     parser.add_argument("--bisect-resolution", type=int, default=8192)
     parser.add_argument("--p-gdelta", type=int, default=262144)
     parser.add_argument("--p-speed", type=int, default=32768)
+    parser.add_argument("--p-speed-from", default=None, metavar="MODE", help="time at the largest P of MODE's sweep instead")
     parser.add_argument("--p-capture", type=int, default=262144)
     parser.add_argument("--p-parity", type=int, default=8192)
     parser.add_argument("--p-trace", type=int, default=131072)
@@ -106,7 +136,7 @@ def main() -> None:
     clock = Clock(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     parts = args.parts.split(",")
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or ",".join(MODES_OF[args.model])).split(",") if m]
     commit = git_commit()
     # from the repository's root, the output folder named where the repository keeps it, whatever folder it ran in
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
@@ -139,6 +169,12 @@ def main() -> None:
             elif part == "profile" and device.type == "cuda":
                 result["profile"] = [profile_step(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]
             elif part == "speed":
+                if args.p_speed_from:
+                    found = result.get("sweep", {}).get(args.p_speed_from, {}).get("max_prompt_tokens")
+                    if found is None:
+                        print(f"  speed not run: no sweep of {args.p_speed_from} reached a P", flush=True)
+                        continue
+                    args.p_speed = result["p_speed"] = found
                 result["speed"] = speed(model, args.model, modes, args, clock, flops)
             elif part == "capture":
                 result["capture"] = capture_mfu(model, args.model, args, clock, flops)

@@ -279,6 +279,55 @@ def test_parity_measures_both_float32_runs_against_float64():
     assert out["bfloat16"]["min_cosine"] > 0.99, out
 
 
+def test_glm5_slice_runs_every_longstraw_mode_and_parity():
+    """The GLM-5 slice end to end on tiny shapes (a dense and a MoE layer,
+    index_topk 16 < P, so DSA selects): float32 parity of longstraw exact
+    against eager with a float64 run, and a detached step whose loss and LM
+    head gradient (response positions only) are eager's."""
+    args = argparse.Namespace(tiny=True, G=2, p_parity=40, R=6)
+    out = parity("glm5", args, CPU, dtypes=(torch.float64, torch.float32))
+    fp32 = out["float32"]
+    assert fp32["max_rel_l2"] < 1e-4 and fp32["longstraw_vs_float64"] < 1e-4 and fp32["eager_vs_float64"] < 1e-4, out
+    model = build_model("glm5", True, torch.float32, CPU)
+    group = make_group(2, 40, 6, model.config.vocab_size, CPU)
+    want_loss, want = loss_and_grads(model, "glm5", "eager", group)
+    loss, got = loss_and_grads(model, "glm5", "longstraw_detached", group)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["lm_head.weight"], want["lm_head.weight"], rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="eager_shared_prefix is not built for the glm5 slice"):
+        Runner(model, "glm5", "eager_shared_prefix").__enter__()
+
+
+def test_glm5_flops_match_a_hand_count():
+    """The tiny GLM-5 slice counted by hand: hidden 64, 4 heads, MLA q/kv
+    ranks 24/32, rope 8, nope 16, v 16; indexer 16 heads of 16, top 16;
+    layer 0 a dense MLP of 96, layer 1 MoE (4 experts of 32, 2 chosen, one
+    shared, router over all 4); vocabulary 256."""
+    flops = FlopModel.of(build_model("glm5", True, torch.float32, torch.device("meta")))
+    state = 64 * 40 + 32 * 4 * 32 + 64 * 16  # kv_a_proj_with_mqa, kv_b_proj, indexer.wk
+    attention = 64 * 24 + 24 * 4 * 24 + 4 * 16 * 64 + state  # + q_a, q_b, o_proj
+    indexer = 24 * 16 * 16 + 64 * 16  # wq_b, weights_proj
+    dense_mlp = 3 * 64 * 96
+    moe = 4 * 64 + 3 * 64 * 32 + 2 * 3 * 64 * 32  # router, shared expert, the two chosen experts
+    assert flops.linear_per_token == 2 * (2 * (attention + indexer) + dense_mlp + moe)
+    assert flops.head_per_token == 2 * 256 * 64
+    assert flops.attention_per_pair == 2 * 2 * 4 * (16 + 8 + 16)
+    assert flops.index_per_pair == 2 * (2 * 16 * 16 + 2 * 16)
+    assert flops.dead_per_token == 2 * (attention + indexer + moe - state)
+    assert (flops.dead_per_pair, flops.dead_index_per_pair) == (2 * 4 * 40, 2 * 16 * 16 + 2 * 16)
+    G, P, R = 2, 40, 8
+    # prompt queries read min(q + 1, 16) keys: 1..16, then 16 for the other 24; each branch query 16
+    prompt_pairs, branch_pairs = 16 * 17 / 2 + 24 * 16, 8 * 16
+    visible_prompt, visible_branch = 40 * 41 / 2, sum(range(41, 49))
+    prompt = (flops.linear_per_token - flops.dead_per_token) * P + (flops.attention_per_pair - flops.dead_per_pair) * prompt_pairs
+    branches = G * (flops.linear_per_token * R + flops.attention_per_pair * branch_pairs + flops.head_per_token * R)
+    index = (flops.index_per_pair - flops.dead_index_per_pair) * visible_prompt + G * flops.index_per_pair * visible_branch
+    assert flops.step("longstraw_exact", G, P, R) == pytest.approx(3 * (prompt + branches) + index, rel=1e-12)
+    assert flops.step("longstraw_detached", G, P, R) == pytest.approx(prompt + 3 * branches + index, rel=1e-12)
+    eager_index = index + (G - 1) * (flops.index_per_pair - flops.dead_index_per_pair) * visible_prompt
+    assert flops.step("eager_ckpt", G, P, R) == pytest.approx(3 * (G * prompt + branches) + eager_index, rel=1e-12)
+
+
 def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     """benchmarks/depth_bench.py's smoke run (tiny shapes, CPU): every run
     records its phases' seconds and, with a budget, the planner's choice."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers.integrations import moe as moe_integration
 
 import longstraw
 from longstraw.models import qwen3_5
@@ -12,6 +13,8 @@ from longstraw.models import qwen3_5
 from .models import Group, grpo_loss, policy_loss
 
 MODES = ("eager", "eager_ckpt", "eager_shared_prefix", "longstraw_detached", "longstraw_exact")
+# GLM-5's shared-prefix step would need a packed sparse-attention mask or HF's indexed cache repeated per branch: not built
+MODES_OF = {"dense": MODES, "hybrid": MODES, "glm5": tuple(m for m in MODES if m != "eager_shared_prefix")}
 
 
 def eager_step(model, group: Group) -> torch.Tensor:
@@ -72,7 +75,9 @@ def _repeat_layer(layer, G: int) -> None:
 class Runner:
     """Builds the step of one mode for one model; `step(group)` runs loss + backward.
     The hybrid's Gated DeltaNet runs LongStraw's operators in the longstraw
-    modes and, with `longstraw_operators`, in the eager ones too; else HF's own."""
+    modes and, with `longstraw_operators`, in the eager ones too; else HF's own.
+    GLM-5's experts run torch's grouped_mm in bf16 and HF's fallback in
+    other dtypes (parity's float32 and float64 runs)."""
 
     def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False) -> None:
         self.model, self.kind, self.mode = model, kind, mode
@@ -81,6 +86,10 @@ class Runner:
 
     def __enter__(self):
         model = self.model
+        if self.mode not in MODES_OF[self.kind]:
+            raise ValueError(f"{self.mode} is not built for the {self.kind} slice (modes: {', '.join(MODES_OF[self.kind])})")
+        if self.kind == "glm5":
+            self._can_use_grouped_mm = _grouped_mm_fallback_unless_bf16()
         if self.kind == "hybrid":
             self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta()
         if self.mode == "eager_ckpt":
@@ -102,6 +111,8 @@ class Runner:
             self.model.set_attn_implementation("sdpa")
         if self.kind == "hybrid":
             qwen3_5.unbind(self._unbind)
+        if self.kind == "glm5":
+            moe_integration._can_use_grouped_mm = self._can_use_grouped_mm
         self.compiled = None
         torch._dynamo.reset()
 
@@ -128,3 +139,18 @@ def _torch_gated_delta():
         replaced[(hf, name)] = fn
         setattr(hf, name, getattr(fn, "__wrapped__", fn))
     return replaced
+
+
+def _grouped_mm_fallback_unless_bf16() -> Callable:
+    """HF picks torch's grouped_mm kernel on CPU and CUDA in every dtype; the
+    CPU kernel refuses float64 and torch's own checks of the CUDA kernel
+    (its meta function) accept bf16 only. Other dtypes run HF's fallback,
+    one matmul per expert (what tests/test_moe.py does for float64).
+    Returns HF's own choice, to put back."""
+    can_use = moe_integration._can_use_grouped_mm
+
+    def only_bf16(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and can_use(input, weight, offs)
+
+    moe_integration._can_use_grouped_mm = only_bf16
+    return can_use

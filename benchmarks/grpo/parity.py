@@ -45,16 +45,19 @@ def _on_cpu(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: g.cpu() for n, g in grads.items()}
 
 
-def parity(kind, args, device) -> dict:
+PARITY_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+
+
+def parity(kind, args, device, dtypes: tuple[torch.dtype, ...] = PARITY_DTYPES) -> dict:
     """longstraw exact against the eager reference (`reference_grads`) in
     float32 and bf16; both float32 runs also against a float64 eager run
     (`longstraw_vs_float64`, `eager_vs_float64`), which says whose rounding
-    a float32 gap is."""
+    a float32 gap is. `dtypes` runs fewer (the CPU tests: each compile costs seconds)."""
     out = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     truth = None
-    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         model = build_model(kind, args.tiny, dtype, device)
         group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
         result = {}
