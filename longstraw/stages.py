@@ -23,7 +23,7 @@ import torch.fx as fx
 from .nodes import tensor_of
 from .partition import Partition
 from .state import StateSlot
-from .stepgraph import StepGraph, _needed, build_step, step_imports
+from .stepgraph import StepGraph, needed_for, build_step, step_imports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def frozen_cut(part: Partition) -> tuple[list[StateSlot], list[fx.Node]] | None:
     live_slots = [s.node for s in part.slots if s not in frozen_set]
     live_outputs = [o for o in part.branch_outputs if o not in in_frozen]
     imports = set(step_imports(part))
-    touched = _needed(live_slots, imports, part.positional) | _needed(live_outputs, imports | set(handed), part.positional)
+    touched = needed_for(live_slots, imports, part.positional) | needed_for(live_outputs, imports | set(handed), part.positional)
     if any(s.node in touched for s in frozen):
         return None
     return frozen, handed

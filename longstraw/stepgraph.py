@@ -45,7 +45,7 @@ class StepGraph:
     head: HeadRegion | None = None  # the region run chunk by chunk (`head.py`), if any
 
 
-def _needed(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
+def needed_for(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
     """Ancestors of `outputs`, not looking past `stop`. Nodes in `positional` are emitted as query x key
     blocks, not as themselves: only the inputs they read from outside are needed."""
     needed: set[fx.Node] = set()
@@ -104,7 +104,7 @@ def build_outer(part: Partition) -> StepGraph:
     imports = step_imports(part)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
-    needed = _needed(imports, set(part.placeholders))
+    needed = needed_for(imports, set(part.placeholders))
     for node in part.graph.nodes:
         if node in needed and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda a: env[a])
@@ -134,7 +134,7 @@ def build_tail(part: Partition) -> StepGraph:
     for out in part.branch_outputs:
         env[out] = graph.placeholder(f"branch_{out.name}")
     output = next(iter(part.graph.find_nodes(op="output")))
-    needed = _needed([output], set(env))
+    needed = needed_for([output], set(env))
     grad_mode = _GradMode(graph)
     for node in part.graph.nodes:
         if grad_mode.track(node) or node in env or node not in needed:
@@ -446,7 +446,7 @@ class _StepBuilder:
         part = self.part
         slot_of = {s.node: s.index for s in part.slots if s.kind == SlotKind.SEQUENCE}
         stop = {n for n in part.graph.nodes if importer(n)}
-        needed = _needed(outputs, stop, part.positional)
+        needed = needed_for(outputs, stop, part.positional)
         region = head_region(part, outputs, needed, stop) if self.kind == "branch" and head_chunk else None
         self.ctx = self.graph.placeholder("ctx")
         externals = [n for n in part.graph.nodes if n in needed and (n in stop or n.op == "placeholder")]
