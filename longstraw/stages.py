@@ -23,7 +23,7 @@ import torch.fx as fx
 from .nodes import tensor_of
 from .partition import Partition
 from .state import StateSlot
-from .stepgraph import StepGraph, needed_for, build_step, step_imports
+from .stepgraph import StepGraph, build_step, needed_for, step_imports
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +62,13 @@ def frozen_cut(part: Partition) -> tuple[list[StateSlot], list[fx.Node]] | None:
     frozen_set = set(frozen)
     steps = part.sequence | part.branch
     in_frozen = {n for n in steps if reads[n] and reads[n] <= frozen_set and not _needs_grad(n)}
-    handed = [n for n in part.graph.nodes if n in in_frozen and (n in part.branch_outputs or any(u not in in_frozen for u in n.users))]
+    handed = [n for n in part.graph.nodes
+              if n in in_frozen and (n in part.branch_outputs or any(u not in in_frozen for u in n.users))]
     live_slots = [s.node for s in part.slots if s not in frozen_set]
     live_outputs = [o for o in part.branch_outputs if o not in in_frozen]
     imports = set(step_imports(part))
-    touched = needed_for(live_slots, imports, part.positional) | needed_for(live_outputs, imports | set(handed), part.positional)
+    touched = needed_for(live_slots, imports, part.positional)
+    touched |= needed_for(live_outputs, imports | set(handed), part.positional)
     if any(s.node in touched for s in frozen):
         return None
     return frozen, handed
