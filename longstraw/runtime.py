@@ -235,7 +235,8 @@ class GroupRunner:
         part = self.part
         every_row = tuple(range(part.group_size))
         keyed = [r for r in part.roots if r.batch_dim is not None]
-        if part.group_size == 1 or part.first_consumed == 0 or len(keyed) < len(part.roots):
+        shape_only = any(not has_values(values[r.node]) for r in keyed)  # meta or fake: one group, as traced
+        if part.group_size == 1 or part.first_consumed == 0 or len(keyed) < len(part.roots) or shape_only:
             return [Group(every_row, self.prefix_len(values))]
         classes = _rows_by_prompt([(values[r.node], r.batch_dim, r.token_dim) for r in keyed], part.first_consumed)
         if len(classes) == 1:
