@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import fx
 
 from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, describe_node, module_path
 from .nodes import ancestors, is_random
@@ -102,7 +103,11 @@ class GroupRunner:
         # data inputs the prompt's step reads directly are shared values too (a per-row
         # offset added to the embeddings); imports never hold parameters
         prefix_values = set(prefix.externals)
-        self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
+        self.key_padding = list(part.key_padding)
+        self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding]
+        # roots a padding mask is built from (Gated DeltaNet's `hidden * attention_mask`): checked, not compared for the prefix
+        padding_inputs = ancestors(self.key_padding)
+        self.padding_roots = [r for r in part.roots if r.node in padding_inputs]
         self.last_call: CallRecord | None = None
         self.random = any(is_random(n) for step in (prefix, branch) for n in step.module.graph.nodes)
         self.replayed: dict[str, torch.nn.Module] = {}
@@ -188,6 +193,8 @@ class GroupRunner:
         reads, and shared by every row (proved by the graph, else checked)."""
         prefix_len = self.part.first_consumed
         for root in self.part.roots:
+            if root in self.padding_roots:
+                continue
             if root.structural_prefix is not None:
                 shared = root.structural_prefix
             else:
@@ -199,6 +206,31 @@ class GroupRunner:
                     )
             prefix_len = min(prefix_len, shared)
         return prefix_len
+
+    def check_padding(self, values: dict, prefix_len: int) -> None:
+        """A padding mask must be one for the whole group over the prompt
+        (the prompt is computed once, with row 0's mask) and a padding mask
+        in every row: zeros, then ones, then zeros, the prompt's zeros on
+        the left. Checked on every call: the mask is data, never folded."""
+        for root in self.padding_roots:
+            value = values[root.node]
+            if root.batch_dim is None or not has_values(value):
+                continue
+            rows = value.movedim((root.batch_dim, root.token_dim), (0, 1)).flatten(2).narrow(1, 0, prefix_len)
+            _check_same_prompt(rows, root.node, "`" + root.node.name + "`")
+        for node in self.key_padding:
+            value, batch_dim = values[node], self.part.batch_dim(node)
+            if not has_values(value):
+                continue
+            keys = value.movedim((batch_dim, -1), (0, 1)) if batch_dim is not None else value.movedim(-1, 0)[None]
+            keys = keys.flatten(2)  # [G, L, the other (size-1) dims]
+            name = _inputs_named(node)
+            if not bool((keys == keys[..., :1]).all()):
+                raise InputError(f"the key mask built from {name} ({describe_node(node)}) differs between heads: "
+                                 "LongStraw supports a 2-D padding mask, one value per row and position")
+            keys = keys[..., 0].narrow(1, 0, self.part.end)
+            _check_same_prompt(keys[:, :prefix_len, None], node, name)
+            _check_is_padding(keys, prefix_len, name)
 
     def check_shared_values(self, values: dict) -> None:
         """Per-row values the prompt's computation reads must be the same in every row."""
@@ -220,6 +252,7 @@ class GroupRunner:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         self.check_shared_values(values)
         prefix_len = self.prefix_len(values)
+        self.check_padding(values, prefix_len)
         self.last_call = CallRecord(prefix_len)
         return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size, backward)
 
@@ -393,6 +426,51 @@ def _noting(where: str) -> Iterator[None]:
         except Exception as err:
             err.add_note(f"longstraw: raised {where}")
             raise
+
+
+def _inputs_named(node: fx.Node) -> str:
+    """The user's inputs `node` is computed from, for messages."""
+    names = [f"`{argument_name(n)}`" for n in node.graph.nodes if n.op == "placeholder" and n in ancestors([node])]
+    return " and ".join(names) or f"`{node.name}`"
+
+
+def _check_same_prompt(rows: torch.Tensor, node: fx.Node, name: str) -> None:
+    """`rows` [G, prompt positions, ...]: every row equal to row 0."""
+    differs = (rows != rows[:1]).flatten(2).any(-1)  # [G, positions]
+    if bool(differs.any()):
+        row, position = (int(i) for i in differs.nonzero()[0])
+        raise InputError(
+            f"row {row} of the attention mask {name} differs from row 0 at prompt position {position} "
+            f"({describe_node(node)}): the group's rows share one prompt, computed once, so its padding must be "
+            "the same in every row. Left-pad the prompt the same way for the whole group (one group per call)."
+        )
+
+
+def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:
+    """`keys` [G, L] bool: each row is zeros, ones, zeros (left padding in
+    the prompt, right padding after it); otherwise name the row and position."""
+    on = keys.long()
+    ends = (on[:, :-1] > on[:, 1:]).long()  # a one followed by a zero: [G, L - 1]
+    after_end = torch.cumsum(ends, 1) > 0  # positions 1.. at or after the first zero that follows a one
+    restart = after_end & keys[:, 1:].bool()
+    for row in range(keys.shape[0]):
+        ended = ends[row].nonzero()
+        if not ended.numel():
+            continue
+        hole = int(ended[0, 0]) + 1
+        again = restart[row].nonzero()
+        if hole < prefix_len:
+            raise InputError(
+                f"row {row} of the attention mask {name} has a hole inside the prompt: position {hole} is padding "
+                "after real tokens. LongStraw takes padding masks: the prompt padded on the left, completions on "
+                "the right (pad the prompt on the left, as TRL does)."
+            )
+        if again.numel():
+            raise InputError(
+                f"row {row} of the attention mask {name} marks position {int(again[0, 0]) + 1} real after padding "
+                f"at position {hole}, after the prompt: a completion must be padded on the right only, its real "
+                "tokens first."
+            )
 
 
 def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:

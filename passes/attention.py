@@ -20,7 +20,7 @@ from torch import fx
 
 from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
-from longstraw.mask import MaskBlock
+from longstraw.mask import MaskBlock, key_padding_of, reads_input
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.recompute import keep_through_recomputation
 from longstraw.state import StepContext
@@ -54,12 +54,15 @@ class CausalAttentionPass(ArchitecturePass):
         if mask is not None:
             if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
                 return "attn_mask must be a tensor of at least [queries, keys]"
-            if any(n.op == "placeholder" for n in ancestors([mask])):
+            padding = key_padding_of(mask)
+            if reads_input(mask) and padding is None:
                 return (
-                    "the attn_mask depends on inputs (e.g. a padding mask); only masks computed from "
-                    "positions are supported: pad responses at the end and mask the loss instead"
+                    "the attn_mask depends on inputs other than through a key padding mask: LongStraw supports masks "
+                    "computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
+                    "from a 2-D attention_mask, 1 = real token, 0 = padding); pass the 2-D padding mask to the model "
+                    "instead of a 4-D mask"
                 )
-            if _sees_the_future(mask):
+            if _sees_the_future(mask, padding):
                 return (
                     "the attn_mask lets a position attend to later positions (e.g. a prefix-LM mask), "
                     "so earlier positions cannot be computed before later ones"
@@ -134,9 +137,10 @@ def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
 MASK_CHECK_MAX_POSITIONS = 4096
 
 
-def _sees_the_future(mask: fx.Node) -> bool:
-    """Evaluate a positions-only mask (it reads no input) and check that no
-    query attends to a later key. Masks over more positions than
+def _sees_the_future(mask: fx.Node, padding: fx.Node | None) -> bool:
+    """Evaluate the positions-only part of a mask (with the key padding
+    mask `padding`, which only removes keys, taken as all true) and check
+    that no query attends to a later key. Masks over more positions than
     MASK_CHECK_MAX_POSITIONS are not evaluated (the check would cost L^2)."""
     value = tensor_of(mask)
     rows, cols = value.shape[-2], value.shape[-1]
@@ -144,9 +148,12 @@ def _sees_the_future(mask: fx.Node) -> bool:
         return False
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    needed = ancestors([mask])
+    needed = ancestors([mask], stop={padding})
     for node in mask.graph.nodes:
-        if node in needed:
+        if node is padding:
+            keys = tensor_of(padding)
+            env[node] = graph.call_function(torch.ones, (tuple(keys.shape),), {"dtype": torch.bool, "device": keys.device})
+        elif node in needed:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
     with torch.no_grad():
