@@ -216,14 +216,15 @@ class GroupRunner:
             value = values[root.node]
             if root.batch_dim is None or not has_values(value):
                 continue
-            rows = value.movedim((root.batch_dim, root.token_dim), (0, 1)).flatten(2).narrow(1, 0, prefix_len)
+            rows = value.movedim((root.batch_dim, root.token_dim), (0, 1))
+            rows = rows.reshape(*rows.shape[:2], -1).narrow(1, 0, prefix_len)
             _check_same_prompt(rows, root.node, "`" + root.node.name + "`")
         for node in self.key_padding:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not has_values(value):
                 continue
             keys = value.movedim((batch_dim, -1), (0, 1)) if batch_dim is not None else value.movedim(-1, 0)[None]
-            keys = keys.flatten(2)  # [G, L, the other (size-1) dims]
+            keys = keys.reshape(*keys.shape[:2], -1)  # [G, L, the other (size-1) dims]
             name = _inputs_named(node)
             if not bool((keys == keys[..., :1]).all()):
                 raise InputError(f"the key mask built from {name} ({describe_node(node)}) differs between heads: "
