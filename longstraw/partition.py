@@ -27,7 +27,9 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
-from .errors import USE_SDPA, InputError, LongStrawError, UnsupportedGraphError, binding_hint, describe_node, experts_hint
+from .errors import (
+    USE_SDPA, InputError, LongStrawError, UnsupportedGraphError, binding_hint, describe_node, experts_hint, positions_hint,
+)
 from .functionalize import is_updated
 from .mask import key_padding_of
 from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
@@ -125,7 +127,7 @@ def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> Archi
 
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
-        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)} LongStraw needs every operator that mixes sequence "
+        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)}{positions_hint(node)} LongStraw needs every operator that mixes sequence "
         "positions to be claimed by an architecture pass (see longstraw.passes; a pass of your own goes in "
         "options={'passes': [...]} or longstraw.register_pass). Pass "
         "options={'on_unsupported': 'eager'} to run this graph unchanged instead.",

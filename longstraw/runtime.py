@@ -207,18 +207,20 @@ class GroupRunner:
             prefix_len = min(prefix_len, shared)
         return prefix_len
 
-    def check_padding(self, values: dict, prefix_len: int) -> None:
-        """A padding mask must be one for the whole group over the prompt
-        (the prompt is computed once, with row 0's mask) and a padding mask
-        in every row: zeros, then ones, then zeros, the prompt's zeros on
-        the left. Checked on every call: the mask is data, never folded."""
+    def check_padding(self, values: dict) -> None:
+        """A padding mask must be one for the whole group over the prompt,
+        the positions before the first one the loss reads (the prompt is
+        computed once, with row 0's mask), and a padding mask in every row:
+        zeros, then ones, then zeros, the prompt's zeros on the left.
+        Checked on every call: the mask is data, never folded."""
+        prefix_len = self.part.first_consumed
         for root in self.padding_roots:
             value = values[root.node]
             if root.batch_dim is None or not has_values(value):
                 continue
             rows = value.movedim((root.batch_dim, root.token_dim), (0, 1))
             rows = rows.reshape(*rows.shape[:2], -1).narrow(1, 0, prefix_len)
-            _check_same_prompt(rows, root.node, "`" + root.node.name + "`")
+            _check_same_prompt(rows, root.node, _inputs_named(root.node))
         for node in self.key_padding:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not has_values(value):
@@ -252,8 +254,8 @@ class GroupRunner:
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         self.check_shared_values(values)
+        self.check_padding(values)
         prefix_len = self.prefix_len(values)
-        self.check_padding(values, prefix_len)
         self.last_call = CallRecord(prefix_len)
         return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size, backward)
 

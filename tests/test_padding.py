@@ -136,27 +136,34 @@ def _group(name: str) -> tuple:
     return padded_group(G, P, R, left, lengths, seed=P + left)
 
 
-@pytest.mark.parametrize("name", list(GROUPS))
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+SLOW = pytest.mark.slow
+# CI: each feature once per model kind (the hybrid only where its Gated DeltaNet masking matters); the rest slow
+EXACT = [("qwen3", "all_ones"), ("qwen3", "both"), ("qwen3_5", "both"),
+         *[pytest.param(k, n, marks=SLOW) for k in ("qwen3", "qwen3_5") for n in GROUPS
+           if (k, n) not in {("qwen3", "all_ones"), ("qwen3", "both"), ("qwen3_5", "both")}]]
+DETACHED = [("qwen3", "both"), *[pytest.param(k, n, marks=SLOW) for k in ("qwen3", "qwen3_5") for n in GROUPS
+                                  if (k, n) != ("qwen3", "both")]]
+
+
+@pytest.mark.parametrize("kind,name", EXACT)
 def test_padding_matches_eager_exact(kind, name):
     check_padding_parity(kind, "exact", _group(name), GROUPS[name][-1])
 
 
-@pytest.mark.parametrize("name", [
-    "both", "chunked", *[pytest.param(n, marks=pytest.mark.slow) for n in ("all_ones", "left", "right", "long_padding")],
-])
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("kind,name", DETACHED)
 def test_padding_matches_detached_reference(kind, name):
     check_padding_parity(kind, "detached", _group(name), GROUPS[name][-1])
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("kind,mode", [
+    ("llama", "exact"), ("qwen3_5", "exact"), ("qwen3_5", "detached"), pytest.param("llama", "detached", marks=SLOW),
+])
 def test_padding_with_nan_filled_memory(kind, mode):
+    """The chunked group: a chunk of padding only, a boundary inside the padding."""
     check_padding_parity(kind, mode, _group("chunked"), 8, deterministic=True)
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 @pytest.mark.parametrize("chunk", [3, 13, 128])
@@ -183,49 +190,81 @@ def test_masks_are_data_not_plan_keys():
 # --- bad inputs --------------------------------------------------------------
 
 
-def _refused(group: tuple, match: str, kind: str = "qwen3") -> None:
-    """The compiled loss raises `match` naming the row; `.grad` stays as it was."""
-    model = MODELS[kind]()
+def _bad_masks() -> dict[str, tuple[tuple, str]]:
+    """name -> (group, the message's pattern): every mask names its row."""
+    out = {}
+    prompt_ids, prompt_mask, *rest = padded_group(3, 20, 6, 4, [6, 3, 6])
+    differs = prompt_mask.clone()
+    differs[2, 3] = 1
+    out["rows differ in the prompt"] = ((prompt_ids, differs, *rest), r"row 2 of the attention mask `prompt_mask` and "
+                                        r"`completion_mask` differs from row 0 at prompt position 3")
+    hole = prompt_mask.clone()
+    hole[:, 9] = 0
+    out["a hole inside the prompt"] = ((prompt_ids, hole, *rest), r"row 0 .* hole inside the prompt: position 9 ")
+    right = torch.ones_like(prompt_mask)
+    right[:, 15:] = 0  # the prompt padded on the right: its completion starts before the prompt ends
+    out["a prompt padded on the right"] = ((prompt_ids, right, *rest), r"row 0 .* hole inside the prompt: position 15 ")
+    completion_ids, completion_mask, advantages = rest
+    gap = completion_mask.clone()
+    gap[1, 4] = 1
+    out["a one after zeros in a completion"] = ((prompt_ids, prompt_mask, completion_ids, gap, advantages),
+                                                r"row 1 .* marks position 24 real after padding at position 23")
+    return out
+
+
+def _assert_refused(compiled, model, group: tuple, match: str) -> None:
+    """The compiled loss raises `match`; `.grad` stays as it was."""
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.5)
     before = grads_of(model)
-    with qwen3_5.bound(), pytest.raises(InputError, match=match):
-        compile_loss(trl_grpo_loss, longstraw.Backend(prefix_chunk_size=8))(model, *group).backward()
+    with pytest.raises(InputError, match=match):
+        compiled(model, *group).backward()
     assert grads_equal(grads_of(model), before)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_prompt_padding_that_differs_between_rows_is_refused(kind):
-    prompt_ids, prompt_mask, *rest = padded_group(3, 20, 5, 4)
-    prompt_mask[2, 3] = 1
-    _refused((prompt_ids, prompt_mask, *rest), r"row 2 of the attention mask .* differs from row 0 at prompt position 3", kind)
+def test_masks_that_are_not_padding_masks_are_refused_naming_the_row():
+    model = make_qwen3()
+    compiled = compile_loss(trl_grpo_loss, longstraw.Backend(prefix_chunk_size=8))
+    for group, match in _bad_masks().values():
+        _assert_refused(compiled, model, group, match)
+    group = padded_group(3, 20, 6, 4, [6, 3, 6])
+    assert torch.isfinite(compiled(model, *group))  # the same plan still runs a padding mask
 
 
-def test_a_hole_inside_the_prompt_is_refused():
-    prompt_ids, prompt_mask, *rest = padded_group(2, 20, 5, 4)
-    prompt_mask[:, 9] = 0
-    _refused((prompt_ids, prompt_mask, *rest), r"row 0 of the attention mask .* hole inside the prompt: position 9")
-
-
-def test_a_prompt_padded_on_the_right_is_refused():
-    """Real tokens, then padding, then the completion: the completion would
-    start before the prompt (as the ids lay it out) ends."""
-    prompt_ids, prompt_mask, *rest = padded_group(2, 20, 5, 0)
-    prompt_mask[:, 15:] = 0
-    _refused((prompt_ids, prompt_mask, *rest), r"row 0 .* hole inside the prompt: position 15")
-
-
-def test_ones_after_zeros_in_a_completion_are_refused():
-    prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = padded_group(3, 20, 6, 2, [6, 3, 6])
-    completion_mask[1, 4] = 1
-    _refused((prompt_ids, prompt_mask, completion_ids, completion_mask, advantages),
-             r"row 1 of the attention mask .* marks position 24 real after padding at position 23")
+def test_hybrid_prompt_padding_that_differs_between_rows_is_refused():
+    """Qwen3.5 also multiplies its Gated DeltaNet inputs by the mask (a root
+    the steps slice): its rows are checked, not compared for the prefix."""
+    group, match = _bad_masks()["rows differ in the prompt"]
+    with qwen3_5.bound():
+        _assert_refused(compile_loss(trl_grpo_loss, longstraw.Backend(prefix_chunk_size=8)), make_qwen3_5(), group, match)
 
 
 def test_positions_from_the_mask_are_refused_with_the_fix():
     model = make_qwen3()
-    with raises_longstraw(r"operator `cumsum` .* mixes values across sequence positions"):
+    with raises_longstraw(r"operator `cumsum` .* mixes values across sequence positions.*position ids from the "
+                          r"attention mask.*pass them in as a \[G, L\] input"):
         compile_loss(mask_positions_loss, longstraw.Backend(prefix_chunk_size=8))(model, *padded_group(2, 20, 5, 3))
+
+
+def positions_input_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, position_ids):
+    """The fix the refusal names: position ids from the mask, computed outside."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return trl_tail(logits[:, prompt_ids.shape[1] - 1 : -1], completion_ids, completion_mask, advantages)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen3_5", marks=SLOW)])
+def test_positions_from_the_mask_passed_in(kind):
+    model = MODELS[kind]()
+    group = padded_group(3, 33, 6, 7, [6, 2, 4], seed=1)
+    position_ids = (torch.cat([group[1], group[3]], 1).cumsum(-1) - 1).clamp(min=0)
+    with qwen3_5.bound():
+        compiled = compile_loss(positions_input_loss, longstraw.Backend(prefix_chunk_size=8))
+        got_loss, got = compiled_loss_and_grads(compiled, model, *group, position_ids)
+        want_loss, want = eager_loss_and_grads(positions_input_loss, model, *group, position_ids)
+    assert_close(got_loss, want_loss, TOL, "loss")
+    assert_grads_close(got, want, TOL)
 
 
 def test_a_mask_reading_inputs_otherwise_is_refused():
