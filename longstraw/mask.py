@@ -74,13 +74,44 @@ class MaskBlock:
         Checked once per block in tiles of CHECK_TILE_ROWS x
         CHECK_TILE_COLUMNS. Meta and fake tensors (`longstraw.explain`) have
         no values: their mask is taken to be causal, as HF's is."""
-        if self.tiles.padding is not None:
-            keys = self.vectors[self.tiles.padding]
-            if has_values(keys) and not bool(keys.narrow(-1, 0, self.offset + self.length).all()):
-                return False
+        keys = self._keys()
+        if keys is not None and not bool(keys.all()):
+            return False
+        return self._positions_causal()
+
+    def first_key(self) -> int | None:
+        """`a` when the block is causal attention over the keys `[a, o+n)`
+        alone: its key mask off before `a` and on from there (left
+        padding), every query at or after `a`, the positions-only part
+        causal. Then a fused causal kernel over those keys computes it.
+        None otherwise (no key mask, or another pattern)."""
+        keys = self._keys()
+        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+            return None
+        line = keys[0]
+        first = int(line.logical_not().cumprod(0).sum())
+        if first == 0 or first > self.offset or not bool(line[first:].all()):
+            return None
+        return first if self._positions_causal() else None
+
+    def _keys(self) -> torch.Tensor | None:
+        """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
+        if self.tiles.padding is None:
+            return None
+        keys = self.vectors[self.tiles.padding]
+        if not has_values(keys):
+            return None
+        visible = self.offset + self.length
+        return keys.narrow(-1, 0, visible).reshape(-1, visible)
+
+    def _positions_causal(self) -> bool:
+        """`is_causal` of the block with every key on: it reads no input, so it is remembered."""
         key = (self.offset, self.length)
         if key not in self.tiles.causal:
-            answer = self._check()
+            vectors = list(self.vectors)
+            if self.tiles.padding is not None:
+                vectors[self.tiles.padding] = torch.ones_like(vectors[self.tiles.padding])
+            answer = MaskBlock(self.tiles, self.offset, self.length, tuple(vectors))._check()
             if answer is None:
                 return True
             self.tiles.causal[key] = answer

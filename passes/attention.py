@@ -196,9 +196,12 @@ def attention_step(
     key block at a time. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
+    first = 0
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
-    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
+    elif mask is not None and (left := mask.first_key()) is not None:
+        mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
+    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
 
 
 class _AttentionOverState(torch.autograd.Function):
@@ -211,17 +214,20 @@ class _AttentionOverState(torch.autograd.Function):
     exact, so dQ is their sum, the step's dK/dV come from the blocks over
     its own positions and the earlier blocks' dK/dV go to d(state) (exact
     mode). Peak memory is one key block, not the whole visible range (flash
-    attention's GQA backward expands dK/dV to all query heads)."""
+    attention's GQA backward expands dK/dV to all query heads). `first`:
+    keys before it are left padding no query sees (`MaskBlock.first_key`):
+    the kernels run causal over `[first, o+n)`, positions counted from it."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
+    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, first):
         kernel = kernel_for(q, mask)
-        keys, values = step.visible(k_slot), step.visible(v_slot)
+        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         if mask is None:
-            out, lse = _causal_over_state(step, k_slot, q, keys, values, scale)
+            out, lse = _causal_over_state(step, k_slot, q, keys, values, scale, step.offset - first)
         else:
             out, lse = kernel.forward(q, keys, values, mask, scale, step.offset)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
+        ctx.first = first
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -232,9 +238,10 @@ class _AttentionOverState(torch.autograd.Function):
         k_slot, v_slot = ctx.slots
         q, k, v, out, lse = ctx.saved_tensors
         mask: MaskBlock | None = ctx.mask
-        o = step.offset
+        first = ctx.first
+        o = step.offset - first  # positions from the first visible key
         grad_out = grad_out.contiguous()
-        keys, values = step.visible(k_slot), step.visible(v_slot)
+        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for start, length in kernel.blocks(q, o):
@@ -249,26 +256,34 @@ class _AttentionOverState(torch.autograd.Function):
                 grad_v.narrow(-2, start - o, length).copy_(gv)
             else:
                 # when k and v are one slot, both land in the same d(state) and sum there
-                step.accumulate_grad(k_slot, gk, start)
-                step.accumulate_grad(v_slot, gv, start)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+                step.accumulate_grad(k_slot, gk, start + first)
+                step.accumulate_grad(v_slot, gv, start + first)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None, None
+
+
+def _visible_from(step: StepContext, slot: int, first: int) -> torch.Tensor:
+    """The state's positions `[first, o+n)`: `[1, H, o+n-first, D]`."""
+    visible = step.visible(slot)
+    return visible.narrow(-2, first, visible.shape[-2] - first)
 
 
 def _causal_over_state(
-    step: StepContext, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None
+    step: StepContext, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
+    q_start: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal forward (output, log-sum-exp); with `HostAttentionOutputs`
-    the capture keeps it for each prompt chunk and the reverse pass, which
-    recomputes the chunk from the same inputs, reads it back."""
+    """The causal forward (output, log-sum-exp), queries from `q_start` among
+    `keys`; with `HostAttentionOutputs` the capture keeps it for each prompt
+    chunk and the reverse pass, which recomputes the chunk from the same
+    inputs, reads it back."""
     kept = step.state.attention_outputs
     prompt_chunk = kept is not None and step.offset + step.length <= step.state.prefix_len
     if prompt_chunk and step.grad_enabled:
         stored = kept.get(slot, step.offset)
         if stored is not None:
             if step.state.verify:
-                _verify_kept(step, slot, stored, torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset))
+                _verify_kept(step, slot, stored, torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start))
             return stored
-    out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
+    out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start)
     if prompt_chunk and not step.grad_enabled:
         kept.keep(slot, step.offset, out, lse)
     return out, lse

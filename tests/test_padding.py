@@ -310,6 +310,20 @@ def test_a_padded_block_is_never_remembered_as_causal():
     assert tiles(4, 5, off_later).is_causal()
 
 
+def test_left_padding_runs_causal_over_the_keys_after_it(monkeypatch):
+    """A block whose queries all follow the left padding, with every later
+    key on, is causal attention over the keys from the padding's end: the
+    fused kernels' case. Prompt chunks after the padding and the full-length
+    branches take it; the others read the mask."""
+    found = []
+    first_key = masks.MaskBlock.first_key
+    monkeypatch.setattr(masks.MaskBlock, "first_key", lambda self: found.append((self.offset, first_key(self))) or found[-1][1])
+    check_padding_parity("qwen3", "exact", padded_group(2, 41, 5, 13, [5, 3]), 8)
+    assert {f for _, f in found} == {None, 13}
+    assert all(first == 13 for offset, first in found if offset >= 16 and offset < 40)  # prompt chunks after the padding
+    assert all(first is None for offset, first in found if offset < 13)
+
+
 def test_the_key_mask_is_found_in_hf_mask():
     """HF's sdpa mask from a 2-D attention_mask splits into the causal part
     and `attention_mask[batch, key]`, broadcast over queries, one for every
