@@ -191,17 +191,18 @@ def test_padding_in_other_families(name):
 
 def test_masks_are_data_not_plan_keys():
     """One plan serves every padding of the same shapes: the mask is read at
-    every call (never folded), and each call matches eager."""
+    every call (never folded), and each call matches eager; new lengths
+    (Dynamo's second graph has dynamic sizes) plan again, as without a mask."""
     model = make_qwen3()
     backend = longstraw.Backend(prefix_chunk_size=8)
     compiled = compile_loss(trl_grpo_loss, backend)
-    for left, lengths in ((0, None), (9, [6, 2, 5]), (3, [1, 1, 6])):
-        group = padded_group(3, 33, 6, left, lengths, seed=left)
+    for P, left, lengths in ((33, 0, None), (33, 9, [6, 2, 5]), (33, 3, [1, 1, 6]), (41, 3, [5, 6, 1]), (50, 20, [6, 3, 2])):
+        group = padded_group(3, P, 6, left, lengths, seed=left)
         got_loss, got = compiled_loss_and_grads(compiled, model, *group)
         want_loss, want = eager_loss_and_grads(trl_grpo_loss, model, *group)
         assert_close(got_loss, want_loss, TOL, "loss")
         assert_grads_close(got, want, TOL)
-    assert len(backend.plans) == 1
+    assert len(backend.plans) == 3
 
 
 # --- bad inputs --------------------------------------------------------------
