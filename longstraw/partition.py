@@ -28,7 +28,14 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
 from .errors import (
-    USE_SDPA, InputError, LongStrawError, UnsupportedGraphError, binding_hint, describe_node, experts_hint, positions_hint,
+    USE_SDPA,
+    InputError,
+    LongStrawError,
+    UnsupportedGraphError,
+    binding_hint,
+    describe_node,
+    experts_hint,
+    positions_hint,
 )
 from .functionalize import is_updated
 from .mask import key_padding_of
@@ -81,7 +88,8 @@ class Partition:
     branch_outputs: list[fx.Node]
     first_consumed: int
     end: int  # one past the last position the loss reads; later ones are never run
-    key_padding: tuple[fx.Node, ...] = ()  # key masks read from inputs (`mask.key_padding_of`), computed by the outer graph
+    # key masks read from inputs (`mask.key_padding_of`): outer data, computed once per call by the outer graph
+    key_padding: tuple[fx.Node, ...] = ()
 
     def batch_dim(self, node: fx.Node) -> int | None:
         return self.dims.dim_index(node, self.batch)
@@ -127,9 +135,9 @@ def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> Archi
 
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
-        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)}{positions_hint(node)} LongStraw needs every operator that mixes sequence "
-        "positions to be claimed by an architecture pass (see longstraw.passes; a pass of your own goes in "
-        "options={'passes': [...]} or longstraw.register_pass). Pass "
+        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)}{positions_hint(node)} LongStraw needs "
+        "every operator that mixes sequence positions to be claimed by an architecture pass (see longstraw.passes; "
+        "a pass of your own goes in options={'passes': [...]} or longstraw.register_pass). Pass "
         "options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
         node,
     )

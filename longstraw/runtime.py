@@ -104,8 +104,11 @@ class GroupRunner:
         # offset added to the embeddings); imports never hold parameters
         prefix_values = set(prefix.externals)
         self.key_padding = list(part.key_padding)
-        self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding]
-        # roots a padding mask is built from (Gated DeltaNet's `hidden * attention_mask`): checked, not compared for the prefix
+        self.shared_values = [
+            n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding
+        ]
+        # roots a padding mask is built from (Gated DeltaNet's `hidden * attention_mask`): checked, not
+        # compared to find the shared prefix (rows that differ would shorten it silently)
         padding_inputs = ancestors(self.key_padding)
         self.padding_roots = [r for r in part.roots if r.node in padding_inputs]
         self.last_call: CallRecord | None = None
@@ -433,7 +436,8 @@ def _noting(where: str) -> Iterator[None]:
 
 def _inputs_named(node: fx.Node) -> str:
     """The user's inputs `node` is computed from, for messages."""
-    names = [f"`{argument_name(n)}`" for n in node.graph.nodes if n.op == "placeholder" and n in ancestors([node])]
+    found = ancestors([node])
+    names = [f"`{argument_name(n)}`" for n in node.graph.nodes if n.op == "placeholder" and n in found]
     return " and ".join(names) or f"`{node.name}`"
 
 

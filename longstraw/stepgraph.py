@@ -421,8 +421,8 @@ class _StepBuilder:
         padding = [i for i, v in enumerate(inputs) if any(leaves.get(a) in part.key_padding for a in ancestors([v]))]
         if len(padding) > 1 or any(an.find(an.dims_of(inputs[i])[-1][0]) != col_cls for i in padding):
             raise UnsupportedGraphError(
-                f"{describe_node(node)}: its key padding mask reaches the mask as more than one vector, or not with the "
-                "keys as its last dimension; LongStraw supports HF's `causal & attention_mask[batch, key]`"
+                f"{describe_node(node)}: its key padding mask reaches the mask as more than one vector, or not "
+                "with the keys as its last dimension; LongStraw supports HF's `causal & attention_mask[batch, key]`"
             )
         self.root.add_module(name, MaskTiles(_module(tile, "LongStrawMaskTile"), padding[0] if padding else None))
         block = self.graph.call_module(name, (self.offset, self.length, *(full_env[v] for v in inputs)))

@@ -152,7 +152,8 @@ def _sees_the_future(mask: fx.Node, padding: fx.Node | None) -> bool:
     for node in mask.graph.nodes:
         if node is padding:
             keys = tensor_of(padding)
-            env[node] = graph.call_function(torch.ones, (tuple(keys.shape),), {"dtype": torch.bool, "device": keys.device})
+            kwargs = {"dtype": torch.bool, "device": keys.device}
+            env[node] = graph.call_function(torch.ones, (tuple(keys.shape),), kwargs)
         elif node in needed:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
@@ -281,7 +282,8 @@ def _causal_over_state(
         stored = kept.get(slot, step.offset)
         if stored is not None:
             if step.state.verify:
-                _verify_kept(step, slot, stored, torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start))
+                recomputed = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start)
+                _verify_kept(step, slot, stored, recomputed)
             return stored
     out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start)
     if prompt_chunk and not step.grad_enabled:
