@@ -336,12 +336,16 @@ def _used_only_by(graph: fx.Graph, targets: set[fx.Node]) -> set[fx.Node]:
 
 def _positional(graph: fx.Graph, claims: dict[fx.Node, ArchitecturePass], sequence: set[fx.Node]) -> set[fx.Node]:
     """Nodes used only to build claimed nodes' positional inputs (masks):
-    the step rebuilds those per block instead of running them."""
+    the step rebuilds those per block instead of running them. A pass's
+    `per_position_inputs` and their ancestors are not among them."""
     roots = {m for node, p in claims.items() for m in p.positional_inputs(node) if m in sequence}
     consumers = {node: set(p.positional_inputs(node)) for node, p in claims.items()}
+    per_position = {m for node, p in claims.items() for m in p.per_position_inputs(node)}
     out: set[fx.Node] = set()
     for node in reversed(graph.nodes):
         if node.op == "placeholder" or not (node in roots or node.users) or is_side_effect(node):
+            continue
+        if node in per_position:
             continue
         if all(u in out or (u in consumers and not _used_outside(u, node, consumers[u])) for u in node.users):
             out.add(node)

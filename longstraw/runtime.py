@@ -3,7 +3,9 @@
 Forward (no autograd): the outer graph once; the prompt row in chunks of
 `prefix_chunk_size`, filling the state buffers; each branch on its own
 positions, reading the state. The stacked branch outputs go to the tail,
-which runs under ordinary autograd.
+which runs under ordinary autograd. A batch of several prompts (rows found
+equal over the prompt part, in any order) runs group by group: one group's
+state is live at a time, so the others are captured again in backward.
 
 Backward: each branch is replayed with autograd and differentiated with its
 slice of the tail's gradient; parameter gradients are summed over branches
@@ -65,11 +67,31 @@ class RngState:
 
 
 @dataclasses.dataclass(frozen=True)
+class Group:
+    """Rows of the batch that share one prompt, and the prompt positions
+    captured for them as state."""
+
+    rows: tuple[int, ...]
+    prefix_len: int
+
+
+@dataclasses.dataclass(frozen=True)
 class CallRecord:
     """What one call of a plan decided from its values (kept for summaries
     and the planner; the plan itself never changes between calls)."""
 
-    prefix_len: int  # prompt positions captured as state
+    prefix_len: int  # prompt positions captured as state (the first group's)
+    group_sizes: tuple[int, ...]  # rows per group, in the order they ran
+
+
+@dataclasses.dataclass
+class GroupCall:
+    """One group's part of a call: its state, or None where the forward
+    freed it after the group's branches (the backward captures it again)."""
+
+    group: Group
+    state: PromptState | None
+    rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
 
 
 @dataclasses.dataclass
@@ -77,11 +99,8 @@ class CallState:
     """Everything one forward leaves for its backward."""
 
     values: dict[Any, torch.Tensor]
-    state: PromptState
-    prefix_len: int
+    groups: list[GroupCall]
     end: int
-    group_size: int
-    rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
 
 
 class GroupRunner:
@@ -210,12 +229,42 @@ class GroupRunner:
             prefix_len = min(prefix_len, shared)
         return prefix_len
 
-    def check_padding(self, values: dict) -> None:
-        """A padding mask must be one for the whole group over the prompt,
-        the positions before the first one the loss reads (the prompt is
-        computed once, with row 0's mask), and a padding mask in every row:
-        zeros, then ones, then zeros, the prompt's zeros on the left.
-        Checked on every call: the mask is data, never folded."""
+    def groups(self, values: dict) -> list[Group]:
+        """The batch's groups: rows equal in every per-row input over the
+        prompt part (the positions before the first one the loss reads),
+        padding masks included. One class of rows is one group, whose
+        captured prefix is what all rows share (as long as the graph proves
+        or the values show); several classes are several groups, each
+        capturing the whole prompt part, and then every row must share its
+        prompt with another."""
+        part = self.part
+        every_row = tuple(range(part.group_size))
+        keyed = [r for r in part.roots if r.batch_dim is not None]
+        if part.group_size == 1 or part.first_consumed == 0 or len(keyed) < len(part.roots):
+            return [Group(every_row, self.prefix_len(values))]
+        per_row = [(values[r.node], r.batch_dim, r.token_dim) for r in keyed]
+        per_row += [(values[k], part.batch_dim(k), part.token_dim(k)) for k in self.key_padding if part.batch_dim(k) is not None]
+        classes = _rows_by_prompt(per_row, part.first_consumed)
+        if len(classes) == 1:
+            return [Group(every_row, self.prefix_len(values))]
+        for rows in classes:
+            if len(rows) == 1:
+                names = ", ".join(f"`{argument_name(r.node) if r.node.op == 'placeholder' else r.node.name}`" for r in keyed)
+                masks = "".join(f" and the padding mask from {_inputs_named(k)}" for k in self.key_padding)
+                raise InputError(
+                    f"row {rows[0]} shares no prompt with any other row: the batch holds {len(classes)} different "
+                    f"prompts (rows equal in {names}{masks} over the first {part.first_consumed} positions, the ones "
+                    "before the loss reads any), and this row's prompt appears once. Each prompt needs at least two "
+                    "completions in the batch, padded the same way; drop the row or score it in a separate call."
+                )
+        return [Group(rows, part.first_consumed) for rows in classes]
+
+    def check_padding(self, values: dict, groups: Sequence[Group]) -> None:
+        """A padding mask must be one for each group over the prompt, the
+        positions before the first one the loss reads (the prompt is
+        computed once, with the group's first row's mask), and a padding
+        mask in every row: zeros, then ones, then zeros, the prompt's zeros
+        on the left. Checked on every call: the mask is data, never folded."""
         prefix_len = self.part.first_consumed
         for root in self.padding_roots:
             value = values[root.node]
@@ -223,7 +272,8 @@ class GroupRunner:
                 continue
             rows = value.movedim((root.batch_dim, root.token_dim), (0, 1))
             rows = rows.reshape(*rows.shape[:2], -1).narrow(1, 0, prefix_len)
-            _check_same_prompt(rows, root.node, _inputs_named(root.node))
+            for group in groups:
+                _check_same_prompt(rows, group.rows, root.node, _inputs_named(root.node))
         for node in self.key_padding:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not has_values(value):
@@ -235,20 +285,25 @@ class GroupRunner:
                 raise InputError(f"the key mask built from {name} ({describe_node(node)}) differs between heads: "
                                  "LongStraw supports a 2-D padding mask, one value per row and position")
             keys = keys[..., 0].narrow(1, 0, self.part.end)
-            _check_same_prompt(keys[:, :prefix_len, None], node, name)
+            for group in groups:
+                _check_same_prompt(keys[:, :prefix_len, None], group.rows if batch_dim is not None else (0,), node, name)
             _check_is_padding(keys, prefix_len, name)
 
-    def check_shared_values(self, values: dict) -> None:
-        """Per-row values the prompt's computation reads must be the same in every row."""
+    def check_shared_values(self, values: dict, groups: Sequence[Group]) -> None:
+        """Per-row values the prompt's computation reads must be the same in every row of a group."""
         for node in self.shared_values:
             value, batch_dim = values[node], self.part.batch_dim(node)
-            if isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1:
-                if not torch.equal(value, value.narrow(batch_dim, 0, 1).expand_as(value)):
+            if not (isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1):
+                continue
+            for group in groups:
+                rows = value.index_select(batch_dim, torch.tensor(group.rows, device=value.device))
+                if not torch.equal(rows, rows.narrow(batch_dim, 0, 1).expand_as(rows)):
                     name = argument_name(node) if node.op == "placeholder" else node.name
+                    rows_named = f" (rows {list(group.rows)}, which share one prompt)" if len(groups) > 1 else ""
                     raise InputError(
                         f"`{name}` differs between the rows of the group but feeds the prompt's computation "
-                        f"({describe_node(node)}): the rows would not share one prompt state. Pass one value for "
-                        "the whole group (or compute it after the prompt)."
+                        f"({describe_node(node)}){rows_named}: the rows would not share one prompt state. "
+                        "Pass one value for the whole group (or compute it after the prompt)."
                     )
 
     # forward ------------------------------------------------------------
@@ -256,20 +311,59 @@ class GroupRunner:
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
-        self.check_shared_values(values)
-        self.check_padding(values)
-        prefix_len = self.prefix_len(values)
-        self.last_call = CallRecord(prefix_len)
-        return self.run(inputs, values, prefix_len, self.part.end, self.part.group_size, backward)
+        groups = self.groups(values)
+        self.check_shared_values(values, groups)
+        self.check_padding(values, groups)
+        self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
+        return self.run(inputs, values, groups, self.part.end, backward)
 
     @torch.no_grad()
     def run(
-        self, inputs: Sequence[Any], values: dict, prefix_len: int, end: int, group_size: int, backward: bool = True
+        self, inputs: Sequence[Any], values: dict, groups: Sequence[Group], end: int, backward: bool = True
     ) -> tuple[list[torch.Tensor], CallState]:
-        """Capture and branches from the outer values; `end` and `group_size`
-        are the traced ones except when `longstraw.explain` simulates other sizes.
-        Without a `backward` to follow, exact mode keeps nothing for its
-        reverse pass (chunk-boundary carries, attention outputs on the host)."""
+        """Capture and branches from the outer values, group by group; `end`
+        is the traced one except when `longstraw.explain` simulates other
+        sizes. Every group but the last frees its state after its branches
+        (its backward captures it again), so one group's state is live at a
+        time. Without a `backward` to follow, exact mode keeps nothing for
+        its reverse pass (chunk-boundary carries, attention outputs on the host)."""
+        part = self.part
+        device = next(v for v in values.values() if isinstance(v, torch.Tensor)).device
+        per_row: dict[int, list[torch.Tensor]] = {}
+        calls = []
+        for i, group in enumerate(groups):
+            rng: dict[tuple[str, int], RngState] = {}
+            state = self._capture(inputs, values, group, end, backward, rng)
+            branch_len = end - group.prefix_len
+            for row in group.rows:
+                if self.random:
+                    rng["branch", row] = RngState.capture(device)
+                with _noting(f"running branch {row} of {part.group_size}"):
+                    ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False)
+                    inputs_of_row = self._step_inputs(self.branch, inputs, values, row, group.prefix_len, branch_len)
+                    per_row[row] = self.branch.module(ctx, *inputs_of_row)
+            if i < len(groups) - 1:
+                state.release()
+                state = None
+            calls.append(GroupCall(group, state, rng))
+        rows = sorted(per_row)
+        outputs = [
+            torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
+            for i, node in enumerate(part.branch_outputs)
+        ]
+        log.info(
+            "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all",
+            len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
+        )
+        return outputs, CallState(values, calls, end)
+
+    def _capture(
+        self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
+        rng: dict[tuple[str, int], RngState], again: bool = False,
+    ) -> PromptState:
+        """The group's prompt state, captured chunk by chunk from its first
+        row. `again` (in backward) restores each chunk's RNG state from `rng`
+        instead of recording it, so the state is the forward's."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
@@ -277,36 +371,21 @@ class GroupRunner:
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
         kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
-        state = PromptState(part.slots, capacity=end, prefix_len=prefix_len, device=device, verify=verify,
+        state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept)
-        rng: dict[tuple[str, int], RngState] = {}
-        for offset, length in self._walk(self._chunks(prefix_len), "prompt capture"):
-            if self.random:
+        what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
+        for offset, length in self._walk(self._chunks(group.prefix_len), "prompt capture"):
+            if self.random and not again:
                 rng["chunk", offset] = RngState.capture(device)
-            with _noting(f"capturing prompt chunk [{offset}, {offset + length})"):
+            restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
+            with _noting(f"{what} [{offset}, {offset + length})"), restored:
                 ctx = StepContext(state, offset, length, grad_enabled=False)
-                self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+                self.prefix.module(ctx, *self._step_inputs(self.prefix, inputs, values, group.rows[0], offset, length))
         if verify and (slot := state.unwritten()) is not None:
             raise LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
         if self.options.check_finite:
             self._check_finite(state)
-        branch_len = end - prefix_len
-        per_branch = []
-        for row in range(group_size):
-            if self.random:
-                rng["branch", row] = RngState.capture(device)
-            with _noting(f"running branch {row} of {group_size}"):
-                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=False)
-                per_branch.append(self.branch.module(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len)))
-        outputs = [
-            torch.cat([b[i] for b in per_branch], dim=part.batch_dim(node))
-            for i, node in enumerate(part.branch_outputs)
-        ]
-        log.info(
-            "forward: G=%d, %d prompt positions captured in %d chunks, %d positions per branch",
-            group_size, prefix_len, len(self._chunks(prefix_len)), branch_len,
-        )
-        return outputs, CallState(values, state, prefix_len, end, group_size, rng)
+        return state
 
     def _check_finite(self, state: PromptState) -> None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
@@ -331,7 +410,6 @@ class GroupRunner:
     def backward(
         self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
-        part, state, prefix_len = self.part, call.state, call.prefix_len
         wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         # The steps read detached aliases of the inputs that need gradients,
         # and autograd accumulates into the aliases' .grad: it adds each
@@ -347,6 +425,24 @@ class GroupRunner:
             # through the outer graph, which the forward ran without autograd: rerun it with it
             with torch.enable_grad():
                 values = dict(zip(self.imports, self.outer.module(*inputs)))
+        for group_call in reversed(call.groups):
+            self._backward_group(call, group_call, inputs, values, leaves, wanted, grad_outputs)
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, leaf in zip(wanted, leaves):
+            grads[i], leaf.grad = leaf.grad, None
+        return grads
+
+    def _backward_group(
+        self, call: CallState, group_call: GroupCall, inputs: list[Any], values: dict,
+        leaves: list[torch.Tensor], wanted: list[int], grad_outputs: Sequence[torch.Tensor | None],
+    ) -> None:
+        """Replay the group's branches, then (exact mode) its prompt chunks in reverse."""
+        part, group = self.part, group_call.group
+        state = group_call.state
+        if state is None:
+            with torch.no_grad():
+                state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, again=True)
+        prefix_len = group.prefix_len
         # d(state) matters only if some trainable input feeds the captured state
         exact = (
             self.options.prompt_grad == "exact" and prefix_len > 0 and any(i in self.state_ancestors for i in wanted)
@@ -354,12 +450,12 @@ class GroupRunner:
         if exact:
             state.allocate_grads()
         branch_len = call.end - prefix_len
-        for row in range(call.group_size):
+        for row in group.rows:
             slices = [
                 None if g is None else g.narrow(part.batch_dim(node), row, 1)
                 for g, node in zip(grad_outputs, part.branch_outputs)
             ]
-            with self._replaying(call, ("branch", row), f"replaying branch {row} of {call.group_size}"):
+            with self._replaying(group_call, ("branch", row), f"replaying branch {row} of {part.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
                 outs = self.replay_module("branch")(ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len))
                 self._accumulate(leaves, outs, slices)
@@ -368,21 +464,19 @@ class GroupRunner:
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
                 if state.attention_outputs is not None:
                     state.attention_outputs.prefetch(offset)
-                with self._replaying(call, ("chunk", offset), where):
+                with self._replaying(group_call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True)
-                    outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, 0, offset, length))
+                    outs = self.replay_module("prefix")(
+                        ctx, *self._step_inputs(self.prefix, inputs, values, group.rows[0], offset, length))
                     seeds = [state.seed(slot, offset, length) for slot in part.slots]
                     self._accumulate(leaves, outs, seeds)
                 if state.attention_outputs is not None:
                     state.attention_outputs.drop(offset)
         state.release()
-        grads: list[torch.Tensor | None] = [None] * len(inputs)
-        for i, leaf in zip(wanted, leaves):
-            grads[i], leaf.grad = leaf.grad, None
-        return grads
+        group_call.state = None
 
     @contextlib.contextmanager
-    def _replaying(self, call: CallState, key: tuple[str, int], where: str) -> Iterator[None]:
+    def _replaying(self, call: GroupCall, key: tuple[str, int], where: str) -> Iterator[None]:
         """Autograd on, the step's RNG state restored, and failures named.
         Gradients reach `.grad` only when the whole backward has finished,
         so a failure leaves every `.grad` as it was."""
@@ -441,15 +535,16 @@ def _inputs_named(node: fx.Node) -> str:
     return " and ".join(names) or f"`{node.name}`"
 
 
-def _check_same_prompt(rows: torch.Tensor, node: fx.Node, name: str) -> None:
-    """`rows` [G, prompt positions, ...]: every row equal to row 0."""
-    differs = (rows != rows[:1]).flatten(2).any(-1)  # [G, positions]
+def _check_same_prompt(values: torch.Tensor, rows: tuple[int, ...], node: fx.Node, name: str) -> None:
+    """`values` [G, prompt positions, ...]: the group's `rows` equal to its first."""
+    group = values[list(rows)]
+    differs = (group != group[:1]).flatten(2).any(-1)  # [rows, positions]
     if bool(differs.any()):
-        row, position = (int(i) for i in differs.nonzero()[0])
+        i, position = (int(i) for i in differs.nonzero()[0])
         raise InputError(
-            f"row {row} of the attention mask {name} differs from row 0 at prompt position {position} "
-            f"({describe_node(node)}): the group's rows share one prompt, computed once, so its padding must be "
-            "the same in every row. Left-pad the prompt the same way for the whole group (one group per call)."
+            f"row {rows[i]} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
+            f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
+            "in every row. Left-pad the prompt the same way for every completion of it."
         )
 
 
@@ -478,6 +573,19 @@ def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:
                 f"at position {hole}, after the prompt: a completion must be padded on the right only, its real "
                 "tokens first."
             )
+
+
+def _rows_by_prompt(values: Sequence[tuple[torch.Tensor, int, int]], length: int) -> list[tuple[int, ...]]:
+    """Rows equal in every (value, batch dim, token dim) over the first
+    `length` positions, as classes in order of their first row."""
+    labels = []
+    for value, batch_dim, token_dim in values:
+        prompt = value.narrow(token_dim, 0, length).movedim(batch_dim, 0)
+        labels.append(torch.unique(prompt.reshape(prompt.shape[0], -1), dim=0, return_inverse=True)[1].tolist())
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for row, key in enumerate(zip(*labels)):
+        classes.setdefault(key, []).append(row)
+    return [tuple(rows) for rows in classes.values()]
 
 
 def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .carry import recompute_grads, shape_only_spans
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
-from .runtime import GroupRunner, around_steps, phase_of
+from .runtime import Group, GroupRunner, around_steps, phase_of
 from .stepgraph import StepGraph
 
 
@@ -237,7 +237,8 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
-        outputs, call = runner.run(inputs, values, traced_prefix_len(plan), part.end, min(part.group_size, 2))
+        group = Group(tuple(range(min(part.group_size, 2))), traced_prefix_len(plan))
+        outputs, call = runner.run(inputs, values, [group], part.end)
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads

@@ -16,9 +16,11 @@ from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
 from .mla import LatentAttentionPass
 from .sliding_window import SlidingWindowAttentionPass
+from .sparse_index import SparseLatentAttentionPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
-    CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), GatedDeltaPass(), CausalConvPass()
+    CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), SparseLatentAttentionPass(),
+    GatedDeltaPass(), CausalConvPass(),
 )
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "LatentAttentionPass",
     "SiteState",
     "SlidingWindowAttentionPass",
+    "SparseLatentAttentionPass",
 ]

@@ -28,6 +28,7 @@ from longstraw.state import StepContext
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 from .mla import mla_of
 from .sliding_window import window_of
+from .sparse_index import claims_selection
 
 
 class CausalAttentionPass(ArchitecturePass):
@@ -35,8 +36,9 @@ class CausalAttentionPass(ArchitecturePass):
 
     def claims(self, node: fx.Node) -> bool:
         # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved
-        # latent attention `LatentAttentionPass`'s (latent state)
-        return is_sdpa(node) and window_of(node) is None and mla_of(node) is None
+        # latent attention `LatentAttentionPass`'s (latent state), a top-k selection mask
+        # `SparseLatentAttentionPass`'s
+        return is_sdpa(node) and window_of(node) is None and mla_of(node) is None and not claims_selection(node)
 
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
         q = node.args[0]

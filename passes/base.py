@@ -67,7 +67,8 @@ class ArchitecturePass:
     Required: `claims`, `position_dims`, `state_inputs`, `emit_step`.
     Optional: `unsupported_reason` (default: everything claimed is supported),
     `candidates` (default: capture the claimed input itself),
-    `positional_inputs` (default: none), `carries` (default: none),
+    `positional_inputs` (default: none), `per_position_inputs` (default:
+    none), `carries` (default: none),
     `dim_rule` (default: the built-in rules of `longstraw.dims`).
     """
 
@@ -105,6 +106,13 @@ class ArchitecturePass:
     def positional_inputs(self, node: fx.Node) -> list[fx.Node]:
         """Inputs computed from positions only (masks), which the step rebuilds
         for its own rows and columns instead of slicing."""
+        return []
+
+    def per_position_inputs(self, node: fx.Node) -> list[fx.Node]:
+        """Per-position tensors the step reads that reach the node only
+        through a positional input (a top-k index query inside a selection
+        mask): they run in the step like any sequence node instead of being
+        left to the mask's rebuild."""
         return []
 
     def candidates(self, node: fx.Node, state_input: fx.Node) -> list[Candidate]:

@@ -153,7 +153,14 @@ def _causal(node: fx.Node) -> bool:
 
 
 def mla_of(node: fx.Node) -> LatentAttention | None:
-    """The latent attention `node` computes, if the graph proves it (module docstring)."""
+    """The causal latent attention `node` computes, if the graph proves it (module docstring)."""
+    found = latent_of(node)
+    return found if found is not None and _causal(node) else None  # last: the mask proof walks its construction
+
+
+def latent_of(node: fx.Node) -> LatentAttention | None:
+    """The latent attention structure of `node` whatever its mask (`passes/sparse_index.py`
+    proves a top-k selection mask, `mla_of` a causal one)."""
     if not is_sdpa(node):
         return None
     if arg(node, 4, "dropout_p", 0.0) != 0.0 or arg(node, 7, "enable_gqa", False):
@@ -202,8 +209,6 @@ def mla_of(node: fx.Node) -> LatentAttention | None:
     # [B, (1,) L, r] in this order: the view to [B, L, H, dn + dv] reads rows batch-major
     if [d for d in c.shape[:-1] if d != 1] != [d for d in (batch, length) if d != 1]:
         return None
-    if not _causal(node):  # last: the mask proof walks the mask's construction
-        return None
     scale = arg(node, 6, "scale")
     return LatentAttention(
         latent=latent, rope_key=rope_key, weight=weight, heads=heads, nope_dim=nope_dim, value_dim=value_dim,
@@ -246,8 +251,9 @@ class LatentAttentionPass(ArchitecturePass):
 
 class _LatentOverState(torch.autograd.Function):
     """Multi-query attention of the absorbed queries over `[latent | rope
-    key]` at positions `[0, o + n)`, values the latent: earlier positions
-    are read from the state buffers, the step's own from `latent`, `rope_key`.
+    key]` at positions `[0, o + n)` (causal, or the keys `mask` selects),
+    values the latent: earlier positions are read from the state buffers,
+    the step's own from `latent`, `rope_key`.
 
     The keys `[T, r + dr]` (one layer's state, no head axis) are assembled
     in forward and again in backward, never kept between them; the
@@ -256,11 +262,11 @@ class _LatentOverState(torch.autograd.Function):
     positions' go to d(state) (exact mode)."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float):
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float, mask):
         keys = _keys(step, latent_slot, rope_slot, latent, rope_key)
         rank = latent.shape[-1]
-        out, lse = MATH.forward(query, keys, keys[..., :rank], None, scale, step.offset)
-        ctx.step, ctx.slots, ctx.scale, ctx.rank = step, (latent_slot, rope_slot), scale, rank
+        out, lse = MATH.forward(query, keys, keys[..., :rank], mask, scale, step.offset)
+        ctx.step, ctx.slots, ctx.scale, ctx.rank, ctx.mask = step, (latent_slot, rope_slot), scale, rank, mask
         ctx.save_for_backward(query, latent, rope_key, out, lse)
         return out
 
@@ -276,16 +282,17 @@ class _LatentOverState(torch.autograd.Function):
         grad_keys = torch.zeros_like(keys[0, 0])  # [T, r + dr]
         for start, length in MATH.blocks(query, o):
             block = keys.narrow(-2, start, length)
-            gq, gk, gv = MATH.backward(grad_out, query, block, block[..., :rank], out, lse, None, ctx.scale, o, start)
+            mask = None if ctx.mask is None else ctx.mask.columns(start, length)
+            gq, gk, gv = MATH.backward(grad_out, query, block, block[..., :rank], out, lse, mask, ctx.scale, o, start)
             grad_q += gq
             grad_keys.narrow(0, start, length).copy_(gk[0, 0])
             grad_keys.narrow(0, start, length)[:, :rank] += gv[0, 0]
         if o > 0:
-            step.accumulate_grad(latent_slot, _slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
-            step.accumulate_grad(rope_slot, _slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
+            step.accumulate_grad(latent_slot, slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
+            step.accumulate_grad(rope_slot, slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
         own = grad_keys[o:]
         grad_latent, grad_rope = own[:, :rank].reshape(latent.shape), own[:, rank:].reshape(rope_key.shape)
-        return None, grad_q.to(query.dtype), grad_latent, grad_rope, None, None, None
+        return None, grad_q.to(query.dtype), grad_latent, grad_rope, None, None, None, None
 
 
 def _keys(
@@ -294,12 +301,14 @@ def _keys(
     """[1, 1, o + n, r + dr]: the state's earlier positions, then the step's own
     (never read back from the buffers, which other branches overwrite)."""
     o, n = step.offset, step.length
-    c = torch.cat([_flat(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, o), latent.reshape(n, -1)])
-    k_pe = torch.cat([_flat(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, o), rope_key.reshape(n, -1)])
+    earlier_c = flat_positions(step, latent_slot, step.visible(latent_slot)).narrow(0, 0, o)
+    earlier_pe = flat_positions(step, rope_slot, step.visible(rope_slot)).narrow(0, 0, o)
+    c = torch.cat([earlier_c, latent.reshape(n, -1)])
+    k_pe = torch.cat([earlier_pe, rope_key.reshape(n, -1)])
     return torch.cat([c, k_pe], -1)[None, None]
 
 
-def _flat(step: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
+def flat_positions(step: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
     """[positions, features] of a slot-layout tensor whose other dims are all 1."""
     token_dim = step.state.slots[slot].token_dim
     positions = value.shape[token_dim]
@@ -308,8 +317,8 @@ def _flat(step: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
     return value.reshape(positions, value.shape[-1])
 
 
-def _slot_layout(step: StepContext, slot: int, flat: torch.Tensor) -> torch.Tensor:
-    """`flat` [m, features] in the slot's layout (the inverse of `_flat`)."""
+def slot_layout(step: StepContext, slot: int, flat: torch.Tensor) -> torch.Tensor:
+    """`flat` [m, features] in the slot's layout (the inverse of `flat_positions`)."""
     shape = list(step.state.slots[slot].shape)
     shape[step.state.slots[slot].token_dim] = flat.shape[0]
     return flat.reshape(shape)
@@ -330,9 +339,18 @@ def latent_attention_step(
     """Absorbed causal attention of the step's queries `q` [1, H, n, dn + dr]
     over positions `[0, o + n)` of the latent and the rope key; returns
     [1, H, n, dv] like the SDPA it replaces."""
+    return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale, None)
+
+
+def absorbed_attention(
+    ctx: StepContext, q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, weight: torch.Tensor,
+    latent_slot: int, rope_slot: int, nope_dim: int, scale: float, mask: object | None,
+) -> torch.Tensor:
+    """Latent-space attention over `[0, o + n)`; `mask` (None: causal) gives
+    the keys each query reads as boolean tiles, `mask.columns(start, count)`."""
     heads, rank = q.shape[1], latent.shape[-1]
     w = weight.view(heads, -1, rank)  # [H, dn + dv, r]
     q_latent = torch.einsum("bhnd,hdr->bhnr", q[..., :nope_dim], w[:, :nope_dim])
     query = torch.cat([q_latent, q[..., nope_dim:]], -1)  # [1, H, n, r + dr]
-    out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
+    out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, mask)
     return torch.einsum("bhnr,hvr->bhnv", out, w[:, nope_dim:])

@@ -165,11 +165,12 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 # with cuDNN's attention, whose memory the simulation models as flash's); u with the adapters
 # in bf16 (peft's default is float32 for a bf16 base); w also with the chunked LM head and
 # attention_outputs_on_host, which the simulation runs as attention's forward kept through
-# recomputation (the fake tensors have no values to keep on the host)
+# recomputation (the fake tensors have no values to keep on the host); x as w, with the host
+# outputs read through a window of two entries
 DEPTH_RUNS = {
     "float32_adapters": ["depth_bench_k_h200.json", "depth_bench_m_h200.json", "depth_bench_o_h200.json",
                          "depth_bench_s_h200.json"],
-    "bf16_adapters": ["depth_bench_u_h200.json", "depth_bench_w_h200.json"],
+    "bf16_adapters": ["depth_bench_u_h200.json", "depth_bench_w_h200.json", "depth_bench_x_h200.json"],
 }
 
 

@@ -105,7 +105,7 @@ def detached_reference(model, prompt_ids, prompt_mask, completion_ids, completio
 MODELS = {"qwen3": make_qwen3, "llama": make_llama, "qwen3_5": make_qwen3_5}
 
 
-def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, deterministic: bool = False) -> None:
+def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, deterministic: bool = False) -> longstraw.Backend:
     model = MODELS[kind]()
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     with qwen3_5.bound(), deterministic_algorithms(deterministic):
@@ -117,6 +117,7 @@ def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, determi
     assert_close(got_loss, want_loss, TOL, "loss")
     assert_grads_close(got, want, TOL)
     assert backend.plans[-1].prefix_len == group[0].shape[1] - 1
+    return backend
 
 
 # (name, G, P, R, left padding, completion lengths, chunk)
@@ -174,6 +175,19 @@ def test_padding_sweep(kind, mode, chunk, left):
     check_padding_parity(kind, mode, padded_group(4, 64, 7, left, [7, 1, 5, 3], seed=left), chunk, deterministic=True)
 
 
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen3_5", marks=SLOW)])
+def test_a_batch_of_prompts_padded_to_the_longest(kind):
+    """TRL's batch: two prompts left-padded to the longer one (5 and 0 pad
+    positions), two completions each, rows interleaved: two groups, each
+    captured with its own mask."""
+    a = padded_group(2, 30, 6, 5, [6, 2], seed=1)
+    b = padded_group(2, 30, 6, 0, [3, 6], seed=2)
+    order = torch.tensor([0, 2, 1, 3])
+    group = tuple(torch.cat([x, y])[order] for x, y in zip(a, b))
+    backend = check_padding_parity(kind, "exact", group, 8)
+    assert backend.plans[-1].runner.last_call.group_sizes == (2, 2)
+
+
 @SLOW
 @pytest.mark.parametrize("name", ["mistral", "gemma3", "qwen3_next", "deepseek_v3"])
 def test_padding_in_other_families(name):
@@ -217,8 +231,8 @@ def _bad_masks() -> dict[str, tuple[tuple, str]]:
     prompt_ids, prompt_mask, *rest = padded_group(3, 20, 6, 4, [6, 3, 6])
     differs = prompt_mask.clone()
     differs[2, 3] = 1
-    out["rows differ in the prompt"] = ((prompt_ids, differs, *rest), r"row 2 of the attention mask `prompt_mask` and "
-                                        r"`completion_mask` differs from row 0 at prompt position 3")
+    out["rows differ in the prompt"] = ((prompt_ids, differs, *rest), r"row 2 shares no prompt with any other row.* "
+                                        r"the padding mask from `prompt_mask` and `completion_mask`")
     hole = prompt_mask.clone()
     hole[:, 9] = 0
     out["a hole inside the prompt"] = ((prompt_ids, hole, *rest), r"row 0 .* hole inside the prompt: position 9 ")
@@ -254,7 +268,7 @@ def test_masks_that_are_not_padding_masks_are_refused_naming_the_row():
 
 def test_hybrid_prompt_padding_that_differs_between_rows_is_refused():
     """Qwen3.5 also multiplies its Gated DeltaNet inputs by the mask (a root
-    the steps slice): its rows are checked, not compared for the prefix."""
+    the steps slice): a row padded unlike the rest is a prompt of its own."""
     group, match = _bad_masks()["rows differ in the prompt"]
     with qwen3_5.bound():
         compiled = compile_loss(trl_grpo_loss, longstraw.Backend(prefix_chunk_size=8))

@@ -33,6 +33,7 @@ _MLA = dict(
     _NO_HEAD_DIM, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
     v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
 )
+_DSA = dict(_MLA, q_lora_rank=12, index_head_dim=8, index_n_heads=8, index_topk=8, mlp_layer_types=["dense", "sparse"])
 
 # Messages of the refused families (regular expressions).
 EAGER_ATTENTION = r"explicit matmul and softmax \(HF's attn_implementation='eager'\).*attn_implementation='sdpa'"
@@ -138,6 +139,9 @@ SUPPORTED = [
                              layer_types=["linear_attention", "full_attention"]),
            experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
            note="Gated DeltaNet + gated attention + MoE; its linear attention binds as Qwen3.5's (`longstraw.models.qwen3_5`)"),
+    Family("glm_moe_dsa", _hf(T.GlmMoeDsaConfig, _DSA), experts="batched_mm", detached=_latent_detached,
+           note="GLM-5: MLA + DSA indexer (top-k of 8 positions) + MoE; state: latent, rope key, index key "
+                "(`passes/sparse_index.py`, `tests/test_dsa.py`)"),
     Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
            detached=_latent_detached, note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
 ]

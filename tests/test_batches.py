@@ -1,0 +1,119 @@
+"""Several prompts in one batch (longstraw/runtime.py, `GroupRunner.groups`):
+rows are grouped by their prompt part, in any order and with a different
+number of completions per prompt, each group captured and replayed in turn,
+one group's state live at a time. Parity against eager in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw
+from longstraw import state as state_module
+
+from conftest import raises_longstraw
+from helpers.compare import assert_close, assert_grads_close
+from helpers.families import FAMILIES
+from helpers.harness import compiled_loss_and_grads
+from helpers.losses import grpo_tail, logits_of
+from helpers.reference import eager_loss_and_grads, grads_of, prompt_state_detached
+from test_families import deterministic_algorithms
+
+TOL = 1e-6
+
+
+def batch_loss(model, ids, advantages, mask):
+    """GRPO over a trainer's batch: rows `[prompt; completion]`, the last
+    `R` positions of each row scored (as TRL's `logits_to_keep`)."""
+    R = mask.shape[1]
+    logits = logits_of(model(input_ids=ids))[:, -R - 1 : -1]
+    return grpo_tail(logits, ids[:, -R:], advantages, mask)
+
+
+def make_batch(sizes: list[int], P: int, R: int, vocab: int = 128, seed: int = 0):
+    """Rows for `len(sizes)` prompts of P tokens with `sizes[i]` completions
+    each, shuffled; advantages and a ragged completion mask per row."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (len(sizes), P), generator=gen)
+    rows = torch.cat([prompts[i].expand(n, P) for i, n in enumerate(sizes)])
+    ids = torch.cat([rows, torch.randint(0, vocab, (rows.shape[0], R), generator=gen)], dim=1)
+    order = torch.randperm(ids.shape[0], generator=gen)
+    lengths = torch.randint(1, R + 1, (ids.shape[0],), generator=gen)
+    mask = (torch.arange(R)[None, :] < lengths[:, None]).to(torch.float64)
+    return ids[order], torch.randn(ids.shape[0], generator=gen, dtype=torch.float64), mask
+
+
+def check_batch(family: str, mode: str, sizes: list[int], P: int, R: int, chunk: int) -> None:
+    fam = FAMILIES[family]
+    model = fam.build()
+    batch = make_batch(sizes, P, R, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+    with fam.bind(), deterministic_algorithms(True):
+        if mode == "exact":
+            want_loss, want = eager_loss_and_grads(batch_loss, model, *batch)
+        else:
+            with prompt_state_detached(P):
+                want_loss, want = eager_loss_and_grads(batch_loss, model, *batch)
+        got_loss, got = compiled_loss_and_grads(torch.compile(batch_loss, backend=backend), model, *batch)
+    assert_close(got_loss, want_loss, TOL, f"{family} loss")
+    assert_grads_close(got, want, TOL)
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_several_prompts_match_eager_dense(mode):
+    check_batch("qwen3", mode, sizes=[3, 2, 4], P=11, R=4, chunk=4)
+
+
+def test_several_prompts_match_eager_hybrid():
+    check_batch("qwen3_5", "exact", sizes=[2, 3], P=13, R=3, chunk=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[2, 2], [5, 2, 3, 2]])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_several_prompts_sweep(family, sizes):
+    check_batch(family, "exact", sizes=sizes, P=9, R=5, chunk=3)
+
+
+def test_one_group_state_live_at_a_time(monkeypatch):
+    """Three prompts: at most one PromptState holds buffers at any moment,
+    and each group but the last is captured twice (forward, then backward)."""
+    live, peak, made = set(), [0], [0]
+    original_init, original_release = state_module.PromptState.__init__, state_module.PromptState.release
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        live.add(id(self))
+        made[0] += 1
+        peak[0] = max(peak[0], len(live))
+
+    def release(self):
+        live.discard(id(self))
+        original_release(self)
+
+    monkeypatch.setattr(state_module.PromptState, "__init__", init)
+    monkeypatch.setattr(state_module.PromptState, "release", release)
+    model = FAMILIES["qwen3"].build()
+    batch = make_batch([2, 3, 2], P=10, R=3, vocab=model.config.vocab_size)
+    compiled_loss_and_grads(torch.compile(batch_loss, backend=longstraw.Backend(prefix_chunk_size=4)), model, *batch)
+    assert peak[0] == 1 and made[0] == 5 and not live
+
+
+def test_a_prompt_with_one_completion_is_refused():
+    model = FAMILIES["qwen3"].build()
+    ids, advantages, mask = make_batch([3, 1, 2], P=8, R=3, vocab=model.config.vocab_size)
+    single = next(r for r in range(ids.shape[0]) if (ids[:, :7] == ids[r, :7]).all(1).sum() == 1)
+    before = grads_of(model)
+    with raises_longstraw(rf"row {single} shares no prompt with any other row"):
+        batch_loss_compiled = torch.compile(batch_loss, backend=longstraw.Backend(prefix_chunk_size=4))
+        batch_loss_compiled(model, ids, advantages, mask).backward()
+    assert all(g is None for g in grads_of(model).values()) and all(g is None for g in before.values())
+
+
+def test_groups_are_reported_per_call():
+    model = FAMILIES["qwen3"].build()
+    backend = longstraw.Backend(prefix_chunk_size=4)
+    compiled_loss_and_grads(torch.compile(batch_loss, backend=backend), model,
+                            *make_batch([2, 3], P=9, R=3, vocab=model.config.vocab_size))
+    record = backend.plans[-1].runner.last_call
+    assert sorted(record.group_sizes) == [2, 3] and record.prefix_len == 8
