@@ -118,6 +118,28 @@ def experts_hint(node: fx.Node) -> str:
     return ""
 
 
+def positions_hint(node: fx.Node) -> str:
+    """What to do when `node` is a cumsum over an integer or boolean input
+    (position ids computed from the attention mask), else ''."""
+    if getattr(node.target, "__name__", node.target) != "cumsum":
+        return ""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        value = n.meta.get("longstraw_value")
+        if n.op == "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
+            return (" It counts along an input (position ids from the attention mask, `mask.cumsum(-1) - 1`, as "
+                    "HF's `generate` computes them), which the steps do not compute position by position: compute the "
+                    "position ids outside the compiled loss and pass them in as a [G, L] input (the same over the "
+                    "prompt for every row), or pass none (HF then numbers positions 0..L-1, as TRL's training forward "
+                    "does).")
+        stack.extend(n.all_input_nodes)
+    return ""
+
+
 USE_BATCHED_MM = (
     "LongStraw proves HF's batched_mm experts per position (each token's rows are its own): call "
     "`model.set_experts_implementation('batched_mm')` before compiling"

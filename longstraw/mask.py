@@ -9,6 +9,11 @@ generated graph that computes any `rows x columns` tile from them. The
 attention step asks the resulting `MaskBlock` whether it is plain causal
 (then it runs the fused kernels and reads no mask at all) or, for any other
 mask, for the columns of one key block at a time.
+
+A padding mask (HF's `causal & attention_mask[batch, key]`) reads an input:
+`key_padding_of` splits it into the positions-only part and one key mask,
+broadcast over queries, which the outer graph computes once per call for
+the whole sequence and the step reads for its row and visible columns.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ CHECK_TILE_COLUMNS = 65536
 
 
 class MaskTiles(torch.nn.Module):
-    """Computes tiles of one positions-only mask. `tile` is a generated graph:
+    """Computes tiles of one mask. `tile` is a generated graph:
     `tile(row_start, rows, column_start, columns, *vectors)` -> the mask's
     `[..., rows, columns]` tile. Also remembers which step blocks were found
-    causal: the mask reads no input, so the answer for a block `(o, n)`
-    never changes, and later calls skip the check."""
+    causal: the positions-only part reads no input, so the answer for a
+    block `(o, n)` never changes, and later calls skip the check.
+    `padding`: the index among the vectors of the key mask read from an
+    input (`key_padding_of`), if any; it is data, so a block is causal only
+    while every visible key is on, and only such answers are remembered."""
 
-    def __init__(self, tile: fx.GraphModule) -> None:
+    def __init__(self, tile: fx.GraphModule, padding: int | None = None) -> None:
         super().__init__()
         self.tile = tile
+        self.padding = padding
         self.causal: dict[tuple[int, int], bool] = {}
 
     def forward(self, offset: int, length: int, *vectors: torch.Tensor) -> MaskBlock:
@@ -65,9 +74,44 @@ class MaskBlock:
         Checked once per block in tiles of CHECK_TILE_ROWS x
         CHECK_TILE_COLUMNS. Meta and fake tensors (`longstraw.explain`) have
         no values: their mask is taken to be causal, as HF's is."""
+        keys = self._keys()
+        if keys is not None and not bool(keys.all()):
+            return False
+        return self._positions_causal()
+
+    def first_key(self) -> int | None:
+        """`a` when the block is causal attention over the keys `[a, o+n)`
+        alone: its key mask off before `a` and on from there (left
+        padding), every query at or after `a`, the positions-only part
+        causal. Then a fused causal kernel over those keys computes it.
+        None otherwise (no key mask, or another pattern)."""
+        keys = self._keys()
+        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+            return None
+        line = keys[0]
+        first = int(line.logical_not().cumprod(0).sum())
+        if first == 0 or first > self.offset or not bool(line[first:].all()):
+            return None
+        return first if self._positions_causal() else None
+
+    def _keys(self) -> torch.Tensor | None:
+        """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
+        if self.tiles.padding is None:
+            return None
+        keys = self.vectors[self.tiles.padding]
+        if not has_values(keys):
+            return None
+        visible = self.offset + self.length
+        return keys.narrow(-1, 0, visible).reshape(-1, visible)
+
+    def _positions_causal(self) -> bool:
+        """`is_causal` of the block with every key on: it reads no input, so it is remembered."""
         key = (self.offset, self.length)
         if key not in self.tiles.causal:
-            answer = self._check()
+            vectors = list(self.vectors)
+            if self.tiles.padding is not None:
+                vectors[self.tiles.padding] = torch.ones_like(vectors[self.tiles.padding])
+            answer = MaskBlock(self.tiles, self.offset, self.length, tuple(vectors))._check()
             if answer is None:
                 return True
             self.tiles.causal[key] = answer
@@ -104,6 +148,53 @@ def _is_causal_tile(tile: torch.Tensor, row0: int, col0: int) -> bool:
         return bool(allowed.all())
     causal = torch.ones(n, m, dtype=torch.bool, device=tile.device).tril(row0 - col0)
     return torch.equal(allowed, causal)
+
+
+# padding masks -------------------------------------------------------------------
+
+_CONJUNCTIONS = ("and_", "logical_and", "__and__")
+_SAME_VALUES = ("expand", "to", "contiguous", "clone")
+
+
+def reads_input(node: fx.Node) -> bool:
+    """Whether `node` is computed from a graph input (not from positions alone)."""
+    return any(n.op == "placeholder" for n in ancestors([node]))
+
+
+def key_padding_of(mask: fx.Node) -> fx.Node | None:
+    """The one factor of the boolean `mask` (`[..., queries, keys]`) that
+    reads an input, when the mask is a conjunction of positions-only
+    factors and that factor, and the factor is boolean and broadcast over
+    the queries (`[..., 1, keys]`): a key mask, true where a key may be
+    attended to. This is HF's `sdpa_mask` with a 2-D `attention_mask`
+    (`causal & attention_mask[batch, key]`). None otherwise (a mask that
+    reads inputs some other way is not a padding mask)."""
+    factors: list[fx.Node] = []
+    pending = [mask]
+    while pending:
+        node = pending.pop()
+        value = tensor_of(node)
+        if value is None or value.dtype != torch.bool or not reads_input(node):
+            factors.append(node)
+        elif op_name(node) in _CONJUNCTIONS and len(node.args) == 2 and all(isinstance(a, fx.Node) for a in node.args):
+            pending.extend(node.args)
+        elif op_name(node) in _SAME_VALUES and _keeps_bool(node):
+            pending.append(node.args[0])
+        else:
+            factors.append(node)
+    keys = [f for f in factors if reads_input(f)]
+    if len(keys) != 1:
+        return None
+    value = tensor_of(keys[0])
+    if value is None or value.dtype != torch.bool or value.dim() < 2 or value.shape[-2] != 1:
+        return None
+    return keys[0]
+
+
+def _keeps_bool(node: fx.Node) -> bool:
+    """A view, copy or device move that keeps a boolean tensor's values."""
+    casts = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+    return all(t == torch.bool for t in casts)
 
 
 # bands ---------------------------------------------------------------------------

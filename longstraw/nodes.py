@@ -7,7 +7,7 @@ is a Tensor method name. `op_name` folds both into one vocabulary.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 import torch.fx as fx
@@ -77,15 +77,16 @@ def size_args(node: fx.Node) -> list[Any]:
     return list(rest)
 
 
-def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
-    """`nodes` and everything they are computed from."""
+def ancestors(nodes: Iterable[fx.Node], stop: Collection[fx.Node] = ()) -> set[fx.Node]:
+    """`nodes` and everything they are computed from, not looking past `stop`."""
     seen: set[fx.Node] = set()
     stack = list(nodes)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            if n not in stop:
+                stack.extend(n.all_input_nodes)
     return seen
 
 

@@ -27,8 +27,18 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
-from .errors import USE_SDPA, InputError, LongStrawError, UnsupportedGraphError, binding_hint, describe_node, experts_hint
+from .errors import (
+    USE_SDPA,
+    InputError,
+    LongStrawError,
+    UnsupportedGraphError,
+    binding_hint,
+    describe_node,
+    experts_hint,
+    positions_hint,
+)
 from .functionalize import is_updated
+from .mask import key_padding_of
 from .nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from .state import StateSlot
 
@@ -78,6 +88,8 @@ class Partition:
     branch_outputs: list[fx.Node]
     first_consumed: int
     end: int  # one past the last position the loss reads; later ones are never run
+    # key masks read from inputs (`mask.key_padding_of`): outer data, computed once per call by the outer graph
+    key_padding: tuple[fx.Node, ...] = ()
 
     def batch_dim(self, node: fx.Node) -> int | None:
         return self.dims.dim_index(node, self.batch)
@@ -123,9 +135,9 @@ def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> Archi
 
 def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
-        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)} LongStraw needs every operator that mixes sequence "
-        "positions to be claimed by an architecture pass (see longstraw.passes; a pass of your own goes in "
-        "options={'passes': [...]} or longstraw.register_pass). Pass "
+        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)}{positions_hint(node)} LongStraw needs "
+        "every operator that mixes sequence positions to be claimed by an architecture pass (see longstraw.passes; "
+        "a pass of your own goes in options={'passes': [...]} or longstraw.register_pass). Pass "
         "options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
         node,
     )
@@ -148,11 +160,13 @@ def classify(
             raise _unsupported(node, f"cannot be replayed incrementally: {reason}")
 
     token, batch = _seed_axes(claims, an)
-    sequence = {n for n in graph.nodes if _has_class(an, n, token)}
-    positional = _positional(graph, claims, sequence)
-    _check_sequence_ops(graph, an, token, batch, sequence, claims, positional)
+    key_padding = _key_padding(claims)
+    padding_only = _used_only_by(graph, set(key_padding))
+    sequence = {n for n in graph.nodes if _has_class(an, n, token)} - padding_only
+    positional = _positional(graph, claims, sequence) - padding_only
+    _check_sequence_ops(graph, an, token, batch, sequence, claims, positional | padding_only)
     exits = _find_exits(graph, an, token, sequence, positional)
-    roots = _find_roots(an, token, batch, sequence, params)
+    roots = _find_roots(an, token, batch, sequence - positional, params)
     seq_len = an.factor_size(token)
     first_consumed = min(e.restriction.start for e in exits)
     for e in exits:
@@ -201,6 +215,7 @@ def classify(
         branch_outputs=branch_outputs,
         first_consumed=first_consumed,
         end=max(e.restriction.stop for e in exits),
+        key_padding=key_padding,
     )
     _check_position_tables(graph, part.end)
     log.debug(
@@ -300,6 +315,23 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
     if token == batch:
         raise UnsupportedGraphError("the batch and sequence axes of the attention queries could not be told apart")
     return token, batch
+
+
+def _key_padding(claims: dict[fx.Node, ArchitecturePass]) -> tuple[fx.Node, ...]:
+    """The key masks read from inputs in claimed nodes' masks (a 2-D padding
+    mask): data, computed once per call for the whole sequence by the
+    outer graph instead of per block by the step."""
+    found = (key_padding_of(m) for node, p in claims.items() for m in p.positional_inputs(node))
+    return tuple(dict.fromkeys(k for k in found if k is not None))
+
+
+def _used_only_by(graph: fx.Graph, targets: set[fx.Node]) -> set[fx.Node]:
+    """`targets` and the nodes computed only for them (inputs excluded)."""
+    out = set(targets)
+    for node in reversed(graph.nodes):
+        if node.op != "placeholder" and node.users and all(u in out for u in node.users):
+            out.add(node)
+    return out
 
 
 def _positional(graph: fx.Graph, claims: dict[fx.Node, ArchitecturePass], sequence: set[fx.Node]) -> set[fx.Node]:

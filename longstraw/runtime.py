@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import fx
 
 from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, describe_node, module_path
 from .nodes import ancestors, is_random
@@ -122,7 +123,14 @@ class GroupRunner:
         # data inputs the prompt's step reads directly are shared values too (a per-row
         # offset added to the embeddings); imports never hold parameters
         prefix_values = {n for stage in self.stages for n in stage.prefix.externals}
-        self.shared_values = [n for n in self.imports if n in prefix_values and n not in self.roots]
+        self.key_padding = list(part.key_padding)
+        self.shared_values = [
+            n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding
+        ]
+        # roots a padding mask is built from (Gated DeltaNet's `hidden * attention_mask`): checked, not
+        # compared to find the shared prefix (rows that differ would shorten it silently)
+        padding_inputs = ancestors(self.key_padding)
+        self.padding_roots = [r for r in part.roots if r.node in padding_inputs]
         self.last_call: CallRecord | None = None
         self.random = any(
             is_random(n) for stage in self.stages for step in (stage.prefix, stage.branch) for n in step.module.graph.nodes
@@ -213,6 +221,8 @@ class GroupRunner:
         reads, and shared by every row (proved by the graph, else checked)."""
         prefix_len = self.part.first_consumed
         for root in self.part.roots:
+            if root in self.padding_roots:
+                continue
             if root.structural_prefix is not None:
                 shared = root.structural_prefix
             else:
@@ -227,30 +237,64 @@ class GroupRunner:
 
     def groups(self, values: dict) -> list[Group]:
         """The batch's groups: rows equal in every per-row input over the
-        prompt part (the positions before the first one the loss reads).
-        One class of rows is one group, whose captured prefix is what all
-        rows share (as long as the graph proves or the values show); several
-        classes are several groups, each capturing the whole prompt part,
-        and then every row must share its prompt with another."""
+        prompt part (the positions before the first one the loss reads),
+        padding masks included. One class of rows is one group, whose
+        captured prefix is what all rows share (as long as the graph proves
+        or the values show); several classes are several groups, each
+        capturing the whole prompt part, and then every row must share its
+        prompt with another."""
         part = self.part
         every_row = tuple(range(part.group_size))
         keyed = [r for r in part.roots if r.batch_dim is not None]
         shape_only = any(not has_values(values[r.node]) for r in keyed)  # meta or fake: one group, as traced
         if part.group_size == 1 or part.first_consumed == 0 or len(keyed) < len(part.roots) or shape_only:
             return [Group(every_row, self.prefix_len(values))]
-        classes = _rows_by_prompt([(values[r.node], r.batch_dim, r.token_dim) for r in keyed], part.first_consumed)
+        per_row = [(values[r.node], r.batch_dim, r.token_dim) for r in keyed]
+        per_row += [(values[k], part.batch_dim(k), part.token_dim(k)) for k in self.key_padding if part.batch_dim(k) is not None]
+        classes = _rows_by_prompt(per_row, part.first_consumed)
         if len(classes) == 1:
             return [Group(every_row, self.prefix_len(values))]
         for rows in classes:
             if len(rows) == 1:
                 names = ", ".join(f"`{argument_name(r.node) if r.node.op == 'placeholder' else r.node.name}`" for r in keyed)
+                masks = "".join(f" and the padding mask from {_inputs_named(k)}" for k in self.key_padding)
                 raise InputError(
                     f"row {rows[0]} shares no prompt with any other row: the batch holds {len(classes)} different "
-                    f"prompts (rows equal in {names} over the first {part.first_consumed} positions, the ones before "
-                    "the loss reads any), and this row's prompt appears once. Each prompt needs at least two "
-                    "completions in the batch; drop the row or score it in a separate call."
+                    f"prompts (rows equal in {names}{masks} over the first {part.first_consumed} positions, the ones "
+                    "before the loss reads any), and this row's prompt appears once. Each prompt needs at least two "
+                    "completions in the batch, padded the same way; drop the row or score it in a separate call."
                 )
         return [Group(rows, part.first_consumed) for rows in classes]
+
+    def check_padding(self, values: dict, groups: Sequence[Group]) -> None:
+        """A padding mask must be one for each group over the prompt, the
+        positions before the first one the loss reads (the prompt is
+        computed once, with the group's first row's mask), and a padding
+        mask in every row: zeros, then ones, then zeros, the prompt's zeros
+        on the left. Checked on every call: the mask is data, never folded."""
+        prefix_len = self.part.first_consumed
+        for root in self.padding_roots:
+            value = values[root.node]
+            if root.batch_dim is None or not has_values(value):
+                continue
+            rows = value.movedim((root.batch_dim, root.token_dim), (0, 1))
+            rows = rows.reshape(*rows.shape[:2], -1).narrow(1, 0, prefix_len)
+            for group in groups:
+                _check_same_prompt(rows, group.rows, root.node, _inputs_named(root.node))
+        for node in self.key_padding:
+            value, batch_dim = values[node], self.part.batch_dim(node)
+            if not has_values(value):
+                continue
+            keys = value.movedim((batch_dim, -1), (0, 1)) if batch_dim is not None else value.movedim(-1, 0)[None]
+            keys = keys.reshape(*keys.shape[:2], -1)  # [G, L, the other (size-1) dims]
+            name = _inputs_named(node)
+            if not bool((keys == keys[..., :1]).all()):
+                raise InputError(f"the key mask built from {name} ({describe_node(node)}) differs between heads: "
+                                 "LongStraw supports a 2-D padding mask, one value per row and position")
+            keys = keys[..., 0].narrow(1, 0, self.part.end)
+            for group in groups:
+                _check_same_prompt(keys[:, :prefix_len, None], group.rows if batch_dim is not None else (0,), node, name)
+            _check_is_padding(keys, prefix_len, name)
 
     def check_shared_values(self, values: dict, groups: Sequence[Group]) -> None:
         """Per-row values the prompt's computation reads must be the same in every row of a group."""
@@ -276,6 +320,7 @@ class GroupRunner:
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)
+        self.check_padding(values, groups)
         self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
         return self.run(inputs, values, groups, self.part.end, backward)
 
@@ -499,6 +544,53 @@ def _noting(where: str) -> Iterator[None]:
         except Exception as err:
             err.add_note(f"longstraw: raised {where}")
             raise
+
+
+def _inputs_named(node: fx.Node) -> str:
+    """The user's inputs `node` is computed from, for messages."""
+    found = ancestors([node])
+    names = [f"`{argument_name(n)}`" for n in node.graph.nodes if n.op == "placeholder" and n in found]
+    return " and ".join(names) or f"`{node.name}`"
+
+
+def _check_same_prompt(values: torch.Tensor, rows: tuple[int, ...], node: fx.Node, name: str) -> None:
+    """`values` [G, prompt positions, ...]: the group's `rows` equal to its first."""
+    group = values[list(rows)]
+    differs = (group != group[:1]).flatten(2).any(-1)  # [rows, positions]
+    if bool(differs.any()):
+        i, position = (int(i) for i in differs.nonzero()[0])
+        raise InputError(
+            f"row {rows[i]} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
+            f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
+            "in every row. Left-pad the prompt the same way for every completion of it."
+        )
+
+
+def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:
+    """`keys` [G, L] bool: each row is zeros, ones, zeros (left padding in
+    the prompt, right padding after it); otherwise name the row and position."""
+    on = keys.long()
+    ends = (on[:, :-1] > on[:, 1:]).long()  # a one followed by a zero: [G, L - 1]
+    after_end = torch.cumsum(ends, 1) > 0  # positions 1.. at or after the first zero that follows a one
+    restart = after_end & keys[:, 1:].bool()
+    for row in range(keys.shape[0]):
+        ended = ends[row].nonzero()
+        if not ended.numel():
+            continue
+        hole = int(ended[0, 0]) + 1
+        again = restart[row].nonzero()
+        if hole < prefix_len:
+            raise InputError(
+                f"row {row} of the attention mask {name} has a hole inside the prompt: position {hole} is padding "
+                "after real tokens. LongStraw takes padding masks: the prompt padded on the left, completions on "
+                "the right (pad the prompt on the left, as TRL does)."
+            )
+        if again.numel():
+            raise InputError(
+                f"row {row} of the attention mask {name} marks position {int(again[0, 0]) + 1} real after padding "
+                f"at position {hole}, after the prompt: a completion must be padded on the right only, its real "
+                "tokens first."
+            )
 
 
 def _rows_by_prompt(values: Sequence[tuple[torch.Tensor, int, int]], length: int) -> list[tuple[int, ...]]:

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .errors import UnsupportedGraphError, describe_node
 from .head import HeadChunks, HeadRegion, head_region
-from .nodes import arg, is_grad_mode_switch, op_name, size_args, tensor_of
+from .nodes import ancestors, arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from .dims import DimAnalysis
 from .mask import MaskTiles
 from .partition import Partition
@@ -371,7 +371,9 @@ class _StepBuilder:
         (position vectors, even a cumsum over them) are computed in the step
         in full, as traced, which costs O(L). Nodes over both go to a tile
         graph (`MaskTiles`) that computes any rows x columns tile from those
-        vectors narrowed to it, so no step materialises its n x (o+n) block."""
+        vectors narrowed to it, so no step materialises its n x (o+n) block.
+        A key padding mask (`Partition.key_padding`) is one of those vectors:
+        the outer graph computes it, the runtime gives the step its row."""
         if node in self.blocks:
             return self.blocks[node]
         part = self.part
@@ -416,7 +418,13 @@ class _StepBuilder:
         finally:
             self.graph, self.sizing, self.env = saved
         name = f"mask_tiles_{len(self.blocks)}"
-        self.root.add_module(name, MaskTiles(_module(tile, "LongStrawMaskTile")))
+        padding = [i for i, v in enumerate(inputs) if any(leaves.get(a) in part.key_padding for a in ancestors([v]))]
+        if len(padding) > 1 or any(an.find(an.dims_of(inputs[i])[-1][0]) != col_cls for i in padding):
+            raise UnsupportedGraphError(
+                f"{describe_node(node)}: its key padding mask reaches the mask as more than one vector, or not "
+                "with the keys as its last dimension; LongStraw supports HF's `causal & attention_mask[batch, key]`"
+            )
+        self.root.add_module(name, MaskTiles(_module(tile, "LongStrawMaskTile"), padding[0] if padding else None))
         block = self.graph.call_module(name, (self.offset, self.length, *(full_env[v] for v in inputs)))
         self.blocks[node] = block
         return block

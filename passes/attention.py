@@ -20,7 +20,7 @@ from torch import fx
 
 from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
-from longstraw.mask import MaskBlock
+from longstraw.mask import MaskBlock, key_padding_of, reads_input
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.recompute import keep_through_recomputation
 from longstraw.state import StepContext
@@ -56,12 +56,15 @@ class CausalAttentionPass(ArchitecturePass):
         if mask is not None:
             if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
                 return "attn_mask must be a tensor of at least [queries, keys]"
-            if any(n.op == "placeholder" for n in ancestors([mask])):
+            padding = key_padding_of(mask)
+            if reads_input(mask) and padding is None:
                 return (
-                    "the attn_mask depends on inputs (e.g. a padding mask); only masks computed from "
-                    "positions are supported: pad responses at the end and mask the loss instead"
+                    "the attn_mask depends on inputs other than through a key padding mask: LongStraw supports masks "
+                    "computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
+                    "from a 2-D attention_mask, 1 = real token, 0 = padding); pass the 2-D padding mask to the model "
+                    "instead of a 4-D mask"
                 )
-            if _sees_the_future(mask):
+            if _sees_the_future(mask, padding):
                 return (
                     "the attn_mask lets a position attend to later positions (e.g. a prefix-LM mask), "
                     "so earlier positions cannot be computed before later ones"
@@ -136,9 +139,10 @@ def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
 MASK_CHECK_MAX_POSITIONS = 4096
 
 
-def _sees_the_future(mask: fx.Node) -> bool:
-    """Evaluate a positions-only mask (it reads no input) and check that no
-    query attends to a later key. Masks over more positions than
+def _sees_the_future(mask: fx.Node, padding: fx.Node | None) -> bool:
+    """Evaluate the positions-only part of a mask (with the key padding
+    mask `padding`, which only removes keys, taken as all true) and check
+    that no query attends to a later key. Masks over more positions than
     MASK_CHECK_MAX_POSITIONS are not evaluated (the check would cost L^2)."""
     value = tensor_of(mask)
     rows, cols = value.shape[-2], value.shape[-1]
@@ -146,9 +150,13 @@ def _sees_the_future(mask: fx.Node) -> bool:
         return False
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    needed = ancestors([mask])
+    needed = ancestors([mask], stop={padding})
     for node in mask.graph.nodes:
-        if node in needed:
+        if node is padding:
+            keys = tensor_of(padding)
+            kwargs = {"dtype": torch.bool, "device": keys.device}
+            env[node] = graph.call_function(torch.ones, (tuple(keys.shape),), kwargs)
+        elif node in needed:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[mask])
     with torch.no_grad():
@@ -191,9 +199,12 @@ def attention_step(
     key block at a time. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
+    first = 0
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
-    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale)
+    elif mask is not None and (left := mask.first_key()) is not None:
+        mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
+    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
 
 
 class _AttentionOverState(torch.autograd.Function):
@@ -206,17 +217,20 @@ class _AttentionOverState(torch.autograd.Function):
     exact, so dQ is their sum, the step's dK/dV come from the blocks over
     its own positions and the earlier blocks' dK/dV go to d(state) (exact
     mode). Peak memory is one key block, not the whole visible range (flash
-    attention's GQA backward expands dK/dV to all query heads)."""
+    attention's GQA backward expands dK/dV to all query heads). `first`:
+    keys before it are left padding no query sees (`MaskBlock.first_key`):
+    the kernels run causal over `[first, o+n)`, positions counted from it."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale):
+    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, first):
         kernel = kernel_for(q, mask)
-        keys, values = step.visible(k_slot), step.visible(v_slot)
+        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         if mask is None:
-            out, lse = _causal_over_state(step, k_slot, q, keys, values, scale)
+            out, lse = _causal_over_state(step, k_slot, q, keys, values, scale, step.offset - first)
         else:
             out, lse = kernel.forward(q, keys, values, mask, scale, step.offset)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
+        ctx.first = first
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -227,9 +241,10 @@ class _AttentionOverState(torch.autograd.Function):
         k_slot, v_slot = ctx.slots
         q, k, v, out, lse = ctx.saved_tensors
         mask: MaskBlock | None = ctx.mask
-        o = step.offset
+        first = ctx.first
+        o = step.offset - first  # positions from the first visible key
         grad_out = grad_out.contiguous()
-        keys, values = step.visible(k_slot), step.visible(v_slot)
+        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for start, length in kernel.blocks(q, o):
@@ -244,26 +259,35 @@ class _AttentionOverState(torch.autograd.Function):
                 grad_v.narrow(-2, start - o, length).copy_(gv)
             else:
                 # when k and v are one slot, both land in the same d(state) and sum there
-                step.accumulate_grad(k_slot, gk, start)
-                step.accumulate_grad(v_slot, gv, start)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+                step.accumulate_grad(k_slot, gk, start + first)
+                step.accumulate_grad(v_slot, gv, start + first)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None, None
+
+
+def _visible_from(step: StepContext, slot: int, first: int) -> torch.Tensor:
+    """The state's positions `[first, o+n)`: `[1, H, o+n-first, D]`."""
+    visible = step.visible(slot)
+    return visible.narrow(-2, first, visible.shape[-2] - first)
 
 
 def _causal_over_state(
-    step: StepContext, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None
+    step: StepContext, slot: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None,
+    q_start: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal forward (output, log-sum-exp); with `HostAttentionOutputs`
-    the capture keeps it for each prompt chunk and the reverse pass, which
-    recomputes the chunk from the same inputs, reads it back."""
+    """The causal forward (output, log-sum-exp), queries from `q_start` among
+    `keys`; with `HostAttentionOutputs` the capture keeps it for each prompt
+    chunk and the reverse pass, which recomputes the chunk from the same
+    inputs, reads it back."""
     kept = step.state.attention_outputs
     prompt_chunk = kept is not None and step.offset + step.length <= step.state.prefix_len
     if prompt_chunk and step.grad_enabled:
         stored = kept.get(slot, step.offset)
         if stored is not None:
             if step.state.verify:
-                _verify_kept(step, slot, stored, torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset))
+                recomputed = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start)
+                _verify_kept(step, slot, stored, recomputed)
             return stored
-    out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, step.offset)
+    out, lse = torch.ops.longstraw.causal_attention_forward(q, keys, values, scale, q_start)
     if prompt_chunk and not step.grad_enabled:
         kept.keep(slot, step.offset, out, lse)
     return out, lse

@@ -126,7 +126,9 @@ class MathKernel(AttentionKernel):
     def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
         compute = compute_dtype(q)
         s = _scores(q, keys, mask, scale, q_start, k_start)
-        p = torch.exp(s - _grouped(q, keys, lse)[..., None])
+        lse = _grouped(q, keys, lse)
+        # a row that sees no key (a left-padded query) has output 0 and no gradient, as in SDPA
+        p = torch.exp(s - torch.where(lse.isneginf(), 0.0, lse)[..., None])
         do, o = _grouped(q, keys, grad_out).to(compute), _grouped(q, keys, out).to(compute)
         kb, vb, qg = keys.to(compute), values.to(compute), _grouped(q, keys).to(compute)
         grad_v = torch.einsum("bhgnm,bhgne->bhme", p, do)
