@@ -252,7 +252,9 @@ class GroupRunner:
         per_row = [(values[r.node], r.batch_dim, r.token_dim) for r in keyed]
         per_row += [(values[k], part.batch_dim(k), part.token_dim(k)) for k in self.key_padding if part.batch_dim(k) is not None]
         classes = _rows_by_prompt(per_row, part.first_consumed)
-        if len(classes) == 1:
+        if len(classes) == 1 or all(len(rows) == 1 for rows in classes):
+            # one prompt; or no two rows alike over the prompt part (the loss reads from inside the
+            # prompt, or the rows diverge early): one group over the prefix every row shares
             return [Group(every_row, self.prefix_len(values))]
         for rows in classes:
             if len(rows) == 1:

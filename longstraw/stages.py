@@ -10,8 +10,10 @@ log-probs) and frees its state, all in the forward; the live stage is the
 plan without those slots, reading the handed values as inputs, and is what
 the backward replays. The frozen stage needs no backward (nothing in it
 requires grad), so gradients are the one-stage plan's. The cut is made only
-where it is clean: no live capture or live branch computation may read a
-frozen slot; otherwise the plan stays one stage.
+where it is clean: no live capture, live branch computation or live claimed
+operator may read a frozen slot (DSA's index keys are captured without
+grad but read by the live attention), and every handed value is one the
+step computes; otherwise the plan stays one stage.
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def frozen_cut(part: Partition) -> tuple[list[StateSlot], list[fx.Node]] | None:
     in_frozen = {n for n in steps if reads[n] and reads[n] <= frozen_set and not _needs_grad(n)}
     handed = [n for n in part.graph.nodes
               if n in in_frozen and (n in part.branch_outputs or any(u not in in_frozen for u in n.users))]
+    frozen_index = {s.index for s in frozen}
+    reads_frozen = (node for node, sites in part.sites.items() if any(site.slot in frozen_index for site in sites))
+    if any(node not in in_frozen for node in reads_frozen):
+        return None  # a live operator reads frozen state (DSA's index keys, under no_grad, for the attention)
+    if any(n in part.positional for n in handed):
+        return None  # a handed value must be one the step computes, not a mask rebuilt per block
     live_slots = [s.node for s in part.slots if s not in frozen_set]
     live_outputs = [o for o in part.branch_outputs if o not in in_frozen]
     imports = set(step_imports(part))
