@@ -61,7 +61,8 @@ def yes_reward(completions: list[str], **kwargs: object) -> list[float]:
 
 def grpo_config(output_dir: str, max_steps: int = 2, **overrides: object) -> GRPOConfig:
     """Two prompts of four completions per micro-batch, two micro-batches per
-    generation, CPU, no logging or saving."""
+    generation, float32 on the CPU (GRPOConfig's default bf16 autocast off),
+    nothing saved."""
     settings: dict[str, object] = dict(
         output_dir=output_dir,
         per_device_train_batch_size=8,
@@ -73,6 +74,7 @@ def grpo_config(output_dir: str, max_steps: int = 2, **overrides: object) -> GRP
         beta=0.04,
         temperature=0.9,
         use_cpu=True,
+        bf16=False,
         report_to="none",
         logging_steps=1,
         save_strategy="no",
@@ -82,10 +84,14 @@ def grpo_config(output_dir: str, max_steps: int = 2, **overrides: object) -> GRP
 
 
 def make_trainer(output_dir: str, max_steps: int = 2, longstraw_options: dict | None = None) -> LongStrawGRPOTrainer:
+    """The policy is saved to `output_dir` and passed by path: TRL loads the
+    reference model (beta > 0) from the same path."""
     tokenizer = tiny_tokenizer()
+    model_dir = f"{output_dir}/model"
+    tiny_model(tokenizer).save_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
     return LongStrawGRPOTrainer(
-        model=tiny_model(tokenizer),
+        model=model_dir,
         reward_funcs=yes_reward,
         args=grpo_config(output_dir, max_steps),
         train_dataset=dataset,
@@ -100,7 +106,9 @@ def main() -> None:
         trainer.train()
     for record in trainer.state.log_history:
         if "loss" in record:
-            print(f"step {record['step']}: loss {record['loss']:.4f}, reward {record['reward']:.3f}")
+            print(f"step {record['step']}: loss {record['loss']:.4f}, entropy {record['entropy']:.3f}")
+    print(f"LongStraw plans made: {len(trainer.longstraw_backend.plans)}")
+    print(trainer.longstraw_backend.plans[-1].summary())
 
 
 if __name__ == "__main__":
