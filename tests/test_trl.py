@@ -101,7 +101,7 @@ def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
 def test_exact_gradients_equal_trl(example, tmp_path, loss_type):
     config = {"loss_type": loss_type}
-    ours = make(example, tmp_path, LongStrawGRPOTrainer, config)
+    ours = make(example, tmp_path, LongStrawGRPOTrainer, config, longstraw_options={"verify_state": True})
     theirs = make(example, tmp_path, trl.GRPOTrainer, config)
     tokenizer = ours.processing_class
     inputs = micro_batch(len(tokenizer), tokenizer.pad_token_id)
@@ -110,28 +110,34 @@ def test_exact_gradients_equal_trl(example, tmp_path, loss_type):
 
 
 def test_scoring_under_no_grad_equals_trl(example, tmp_path):
-    """The old policy's and the reference's scoring path: values only."""
+    """The old policy's and the reference's scoring path (values only), at
+    two completion lengths: the second re-plans (Dynamo may trace it with
+    dynamic sizes, which LongStraw specialises)."""
     ours = make(example, tmp_path, LongStrawGRPOTrainer)
     theirs = make(example, tmp_path, trl.GRPOTrainer)
     inputs = micro_batch(len(ours.processing_class), ours.processing_class.pad_token_id)
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
-        got = ours._get_per_token_logps_and_entropies(ours.model, input_ids, mask, R, batch_size=2, compute_entropy=True)
-        want = theirs._get_per_token_logps_and_entropies(theirs.model, input_ids, mask, R, batch_size=2, compute_entropy=True)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for keep in (R, R - 2):
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"][:, :keep]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"][:, :keep]], dim=1)
+        with torch.no_grad():
+            got = ours._get_per_token_logps_and_entropies(ours.model, input_ids, mask, keep, 2, compute_entropy=True)
+            want = theirs._get_per_token_logps_and_entropies(theirs.model, input_ids, mask, keep, 2, compute_entropy=True)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert len(ours.longstraw_backend.plans) == 2
 
 
 def test_detached_runs(example, tmp_path):
     """Detached mode drops the prompt-state term of the gradient by design:
-    it must run and give finite gradients that differ from exact's."""
-    exact = make(example, tmp_path, LongStrawGRPOTrainer)
+    it must run and give finite gradients, and differ from TRL's by far more
+    than the parity tolerance (so that tolerance would catch a lost term)."""
     detached = make(example, tmp_path, LongStrawGRPOTrainer, longstraw_options={"prompt_grad": "detached"})
-    inputs = micro_batch(len(exact.processing_class), exact.processing_class.pad_token_id)
-    want, got = grads_of(exact, inputs), grads_of(detached, inputs)
+    theirs = make(example, tmp_path, trl.GRPOTrainer)
+    inputs = micro_batch(len(detached.processing_class), detached.processing_class.pad_token_id)
+    got, want = grads_of(detached, inputs), grads_of(theirs, inputs)
     assert all(torch.isfinite(grad).all() for grad in got.values())
-    assert any(not torch.allclose(got[name], want[name]) for name in want)
+    largest = max(((got[name] - grad).abs().max() / grad.abs().max()).item() for name, grad in want.items())
+    assert largest > 100 * REL_TOL
 
 
 def test_batch_size_not_a_multiple_of_num_generations_is_refused(example, tmp_path):
@@ -169,5 +175,5 @@ def test_example_runs(example, tmp_path):
     reference under no_grad and steps, all through LongStraw."""
     trainer = example.make_trainer(str(tmp_path), max_steps=1)
     trainer.train()
-    assert trainer.longstraw_backend.plans
+    assert len(trainer.longstraw_backend.plans) == 3  # the reference's and the old policy's scoring, the loss
     assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
