@@ -142,12 +142,13 @@ def test_detached_runs(example, tmp_path):
 
 def test_batch_size_not_a_multiple_of_num_generations_is_refused(example, tmp_path):
     with pytest.raises(ValueError, match="per_device_train_batch_size=6 is not a multiple of num_generations=4"):
-        make(example, tmp_path, LongStrawGRPOTrainer, {"per_device_train_batch_size": 6, "num_generations": 3 + 1})
+        make(example, tmp_path, LongStrawGRPOTrainer, {"per_device_train_batch_size": 6, "num_generations": 4})
 
 
-def test_liger_is_refused(example, tmp_path):
-    with pytest.raises(ValueError, match="use_liger_kernel=False"):
-        make(example, tmp_path, LongStrawGRPOTrainer, {"use_liger_kernel": True})
+@pytest.mark.parametrize("setting", ["use_liger_kernel", "cast_lm_head_to_fp32"])
+def test_unsupported_settings_are_refused(example, tmp_path, setting):
+    with pytest.raises(ValueError, match=f"{setting}=True .*set {setting}=False"):
+        make(example, tmp_path, LongStrawGRPOTrainer, {setting: True})
 
 
 def test_vision_inputs_are_refused(example, tmp_path):
