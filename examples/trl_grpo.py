@@ -62,7 +62,8 @@ def yes_reward(completions: list[str], **kwargs: object) -> list[float]:
 def grpo_config(output_dir: str, max_steps: int = 2, **overrides: object) -> GRPOConfig:
     """Two prompts of four completions per micro-batch, two micro-batches per
     generation, float32 on the CPU (GRPOConfig's default bf16 autocast off),
-    nothing saved."""
+    no gradient checkpointing (LongStraw replays completions anyway), nothing
+    saved."""
     settings: dict[str, object] = dict(
         output_dir=output_dir,
         per_device_train_batch_size=8,
@@ -75,6 +76,7 @@ def grpo_config(output_dir: str, max_steps: int = 2, **overrides: object) -> GRP
         temperature=0.9,
         use_cpu=True,
         bf16=False,
+        gradient_checkpointing=False,
         report_to="none",
         logging_steps=1,
         save_strategy="no",

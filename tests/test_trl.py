@@ -145,7 +145,7 @@ def test_batch_size_not_a_multiple_of_num_generations_is_refused(example, tmp_pa
         make(example, tmp_path, LongStrawGRPOTrainer, {"per_device_train_batch_size": 6, "num_generations": 4})
 
 
-@pytest.mark.parametrize("setting", ["use_liger_kernel", "cast_lm_head_to_fp32"])
+@pytest.mark.parametrize("setting", ["gradient_checkpointing", "use_liger_kernel", "cast_lm_head_to_fp32"])
 def test_unsupported_settings_are_refused(example, tmp_path, setting):
     with pytest.raises(ValueError, match=f"{setting}=True .*set {setting}=False"):
         make(example, tmp_path, LongStrawGRPOTrainer, {setting: True})
@@ -172,9 +172,14 @@ def test_shuffle_groups_keeps_groups_whole():
 
 
 def test_example_runs(example, tmp_path):
-    """A short run of the example's loop: TRL generates, rewards, scores the
-    reference under no_grad and steps, all through LongStraw."""
-    trainer = example.make_trainer(str(tmp_path), max_steps=1)
+    """Three steps of the example's loop, two generations: TRL generates,
+    rewards, scores the reference and the old policy under no_grad and steps,
+    all through LongStraw. Dynamo traces the scorer three times (reference,
+    old policy, loss) and not again at the second generation: a recompile
+    at every generation would soon hit Dynamo's limit and run eagerly."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    trainer = example.make_trainer(str(tmp_path), max_steps=3)
     trainer.train()
-    assert len(trainer.longstraw_backend.plans) == 3  # the reference's and the old policy's scoring, the loss
-    assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
+    assert len(trainer.longstraw_backend.plans) == 3
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer.state.log_history if "loss" in r)

@@ -92,7 +92,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     `longstraw_options`: the backend's options (`longstraw.Options` or a
     dict), e.g. `{"prompt_grad": "detached"}`. Refused at construction, with
-    the setting to change: `use_liger_kernel`, `cast_lm_head_to_fp32`, an MoE
+    the setting to change: `gradient_checkpointing` (on by default in
+    `GRPOConfig`), `use_liger_kernel`, `cast_lm_head_to_fp32`, an MoE
     router auxiliary loss, and `per_device_train_batch_size` not a multiple
     of `num_generations`; vision inputs are refused at the first call."""
 
@@ -147,6 +148,13 @@ def _check_settings(trainer: LongStrawGRPOTrainer) -> None:
     args = trainer.args
     if args.use_liger_kernel:
         raise ValueError("LongStrawGRPOTrainer: use_liger_kernel=True replaces the model's layers; set use_liger_kernel=False")
+    if args.gradient_checkpointing:
+        raise ValueError(
+            "LongStrawGRPOTrainer: gradient_checkpointing=True (GRPOConfig's default) buys nothing here, as "
+            "LongStraw replays the completions anyway, and transformers adds a forward hook each time TRL "
+            "re-enables it after generation, so Dynamo would recompile the scorer at every generation; "
+            "set gradient_checkpointing=False"
+        )
     if args.cast_lm_head_to_fp32:
         raise ValueError(
             "LongStrawGRPOTrainer: cast_lm_head_to_fp32=True is not supported (the scorer computes the "
