@@ -30,6 +30,7 @@ from ..backend import Backend
 from ..errors import InputError, LongStrawError
 from ..options import Options
 
+
 def completion_logps_and_entropies(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -128,7 +129,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """TRL's hook, computed by the compiled scorer over the whole batch.
         `batch_size` (TRL's row chunking) is not applied: LongStraw holds one
-        prompt group's state at a time and never the whole `[B, R, V]` logits."""
+        prompt group's state at a time and runs each completion's LM head in
+        position chunks, so the `[B, R, V]` logits never exist whole."""
         given = sorted(name for name, value in vision_inputs.items() if value is not None)
         if given:
             raise LongStrawError(
@@ -147,7 +149,9 @@ def _check_settings(trainer: LongStrawGRPOTrainer) -> None:
     and batch sizes that would split a prompt group across micro-batches."""
     args = trainer.args
     if args.use_liger_kernel:
-        raise ValueError("LongStrawGRPOTrainer: use_liger_kernel=True replaces the model's layers; set use_liger_kernel=False")
+        raise ValueError(
+            "LongStrawGRPOTrainer: use_liger_kernel=True replaces the model's layers; set use_liger_kernel=False"
+        )
     if args.gradient_checkpointing:
         raise ValueError(
             "LongStrawGRPOTrainer: gradient_checkpointing=True (GRPOConfig's default) buys nothing here, as "
