@@ -24,6 +24,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from datasets import Dataset
+from peft import LoraConfig
 
 from longstraw.errors import InputError, LongStrawError
 from longstraw.integrations.trl import LongStrawGRPOTrainer, shuffle_groups
@@ -87,7 +88,7 @@ def grads_of(trainer, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     trainer.model.train()
     trainer.model.zero_grad(set_to_none=True)
     trainer.compute_loss(trainer.model, inputs).backward()
-    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
 
 
 def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -98,11 +99,14 @@ def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         torch.testing.assert_close(got[name], grad, rtol=0, atol=REL_TOL * scale, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_exact_gradients_equal_trl(example, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, lora", [("dapo", False), ("grpo", False), ("dapo", True)])
+def test_exact_gradients_equal_trl(example, tmp_path, loss_type, lora):
+    """With `lora`, a PEFT LoRA adapter (randomly initialised on both sides,
+    so every adapter weight has a gradient) is what trains."""
     config = {"loss_type": loss_type}
-    ours = make(example, tmp_path, LongStrawGRPOTrainer, config, longstraw_options={"verify_state": True})
-    theirs = make(example, tmp_path, trl.GRPOTrainer, config)
+    extra = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)} if lora else {}
+    ours = make(example, tmp_path, LongStrawGRPOTrainer, config, longstraw_options={"verify_state": True}, **extra)
+    theirs = make(example, tmp_path, trl.GRPOTrainer, config, **extra)
     tokenizer = ours.processing_class
     inputs = micro_batch(len(tokenizer), tokenizer.pad_token_id)
     assert_grads_match(grads_of(ours, inputs), grads_of(theirs, inputs))
