@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -53,22 +54,28 @@ def bisect_largest(lo: int, hi: int, attempt: Callable[[int], dict], resolution:
     return lo, hi
 
 
-def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel, out: dict, save: Callable[[], None]) -> dict:
+def sweep(model, kind, modes, args, clock: Clock, flops: FlopModel | None, out: dict, save: Callable[[], None],
+          runner_of: Callable[[str], Any] | None = None, inputs_of: Callable[[int], Any] | None = None) -> dict:
     """Peak memory vs P and the largest P per mode: doubling, then bisection.
     Modes run in the order given; each may use the time left but
-    MODE_RESERVE_S for every later mode. `out` is filled and saved after every run."""
+    MODE_RESERVE_S for every later mode. `out` is filled and saved after every run.
+    `runner_of(mode)` (a context manager yielding an object with `.model`
+    and `.step(inputs)`) and `inputs_of(P)` default to this benchmark's
+    Runner and one group of G responses; with `flops` None no MFU is recorded."""
     vocab = model.config.vocab_size
+    runner_of = runner_of or (lambda mode: Runner(model, kind, mode))
+    inputs_of = inputs_of or (lambda P: make_group(args.G, P, args.R, vocab, model.device))
     for i, mode in enumerate(modes):
         mode_clock = Clock(clock.left() - MODE_RESERVE_S * (len(modes) - i - 1))
         runs, last_ok, first_bad = [], None, None
         out[mode] = entry = {"runs": runs, "max_prompt_tokens": None, "first_failure": None, "limited_by": "time"}
         stop = "p_max"
-        with Runner(model, kind, mode) as runner:
+        with runner_of(mode) as runner:
 
             def attempt(P, runner=runner, mode=mode, runs=runs):
-                result = measure(runner, make_group(args.G, P, args.R, vocab, model.device))
+                result = measure(runner, inputs_of(P))
                 result.update(P=P, G=args.G, R=args.R)
-                if result["ok"]:
+                if result["ok"] and flops is not None:
                     result["mfu"] = flops.step(mode, args.G, P, args.R) / result["seconds"] / PEAK_FLOPS
                 runs.append(result)
                 save()

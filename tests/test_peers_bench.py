@@ -1,0 +1,45 @@
+"""benchmarks/peers_bench.py's modes on a tiny model on the CPU: every peer
+computes TRL's loss and gradients on TRL's micro-batch (two prompts, one
+left-padded, right-padded completions), LongStraw detached aside."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("prefix_grouper")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from grpo.models import build_model  # noqa: E402
+from grpo.parity import compare, grads_of  # noqa: E402
+from peers.batch import trl_micro_batch  # noqa: E402
+from peers.modes import PeerRunner  # noqa: E402
+
+CPU = torch.device("cpu")
+N_PROMPTS, G, P, R = 2, 3, 24, 6
+
+
+def loss_and_grads(model, mode, batch):
+    with PeerRunner(model, mode, N_PROMPTS * G, G, R) as runner:
+        loss = runner.step(batch)
+    return loss, grads_of(model)
+
+
+def test_peers_compute_trls_loss_and_gradients():
+    model = build_model("dense", True, torch.float64, CPU)
+    batch = trl_micro_batch(N_PROMPTS, G, P, R, model.config.vocab_size, CPU)
+    assert (batch["prompt_mask"] == 0).any() and (batch["completion_mask"] == 0).any()
+    want_loss, want = loss_and_grads(model, "trl_eager", batch)
+    for mode in ("trl_ckpt", "prefix_grouper", "longstraw_exact"):
+        loss, got = loss_and_grads(model, mode, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0, msg=lambda m: f"{mode}: {m}")
+        result = compare(got, want)
+        # HF's RoPE and norms round through float32 (as in the parity tests)
+        assert result["max_rel_l2"] < 1e-6, (mode, result)
+    loss, got = loss_and_grads(model, "longstraw_detached", batch)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
+    assert compare(got, want)["max_rel_l2"] > 1e-3  # the prompt's term is dropped by design
