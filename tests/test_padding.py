@@ -105,8 +105,10 @@ def detached_reference(model, prompt_ids, prompt_mask, completion_ids, completio
 MODELS = {"qwen3": make_qwen3, "llama": make_llama, "qwen3_5": make_qwen3_5}
 
 
-def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, deterministic: bool = False) -> longstraw.Backend:
-    model = MODELS[kind]()
+def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, deterministic: bool = False,
+                         device: str = "cpu") -> longstraw.Backend:
+    model = MODELS[kind]().to(device)
+    group = tuple(tensor.to(device) for tensor in group)
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     with qwen3_5.bound(), deterministic_algorithms(deterministic):
         got_loss, got = compiled_loss_and_grads(compile_loss(trl_grpo_loss, backend), model, *group)
@@ -164,6 +166,14 @@ def test_padding_matches_detached_reference(kind, name):
 def test_padding_with_nan_filled_memory(kind, mode):
     """The chunked group: a chunk of padding only, a boundary inside the padding."""
     check_padding_parity(kind, mode, _group("chunked"), 8, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_cuda_matches_eager(mode):
+    """Float64 on CUDA, the chunked group: the key masks and the first real
+    key are made on the step's device."""
+    check_padding_parity("qwen3", mode, _group("chunked"), 8, device="cuda")
 
 
 @SLOW
