@@ -176,6 +176,15 @@ def test_nan_filled_memory(mode):
     check_parity(make_glm5(), mode, (3, 37, 4, 10), deterministic=True)
 
 
+def test_without_the_cache():
+    """`use_cache=False`: traced without a cache, HF's causal mask goes
+    through its packed-sequence check of the position ids, which `band_of`
+    proves causal (an arange counts up by one: one sequence)."""
+    model = make_glm5(experts=False)
+    model.config.use_cache = False
+    check_parity(model, "exact", (2, 40, 5, 16))
+
+
 @pytest.mark.slow
 def test_topk_covering_every_position_is_dense_mla():
     """index_topk >= P + R: every earlier position is selected, as in eager."""

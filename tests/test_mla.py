@@ -91,6 +91,15 @@ def test_moe_layers_match_eager(mode, shape):
     check_parity(make_deepseek_v3(experts=True), mode, shape, deterministic=shape[3] == 3)
 
 
+def test_without_the_cache():
+    """`use_cache=False`: traced without a cache, HF's causal mask goes
+    through its packed-sequence check of the position ids, which `band_of`
+    proves causal, so the latent stays the state (not decompressed K/V)."""
+    model = make_deepseek_v3()
+    model.config.use_cache = False
+    check_parity(model, "exact", SHAPES[1])
+
+
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_nan_filled_memory(mode):
     check_parity(make_deepseek_v3(experts=True), mode, (3, 11, 4, 4), deterministic=True)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import transformers
+from transformers import masking_utils
 
 import longstraw
 from longstraw.mask import band_of
@@ -60,6 +61,33 @@ def _rows_cols(start: int = 0):
 )
 def test_band_of(build, band):
     assert band_of(_mask_node(build)) == band
+
+
+LLAMA = transformers.LlamaConfig(num_hidden_layers=1, attn_implementation="sdpa")
+
+
+def _hf_mask(positions):
+    """HF's causal mask without a cache or an attention_mask: traced, it
+    cannot skip its packed-sequence check of the position ids, so the mask
+    compares positions remapped through them and their sequence numbers
+    (`cumsum(diff(positions) != 1)`)."""
+    return lambda x: masking_utils.create_causal_mask(
+        config=LLAMA, inputs_embeds=x.view(1, 12, 1), attention_mask=None, past_key_values=None,
+        position_ids=positions(x), allow_is_causal_skip=False)
+
+
+@pytest.mark.parametrize(
+    "positions, band",
+    [
+        (lambda x: torch.arange(12)[None], (0, math.inf)),
+        (lambda x: torch.arange(12)[None] + 3, (0, math.inf)),  # counting up from 3: still one sequence
+        (lambda x: torch.arange(12)[None] % 6, None),  # two packed sequences
+        (lambda x: x.long().cumsum(-1)[None], None),  # read from an input
+    ],
+    ids=["arange", "arange-from-3", "packed", "input"],
+)
+def test_band_of_hf_mask_without_cache(positions, band):
+    assert band_of(_mask_node(_hf_mask(positions))) == band
 
 
 def _mistral(window: int, layers: int = 2) -> torch.nn.Module:
