@@ -340,8 +340,8 @@ def test_state_at_glm5_shapes(capsys):
     """512 + 64 + 128 values per layer and position (bf16: 1,408 bytes)
     against 64 x (192 + 64 + 256) decompressed K/V values (65,536 bytes).
     A CPU model with a narrow residual stream, as DeepSeek-V3's in
-    test_mla.py: on the meta device HF's cache makes real meta tensors Dynamo
-    refuses, and without the cache HF builds a packed-sequence mask."""
+    test_mla.py, so CI checks it in seconds; every layer and expert of
+    GLM-5.1 on the meta device: test_explain.py (`-m slow`)."""
     config = transformers.GlmMoeDsaConfig(**GLM5_ATTENTION)
     model = transformers.GlmMoeDsaForCausalLM(config).to(torch.bfloat16)
     report = longstraw.explain(grpo_loss_f64, model, *make_group(2, 7, 3), options={"prefix_chunk_size": 4})

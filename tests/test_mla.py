@@ -202,7 +202,9 @@ DEEPSEEK_V3 = dict(  # attention shapes of DeepSeek-V3 (GLM-5's MLA has the same
 
 def test_state_at_deepseek_v3_shapes(capsys):
     """576 values per layer and position (bf16: 1,152 bytes) against
-    128 x (192 + 128) decompressed (81,920 bytes)."""
+    128 x (192 + 128) decompressed (81,920 bytes). A narrow residual stream
+    keeps it seconds on a CPU; every layer and expert of DeepSeek-V3 on the
+    meta device: test_explain.py (`-m slow`)."""
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_V3)).to(torch.bfloat16)
     group = make_group(2, 7, 3)
     sizes = {}
