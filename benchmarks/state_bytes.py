@@ -67,7 +67,8 @@ def state_by_layer(name: str) -> tuple[transformers.PretrainedConfig, dict[str, 
 
 def decompressed_bytes(config: transformers.PretrainedConfig) -> int:
     """K and V of one layer and position as HF computes them: heads x (nope + rope + value)."""
-    return config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * DTYPE_BYTES
+    per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    return config.num_attention_heads * per_head * DTYPE_BYTES
 
 
 def measure(name: str) -> dict:
@@ -94,7 +95,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['model']:12} {r['layers']:6d} {r['state_bytes_per_position_per_layer']:17,d} "
                      f"{r['state_bytes_per_position']:11,d} {r['decompressed_kv_bytes_per_position_per_layer']:15,d} "
                      f"{r['decompressed_kv_bytes_per_position']:11,d} {r['ratio']:6.1f}")
-    lines.append("state: what LongStraw captures (latent, rope key, GLM's index key); K/V: decompressed, as HF computes them")
+    lines.append("state: what LongStraw captures (latent, rope key, GLM's index key); "
+                 "K/V: decompressed, as HF computes them")
     return "\n".join(lines)
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(name) for name in MODELS]
     result = {
-        "command": " ".join(["python", "benchmarks/state_bytes.py", "--out", f"benchmarks/results/{Path(args.out).name}"]),
+        "command": f"python benchmarks/state_bytes.py --out benchmarks/results/{Path(args.out).name}",
         "commit": git_commit(), "torch": torch.__version__, "transformers": transformers.__version__,
         "traced": {"G": G, "P": P, "R": R, "prefix_chunk_size": CHUNK, "dtype": "bfloat16", "device": "meta"},
         "models": rows,

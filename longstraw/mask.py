@@ -405,7 +405,10 @@ def _gathered(value: _Affine, shape: torch.Size, index: tuple, values: dict[fx.N
             return None
         if c:
             at = values.get(node)
-            if not isinstance(at, _Affine) or not 0 <= _bounds(at, tensor.shape)[0] <= _bounds(at, tensor.shape)[1] < shape[k]:
+            if not isinstance(at, _Affine):
+                return None
+            low, high = _bounds(at, tensor.shape)
+            if low < 0 or high >= shape[k]:
                 return None
             gathered = gathered.plus(at.times(c))
     return gathered
@@ -425,7 +428,8 @@ def _differenced(node: fx.Node, value: _Affine, values: dict[fx.Node, Any]) -> _
     if prepend is not None:
         if not isinstance(prepend, fx.Node) or tensor_of(prepend) is None or tensor_of(prepend).shape[axis] != 1:
             return None
-        if values.get(prepend) != rest:
+        before = values.get(prepend)
+        if not isinstance(before, _Affine) or before.plus(rest, -1) != _Affine((), 0):
             return None
     return _Affine((), step)
 

@@ -228,7 +228,8 @@ def test_state_at_full_glm5_1_and_deepseek_v3_shapes(name):
     state = (config.kv_lora_rank + config.qk_rope_head_dim + index_key) * 2
     tensors = [config.kv_lora_rank * 2, config.qk_rope_head_dim * 2] + ([index_key * 2] if index_key else [])
     assert layers == {f"model.model.layers.{i}.self_attn": tensors for i in range(config.num_hidden_layers)}
-    decompressed = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) * 2
+    per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim  # key (nope + rope), value
+    decompressed = config.num_attention_heads * per_head * 2
     assert state_bytes.decompressed_bytes(config) == decompressed
     assert (config.num_hidden_layers, state, decompressed) == FULL_MODELS[name]
     assert config.n_routed_experts == 256
