@@ -122,6 +122,17 @@ def test_mistral_parity_with_fixed_state(mode, chunk):
     assert plan.state_fixed_bytes == 2 * 4 * 4 * (8 + 8 + 1) * 8
 
 
+def test_mistral_without_the_cache():
+    """`use_cache=False`: HF's window mask then goes through its
+    packed-sequence check of the position ids, which `band_of` follows, so
+    the state is still the last W-1 keys and values (before: full K/V)."""
+    model = _mistral(window=5)
+    model.config.use_cache = False
+    plan = _plan_with_parity(model, prompt_grad="exact", prefix_chunk_size=8, verify_state=True)
+    assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
+    assert plan.state_bytes_per_position == 0
+
+
 def test_a_window_wider_than_the_sequence_is_plain_causal_attention():
     model, group = _mistral(window=64), make_group(2, 20, 5, vocab=64)
     backend = longstraw.Backend()
