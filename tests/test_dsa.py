@@ -176,6 +176,15 @@ def test_nan_filled_memory(mode):
     check_parity(make_glm5(), mode, (3, 37, 4, 10), deterministic=True)
 
 
+def test_without_the_cache():
+    """`use_cache=False`: traced without a cache, HF's causal mask goes
+    through its packed-sequence check of the position ids, which `band_of`
+    proves causal (an arange counts up by one: one sequence)."""
+    model = make_glm5(experts=False)
+    model.config.use_cache = False
+    check_parity(model, "exact", (2, 40, 5, 16))
+
+
 @pytest.mark.slow
 def test_topk_covering_every_position_is_dense_mla():
     """index_topk >= P + R: every earlier position is selected, as in eager."""
@@ -331,8 +340,8 @@ def test_state_at_glm5_shapes(capsys):
     """512 + 64 + 128 values per layer and position (bf16: 1,408 bytes)
     against 64 x (192 + 64 + 256) decompressed K/V values (65,536 bytes).
     A CPU model with a narrow residual stream, as DeepSeek-V3's in
-    test_mla.py: on the meta device HF's cache makes real meta tensors Dynamo
-    refuses, and without the cache HF builds a packed-sequence mask."""
+    test_mla.py, so CI checks it in seconds; every layer and expert of
+    GLM-5.1 on the meta device: test_explain.py (`-m slow`)."""
     config = transformers.GlmMoeDsaConfig(**GLM5_ATTENTION)
     model = transformers.GlmMoeDsaForCausalLM(config).to(torch.bfloat16)
     report = longstraw.explain(grpo_loss_f64, model, *make_group(2, 7, 3), options={"prefix_chunk_size": 4})

@@ -208,6 +208,33 @@ def test_predicted_peak_matches_the_full_depth_h200_runs(adapters):
         assert abs(plan.peak / GiB - run["peak_gb"]) <= 0.1 * run["peak_gb"], (run["mode"], run["P"], plan.table())
 
 
+# (layers, state B, decompressed K/V B) per layer and prompt position, bf16
+FULL_MODELS = {"GLM-5.1": (78, (512 + 64 + 128) * 2, 64 * (192 + 64 + 256) * 2),
+               "DeepSeek-V3": (61, (512 + 64) * 2, 128 * (128 + 64 + 128) * 2)}
+
+
+# Every layer and routed expert on the meta device: Dynamo traces 78 (61)
+# layers and the planner simulates them (about 80 s and 40 s on a CPU).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FULL_MODELS))
+def test_state_at_full_glm5_1_and_deepseek_v3_shapes(name):
+    """GLM-5.1 and DeepSeek-V3 from their full configs, traced on the meta
+    device (`benchmarks/state_bytes.py`): every layer captures the latent
+    and the rope key, and GLM's index key, never decompressed K/V."""
+    import state_bytes
+
+    config, layers = state_bytes.state_by_layer(name)
+    index_key = getattr(config, "index_head_dim", 0)  # DSA's indexer (GLM); DeepSeek-V3 has none
+    state = (config.kv_lora_rank + config.qk_rope_head_dim + index_key) * 2
+    tensors = [config.kv_lora_rank * 2, config.qk_rope_head_dim * 2] + ([index_key * 2] if index_key else [])
+    assert layers == {f"model.model.layers.{i}.self_attn": tensors for i in range(config.num_hidden_layers)}
+    per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim  # key (nope + rope), value
+    decompressed = config.num_attention_heads * per_head * 2
+    assert state_bytes.decompressed_bytes(config) == decompressed
+    assert (config.num_hidden_layers, state, decompressed) == FULL_MODELS[name]
+    assert config.n_routed_experts == 256
+
+
 def test_graph_views_show_regions_and_state_edges(tmp_path):
     report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
     regions = {d["region"] for _, d in report.graph.nodes(data=True)}

@@ -91,6 +91,15 @@ def test_moe_layers_match_eager(mode, shape):
     check_parity(make_deepseek_v3(experts=True), mode, shape, deterministic=shape[3] == 3)
 
 
+def test_without_the_cache():
+    """`use_cache=False`: traced without a cache, HF's causal mask goes
+    through its packed-sequence check of the position ids, which `band_of`
+    proves causal, so the latent stays the state (not decompressed K/V)."""
+    model = make_deepseek_v3()
+    model.config.use_cache = False
+    check_parity(model, "exact", SHAPES[1])
+
+
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_nan_filled_memory(mode):
     check_parity(make_deepseek_v3(experts=True), mode, (3, 11, 4, 4), deterministic=True)
@@ -193,7 +202,9 @@ DEEPSEEK_V3 = dict(  # attention shapes of DeepSeek-V3 (GLM-5's MLA has the same
 
 def test_state_at_deepseek_v3_shapes(capsys):
     """576 values per layer and position (bf16: 1,152 bytes) against
-    128 x (192 + 128) decompressed (81,920 bytes)."""
+    128 x (192 + 128) decompressed (81,920 bytes). A narrow residual stream
+    keeps it seconds on a CPU; every layer and expert of DeepSeek-V3 on the
+    meta device: test_explain.py (`-m slow`)."""
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK_V3)).to(torch.bfloat16)
     group = make_group(2, 7, 3)
     sizes = {}

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import transformers
+from transformers import masking_utils
 
 import longstraw
 from longstraw.mask import band_of
@@ -62,6 +63,33 @@ def test_band_of(build, band):
     assert band_of(_mask_node(build)) == band
 
 
+LLAMA = transformers.LlamaConfig(num_hidden_layers=1, attn_implementation="sdpa")
+
+
+def _hf_mask(positions):
+    """HF's causal mask without a cache or an attention_mask: traced, it
+    cannot skip its packed-sequence check of the position ids, so the mask
+    compares positions remapped through them and their sequence numbers
+    (`cumsum(diff(positions) != 1)`)."""
+    return lambda x: masking_utils.create_causal_mask(
+        config=LLAMA, inputs_embeds=x.view(1, 12, 1), attention_mask=None, past_key_values=None,
+        position_ids=positions(x), allow_is_causal_skip=False)
+
+
+@pytest.mark.parametrize(
+    "positions, band",
+    [
+        (lambda x: torch.arange(12)[None], (0, math.inf)),
+        (lambda x: torch.arange(12)[None] + 3, (0, math.inf)),  # counting up from 3: still one sequence
+        (lambda x: torch.arange(12)[None] % 6, None),  # two packed sequences
+        (lambda x: x.long().cumsum(-1)[None], None),  # read from an input
+    ],
+    ids=["arange", "arange-from-3", "packed", "input"],
+)
+def test_band_of_hf_mask_without_cache(positions, band):
+    assert band_of(_mask_node(_hf_mask(positions))) == band
+
+
 def _mistral(window: int, layers: int = 2) -> torch.nn.Module:
     config = transformers.MistralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
@@ -92,6 +120,17 @@ def test_mistral_parity_with_fixed_state(mode, chunk):
     assert plan.state_bytes_per_position == 0
     # per layer: the last 4 positions of K and V (4 heads after HF's repeat_kv, 8 + 8 values) and a flag, float64
     assert plan.state_fixed_bytes == 2 * 4 * 4 * (8 + 8 + 1) * 8
+
+
+def test_mistral_without_the_cache():
+    """`use_cache=False`: HF's window mask then goes through its
+    packed-sequence check of the position ids, which `band_of` follows, so
+    the state is still the last W-1 keys and values (before: full K/V)."""
+    model = _mistral(window=5)
+    model.config.use_cache = False
+    plan = _plan_with_parity(model, prompt_grad="exact", prefix_chunk_size=8, verify_state=True)
+    assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
+    assert plan.state_bytes_per_position == 0
 
 
 def test_a_window_wider_than_the_sequence_is_plain_causal_attention():
