@@ -14,6 +14,7 @@ family over every shape.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -21,11 +22,10 @@ import torch
 import longstraw
 
 from conftest import raises_longstraw
-from helpers.compare import assert_close, assert_grads_close
 from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
-from helpers.harness import compiled_loss_and_grads
+from helpers.harness import assert_parity
 from helpers.losses import grpo_loss_f64
-from helpers.reference import detached_at_attention, eager_loss_and_grads
+from helpers.reference import detached_at_attention
 from helpers.tiny_models import make_group
 
 TOL = 1e-6  # HF norms and RoPE round through float32
@@ -64,14 +64,9 @@ def check_family(name: str, mode: str, shape: tuple, deterministic: bool) -> Non
     model = family.build()
     group = make_group(G, P, R, pad=pad)
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+    detached = functools.partial(family.detached or detached_at_attention, grpo_loss_f64)
     with family.bind(), deterministic_algorithms(deterministic):
-        if mode == "exact":
-            want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
-        else:
-            want_loss, want = (family.detached or detached_at_attention)(grpo_loss_f64, model, *group)
-        got_loss, got = compiled_loss_and_grads(torch.compile(grpo_loss_f64, backend=backend), model, *group)
-    assert_close(got_loss, want_loss, TOL, f"{name} loss")
-    assert_grads_close(got, want, TOL)
+        assert_parity(grpo_loss_f64, backend, detached, model, *group, tol=TOL, what=f"{name} loss")
 
 
 def _cases(deterministic: bool) -> list:
