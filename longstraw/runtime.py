@@ -304,16 +304,16 @@ class GroupRunner:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not (isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1):
                 continue
+            name = argument_name(node) if node.op == "placeholder" else node.name
+            per_row = value.movedim(batch_dim, 0).reshape(value.shape[batch_dim], 1, -1)  # [G, 1, values]
             for group in groups:
-                rows = value.index_select(batch_dim, torch.tensor(group.rows, device=value.device))
-                if not torch.equal(rows, rows.narrow(batch_dim, 0, 1).expand_as(rows)):
-                    name = argument_name(node) if node.op == "placeholder" else node.name
-                    rows_named = f" (rows {list(group.rows)}, which share one prompt)" if len(groups) > 1 else ""
-                    raise InputError(
-                        f"`{name}` differs between the rows of the group but feeds the prompt's computation "
-                        f"({describe_node(node)}){rows_named}: the rows would not share one prompt state. "
-                        "Pass one value for the whole group (or compute it after the prompt)."
-                    )
+                rows_named = f" (rows {list(group.rows)}, which share one prompt)" if len(groups) > 1 else ""
+                _check_rows_equal(per_row, group.rows, lambda row, _: (
+                    f"`{name}` differs between the rows of the group but feeds the prompt's computation "
+                    f"({describe_node(node)}){rows_named}: row {row} differs from row {group.rows[0]}, so the rows "
+                    "would not share one prompt state. Pass one value for the whole group (or compute it after the "
+                    "prompt)."
+                ))
 
     # forward ------------------------------------------------------------
 
@@ -555,17 +555,24 @@ def _inputs_named(node: fx.Node) -> str:
     return " and ".join(names) or f"`{node.name}`"
 
 
-def _check_same_prompt(values: torch.Tensor, rows: tuple[int, ...], node: fx.Node, name: str) -> None:
-    """`values` [G, prompt positions, ...]: the group's `rows` equal to its first."""
+def _check_rows_equal(values: torch.Tensor, rows: Sequence[int], message: Callable[[int, int], str]) -> None:
+    """`values` [G, positions, ...]: the group's `rows` equal to its first,
+    else an InputError with `message(row, position)` for the first row that
+    differs and the first position where it does."""
     group = values[list(rows)]
     differs = (group != group[:1]).flatten(2).any(-1)  # [rows, positions]
     if bool(differs.any()):
         i, position = (int(i) for i in differs.nonzero()[0])
-        raise InputError(
-            f"row {rows[i]} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
-            f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
-            "in every row. Left-pad the prompt the same way for every completion of it."
-        )
+        raise InputError(message(rows[i], position))
+
+
+def _check_same_prompt(values: torch.Tensor, rows: Sequence[int], node: fx.Node, name: str) -> None:
+    """`values` [G, prompt positions, ...]: a padding mask is the same in every row of a group."""
+    _check_rows_equal(values, rows, lambda row, position: (
+        f"row {row} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
+        f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
+        "in every row. Left-pad the prompt the same way for every completion of it."
+    ))
 
 
 def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:
