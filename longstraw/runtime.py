@@ -103,6 +103,8 @@ class CallState:
     values: dict[Any, torch.Tensor]
     groups: list[GroupCall]
     end: int
+    device: torch.device  # the outer values': where the states are captured
+    real: bool  # the outer values have values (not a shape-only run)
 
 
 class GroupRunner:
@@ -337,7 +339,8 @@ class GroupRunner:
         time. Without a `backward` to follow, exact mode keeps nothing for
         its reverse pass (chunk-boundary carries, attention outputs on the host)."""
         part = self.part
-        device = next(v for v in values.values() if isinstance(v, torch.Tensor)).device
+        probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
+        device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls = []
         for i, group in enumerate(groups):
@@ -345,7 +348,7 @@ class GroupRunner:
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             for stage in self.stages:
-                state = self._capture(inputs, values, group, end, backward, rng, stage)
+                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage)
                 for row in group.rows:
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
@@ -369,21 +372,21 @@ class GroupRunner:
             "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all",
             len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
         )
-        return outputs, CallState(values, calls, end)
+        return outputs, CallState(values, calls, end, device, real)
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
-        rng: dict[tuple[str, int], RngState], stage: Stage | None = None, again: bool = False,
+        rng: dict[tuple[str, int], RngState], device: torch.device, real: bool, stage: Stage | None = None,
+        again: bool = False,
     ) -> PromptState:
         """The group's prompt state for `stage`'s slots (default: the
         replayed stage), captured chunk by chunk from its first row. `again`
         (in backward) restores each chunk's RNG state from `rng` instead of
-        recording it, so the state is the forward's."""
+        recording it, so the state is the forward's. `device` and `real`:
+        the outer values', as `run` found them (see `CallState`)."""
         part = self.part
         stage = self.stages[-1] if stage is None else stage
         backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
-        probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
-        device, real = probe.device, has_values(probe)
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
@@ -459,7 +462,8 @@ class GroupRunner:
         state = group_call.state
         if state is None:
             with torch.no_grad():
-                state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, again=True)
+                state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, call.device, call.real,
+                                      again=True)
         stage = self.stages[-1]
         prefix_len = group.prefix_len
         # d(state) matters only if some trainable input feeds the captured state
