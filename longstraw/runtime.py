@@ -103,6 +103,8 @@ class CallState:
     values: dict[Any, torch.Tensor]
     groups: list[GroupCall]
     end: int
+    device: torch.device  # the outer values': where the states are captured
+    real: bool  # the outer values have values (not a shape-only run)
 
 
 class GroupRunner:
@@ -304,16 +306,16 @@ class GroupRunner:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not (isinstance(value, torch.Tensor) and has_values(value) and batch_dim is not None and value.shape[batch_dim] > 1):
                 continue
+            name = argument_name(node) if node.op == "placeholder" else node.name
+            per_row = value.movedim(batch_dim, 0).reshape(value.shape[batch_dim], 1, -1)  # [G, 1, values]
             for group in groups:
-                rows = value.index_select(batch_dim, torch.tensor(group.rows, device=value.device))
-                if not torch.equal(rows, rows.narrow(batch_dim, 0, 1).expand_as(rows)):
-                    name = argument_name(node) if node.op == "placeholder" else node.name
-                    rows_named = f" (rows {list(group.rows)}, which share one prompt)" if len(groups) > 1 else ""
-                    raise InputError(
-                        f"`{name}` differs between the rows of the group but feeds the prompt's computation "
-                        f"({describe_node(node)}){rows_named}: the rows would not share one prompt state. "
-                        "Pass one value for the whole group (or compute it after the prompt)."
-                    )
+                rows_named = f" (rows {list(group.rows)}, which share one prompt)" if len(groups) > 1 else ""
+                _check_rows_equal(per_row, group.rows, lambda row, _: (
+                    f"`{name}` differs between the rows of the group but feeds the prompt's computation "
+                    f"({describe_node(node)}){rows_named}: row {row} differs from row {group.rows[0]}, so the rows "
+                    "would not share one prompt state. Pass one value for the whole group (or compute it after the "
+                    "prompt)."
+                ))
 
     # forward ------------------------------------------------------------
 
@@ -337,7 +339,8 @@ class GroupRunner:
         time. Without a `backward` to follow, exact mode keeps nothing for
         its reverse pass (chunk-boundary carries, attention outputs on the host)."""
         part = self.part
-        device = next(v for v in values.values() if isinstance(v, torch.Tensor)).device
+        probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
+        device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls = []
         for i, group in enumerate(groups):
@@ -345,7 +348,7 @@ class GroupRunner:
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             for stage in self.stages:
-                state = self._capture(inputs, values, group, end, backward, rng, stage)
+                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage)
                 for row in group.rows:
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
@@ -369,21 +372,21 @@ class GroupRunner:
             "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all",
             len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
         )
-        return outputs, CallState(values, calls, end)
+        return outputs, CallState(values, calls, end, device, real)
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
-        rng: dict[tuple[str, int], RngState], stage: Stage | None = None, again: bool = False,
+        rng: dict[tuple[str, int], RngState], device: torch.device, real: bool, stage: Stage | None = None,
+        again: bool = False,
     ) -> PromptState:
         """The group's prompt state for `stage`'s slots (default: the
         replayed stage), captured chunk by chunk from its first row. `again`
         (in backward) restores each chunk's RNG state from `rng` instead of
-        recording it, so the state is the forward's."""
+        recording it, so the state is the forward's. `device` and `real`:
+        the outer values', as `run` found them (see `CallState`)."""
         part = self.part
         stage = self.stages[-1] if stage is None else stage
         backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
-        probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
-        device, real = probe.device, has_values(probe)
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
@@ -459,7 +462,8 @@ class GroupRunner:
         state = group_call.state
         if state is None:
             with torch.no_grad():
-                state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, again=True)
+                state = self._capture(inputs, call.values, group, call.end, True, group_call.rng, call.device, call.real,
+                                      again=True)
         stage = self.stages[-1]
         prefix_len = group.prefix_len
         # d(state) matters only if some trainable input feeds the captured state
@@ -555,17 +559,24 @@ def _inputs_named(node: fx.Node) -> str:
     return " and ".join(names) or f"`{node.name}`"
 
 
-def _check_same_prompt(values: torch.Tensor, rows: tuple[int, ...], node: fx.Node, name: str) -> None:
-    """`values` [G, prompt positions, ...]: the group's `rows` equal to its first."""
+def _check_rows_equal(values: torch.Tensor, rows: Sequence[int], message: Callable[[int, int], str]) -> None:
+    """`values` [G, positions, ...]: the group's `rows` equal to its first,
+    else an InputError with `message(row, position)` for the first row that
+    differs and the first position where it does."""
     group = values[list(rows)]
     differs = (group != group[:1]).flatten(2).any(-1)  # [rows, positions]
     if bool(differs.any()):
         i, position = (int(i) for i in differs.nonzero()[0])
-        raise InputError(
-            f"row {rows[i]} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
-            f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
-            "in every row. Left-pad the prompt the same way for every completion of it."
-        )
+        raise InputError(message(rows[i], position))
+
+
+def _check_same_prompt(values: torch.Tensor, rows: Sequence[int], node: fx.Node, name: str) -> None:
+    """`values` [G, prompt positions, ...]: a padding mask is the same in every row of a group."""
+    _check_rows_equal(values, rows, lambda row, position: (
+        f"row {row} of the attention mask {name} differs from row {rows[0]} at prompt position {position} "
+        f"({describe_node(node)}): the rows share one prompt, computed once, so its padding must be the same "
+        "in every row. Left-pad the prompt the same way for every completion of it."
+    ))
 
 
 def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:

@@ -27,10 +27,9 @@ from longstraw.kernels import attention as attention_kernels
 from longstraw.passes import DEFAULT_PASSES, SparseLatentAttentionPass
 from longstraw.passes import sparse_index
 
-from helpers.compare import assert_close, assert_grads_close
-from helpers.harness import assert_branch_order_does_not_matter, compile_loss, compiled_loss_and_grads
+from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
-from helpers.reference import detached_reference, eager_loss_and_grads
+from helpers.reference import detached_reference
 from helpers.tiny_models import make_group
 from test_families import deterministic_algorithms
 
@@ -127,13 +126,7 @@ def check_parity(model, mode: str, shape: tuple, deterministic: bool = False, de
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True, **options)
     with deterministic_algorithms(deterministic), warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*DSA top-k selection")  # LongStraw's steps saw no tie either
-        if mode == "exact":
-            want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *group)
-        else:
-            want_loss, want = detached_reference(model, *group)
-        got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
-    assert_close(got_loss, want_loss, TOL, "loss")
-    assert_grads_close(got, want, TOL)
+        got = assert_parity(grpo_loss_f64, backend, detached_reference, model, *group, tol=TOL)
     indexer = [name for name in got if ".indexer." in name]
     assert indexer and all(got[name] is None for name in indexer)  # eager's indexer runs under no_grad
     kinds = {s.reason.split(":")[0] for s in backend.plans[-1].partition.slots}

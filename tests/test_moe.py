@@ -53,8 +53,11 @@ def grouped_mm_fallback(monkeypatch):
     monkeypatch.setattr(transformers.integrations.moe, "_can_use_grouped_mm", lambda *args: False)
 
 
-@pytest.mark.parametrize("experts", ["batched_mm", "grouped_mm"])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode,experts", [  # in CI each mode and each implementation once; `-m slow` the rest
+    ("exact", "batched_mm"), ("detached", "grouped_mm"),
+    pytest.param("exact", "grouped_mm", marks=pytest.mark.slow),
+    pytest.param("detached", "batched_mm", marks=pytest.mark.slow),
+])
 def test_experts_match_eager(experts, mode, grouped_mm_fallback):
     model = make_moe(experts)
     group = make_group(3, 11, 5, vocab=VOCAB, pad=True)

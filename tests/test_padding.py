@@ -27,7 +27,7 @@ from longstraw.nodes import ancestors, tensor_of
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.families import FAMILIES
-from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
 from helpers.reference import eager_loss_and_grads, grads_of, with_fresh_grads
 from helpers.tiny_models import make_llama, make_qwen3, make_qwen3_5
 from test_families import deterministic_algorithms
@@ -111,13 +111,7 @@ def check_padding_parity(kind: str, mode: str, group: tuple, chunk: int, determi
     group = tuple(tensor.to(device) for tensor in group)
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     with qwen3_5.bound(), deterministic_algorithms(deterministic):
-        got_loss, got = compiled_loss_and_grads(compile_loss(trl_grpo_loss, backend), model, *group)
-        if mode == "exact":
-            want_loss, want = eager_loss_and_grads(trl_grpo_loss, model, *group)
-        else:
-            want_loss, want = detached_reference(model, *group)
-    assert_close(got_loss, want_loss, TOL, "loss")
-    assert_grads_close(got, want, TOL)
+        assert_parity(trl_grpo_loss, backend, detached_reference, model, *group, tol=TOL)
     assert backend.plans[-1].prefix_len == group[0].shape[1] - 1
     return backend
 

@@ -8,7 +8,9 @@ largest gradient norm, for gradients that are zero in exact arithmetic (see
 `compare.assert_grads_close`).
 
 The default run covers every value of every axis (G, P, R, chunk size,
-model kind, mode); the full cartesian product is `slow` (`-m slow`).
+model kind, mode); the full cartesian product is `slow` (`-m slow`). The
+feature tests after it (other losses, frozen parameters, LoRA, repeated
+calls, HF's training config) run each mode once in CI, the rest `slow`.
 Note that the prefix the backend chunks has P-1 positions: chunk 13 with
 P=300 divides it exactly (299 = 13 * 23), chunk 5 with P=7 leaves 5+1,
 chunk 64 with P=64 is one partial chunk.
@@ -37,6 +39,15 @@ from helpers.tiny_models import (
 )
 
 MODES = ("exact", "detached")
+SLOW = pytest.mark.slow
+
+
+def kinds_by_mode(*kinds: str) -> list:
+    """(mode, kind) for every mode and kind: in CI the first kind in exact
+    mode and the second in detached (each feature in both modes and on both
+    models), the rest with `-m slow`."""
+    return [pytest.param(mode, kind, marks=[] if kinds[MODES.index(mode)] == kind else [SLOW])
+            for mode in MODES for kind in kinds]
 
 
 def expected(mode, loss_fn, model, *args):
@@ -142,16 +153,18 @@ def test_entry_point_with_options(mode):
     assert_grads_close(got, want, 1e-9)
 
 
-@pytest.mark.parametrize("kind", ["plain", "qwen3"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,kind", kinds_by_mode("qwen3", "plain"))
 def test_value_dependent_loss(kind, mode):
     """Policy-gradient loss: the value depends on every log-prob, so a wrong
     forward (state, positions, masking) shows in the loss value."""
     check_parity(kind, mode, 3, 13, 9, 5, pad=True, loss_fn=pg_loss)
 
 
-@pytest.mark.parametrize("kind,G", [("plain", 2), ("plain", 5), ("qwen3", 5)])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind,G,mode", [
+    ("qwen3", 5, "exact"), ("plain", 5, "detached"), ("plain", 2, "exact"),
+    *[pytest.param(kind, G, mode, marks=SLOW) for kind, G, mode in
+      [("qwen3", 5, "detached"), ("plain", 5, "exact"), ("plain", 2, "detached")]],
+])
 def test_coupled_tail_stays_exact(kind, G, mode):
     """Branch log-probs standardised over the group inside the loss: the
     tail couples the branches non-linearly, so d(outputs) of one branch
@@ -171,8 +184,7 @@ def test_verbatim_issue_loss():
     assert_grads_close(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["plain", "qwen3"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,kind", kinds_by_mode("qwen3", "plain"))
 def test_frozen_parameters(kind, mode):
     model = make_model(kind)
     kept = freeze_all_but_qkv_and_head(model)
@@ -186,7 +198,7 @@ def test_frozen_parameters(kind, mode):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=SLOW)])
 def test_lora(mode):
     """peft LoRA on q/k/v/o of Qwen3; base weights frozen."""
     model = make_lora_qwen3()
@@ -195,8 +207,7 @@ def test_lora(mode):
     assert all(p.grad is None for p in frozen)
 
 
-@pytest.mark.parametrize("kind", ["plain", "llama"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,kind", kinds_by_mode("llama", "plain"))
 def test_repeated_calls_accumulate(kind, mode):
     """Two calls, two backward()s, no zeroing, on top of an existing .grad:
     the same accumulated .grad as eager doing the same."""
@@ -284,8 +295,7 @@ def test_prefix_spellings(loss_fn):
 
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,kind", kinds_by_mode("qwen3", "llama"))
 def test_hf_training_config_without_cache(kind, mode):
     """`use_cache=False` (the usual training setting): HF then builds an
     explicit mask from a packed-sequence check (diff and cumsum over the

@@ -25,7 +25,7 @@ from longstraw.passes.gated_delta import gated_delta_rule
 from longstraw.simulation import simulate_step
 
 from helpers.compare import assert_close, assert_grads_close, rel_err
-from helpers.harness import assert_branch_order_does_not_matter, compile_loss, compiled_loss_and_grads
+from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group, make_qwen3_5
@@ -124,22 +124,16 @@ CASES = [  # G, P, R, chunk (neither dividing P-1 nor a multiple of 64), pad
 ]
 
 
-# Every case in exact mode; detached, the first two in CI and the rest with `-m slow`.
+# In CI every case once: the first two detached, the rest exact; `-m slow` the other mode.
 @pytest.mark.parametrize("mode,G,P,R,chunk,pad", [
-    *[("exact", *case) for case in CASES],
-    *[pytest.param("detached", *case, marks=[pytest.mark.slow] if i >= 2 else []) for i, case in enumerate(CASES)],
+    pytest.param(mode, *case, marks=[] if (mode == "detached") == (i < 2) else [pytest.mark.slow])
+    for mode in ("exact", "detached") for i, case in enumerate(CASES)
 ])
 def test_parity(mode, G, P, R, chunk, pad):
     model = make_qwen3_5()
     args = make_group(G, P, R, pad=pad, seed=P)
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk)
-    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *args)
-    if mode == "exact":
-        want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *args)
-    else:
-        want_loss, want = hybrid_detached_reference(model, *args)
-    assert_close(got_loss, want_loss, TOL, "loss")
-    assert_grads_close(got, want, TOL)
+    assert_parity(grpo_loss_f64, backend, hybrid_detached_reference, model, *args, tol=TOL)
     plan = backend.plans[-1]
     assert plan.prefix_len == P - 1
     kinds = sorted({s.kind for s in plan.partition.slots})
@@ -155,10 +149,8 @@ def test_parity_other_shapes():
         layer_types=["full_attention", "linear_attention", "linear_attention"], num_hidden_layers=3,
     )
     args = make_group(3, 40, 6, pad=True)
-    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=9)), model, *args)
-    want_loss, want = eager_loss_and_grads(grpo_loss_f64, model, *args)
-    assert_close(got_loss, want_loss, TOL, "loss")
-    assert_grads_close(got, want, TOL)
+    backend = longstraw.Backend(prefix_chunk_size=9)
+    assert_parity(grpo_loss_f64, backend, hybrid_detached_reference, model, *args, tol=TOL)
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])

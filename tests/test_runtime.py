@@ -266,8 +266,10 @@ def loss_and_input_grads(loss_fn, model, args, leaves):
     return loss, grads, [leaf.grad for leaf in leaves]
 
 
-@pytest.mark.parametrize("kind", ["plain", "qwen3"])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode,kind", [  # in CI each mode and each model once; `-m slow` the other two
+    ("exact", "qwen3"), ("detached", "plain"),
+    pytest.param("exact", "plain", marks=pytest.mark.slow), pytest.param("detached", "qwen3", marks=pytest.mark.slow),
+])
 def test_per_row_inputs_that_require_grad(kind, mode):
     """advantages [G] and old log-probs [G, R] requiring grad: eager's loss
     and their gradients in both modes (detached mode changes only what flows

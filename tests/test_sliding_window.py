@@ -112,8 +112,10 @@ def _plan_with_parity(model: torch.nn.Module, **options) -> longstraw.GroupPlan:
     return backend.plans[-1]
 
 
-@pytest.mark.parametrize("chunk", [8, 64])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode,chunk", [  # in CI each mode and each chunk size once; `-m slow` the rest
+    ("exact", 8), ("detached", 64),
+    pytest.param("exact", 64, marks=pytest.mark.slow), pytest.param("detached", 8, marks=pytest.mark.slow),
+])
 def test_mistral_parity_with_fixed_state(mode, chunk):
     plan = _plan_with_parity(_mistral(window=5), prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
@@ -142,7 +144,7 @@ def test_a_window_wider_than_the_sequence_is_plain_causal_attention():
     assert plan.state_bytes_per_position > 0
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 def test_gemma3_alternating_sliding_and_full_layers(mode):
     config = transformers.Gemma3TextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

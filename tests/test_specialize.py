@@ -279,7 +279,7 @@ def hf_checkpointed(use_reentrant: bool = False):
     return model
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 def test_hf_gradient_checkpointing(mode):
     model = hf_checkpointed()
     model.config.use_cache = False
@@ -342,8 +342,10 @@ def kl_to_reference_loss(reference):
     return loss_fn
 
 
-@pytest.mark.parametrize("kind", ["plain", "qwen3"])
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode,kind", [  # in CI each mode once, each kind once; `-m slow` the other two
+    ("exact", "qwen3"), ("detached", "plain"),
+    pytest.param("exact", "plain", marks=pytest.mark.slow), pytest.param("detached", "qwen3", marks=pytest.mark.slow),
+])
 def test_policy_and_frozen_reference_build_the_sequences_twice(kind, mode):
     policy, reference = make_model(kind, seed=0), make_model(kind, seed=1)
     reference.requires_grad_(False)
@@ -368,7 +370,7 @@ def test_policy_and_frozen_reference_build_the_sequences_twice(kind, mode):
     assert len(plan.partition.slots) == 2 * 2 * 2  # K and V of both models' two layers: one shared prompt
 
 
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
 def test_frozen_reference_state_is_freed_before_the_policy_is_captured(mode, monkeypatch):
     """The reference's prompt is captured, its branches scored and its state
     freed before the policy's capture: two states are never live together,

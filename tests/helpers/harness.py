@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -11,7 +12,9 @@ from longstraw import state as state_module
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.losses import grpo_loss_f64
-from helpers.reference import with_fresh_grads
+from helpers.reference import eager_loss_and_grads, with_fresh_grads
+
+Grads = dict[str, torch.Tensor | None]
 
 
 def compile_loss(loss_fn, backend, **compile_kwargs):
@@ -32,6 +35,22 @@ def compiled_loss_and_grads(compiled, model, *args):
         return loss
 
     return with_fresh_grads(model, run)
+
+
+def assert_parity(loss_fn, backend: longstraw.Backend, detached: Callable[..., tuple[torch.Tensor, Grads]], model,
+                  *args, tol: float, what: str = "loss") -> Grads:
+    """The compiled loss and gradients against the reference of the
+    backend's mode: plain eager (exact) or `detached(model, *args)`, the
+    detached contract for `loss_fn`. Returns the compiled gradients for a
+    test's own further checks."""
+    if backend.options.prompt_grad == "exact":
+        want_loss, want = eager_loss_and_grads(loss_fn, model, *args)
+    else:
+        want_loss, want = detached(model, *args)
+    got_loss, got = compiled_loss_and_grads(compile_loss(loss_fn, backend), model, *args)
+    assert_close(got_loss, want_loss, tol, what)
+    assert_grads_close(got, want, tol)
+    return got
 
 
 def assert_branch_order_does_not_matter(model, mode: str, group, prefix_chunk_size: int) -> None:
