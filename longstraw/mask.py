@@ -95,6 +95,23 @@ class MaskBlock:
             return None
         return first if self._positions_causal() else None
 
+    def key_span(self) -> tuple[int, int] | None:
+        """`(a, b)` when the key mask is on exactly over `[a, b)` with
+        `a <= o < b < o+n` (left padding before the block's rows, right
+        padding inside them: a padded completion) and the positions-only part
+        is causal. Then the rows before `b` are causal attention over the
+        keys `[a, row]` and the rows from `b` on see all of `[a, b)`. None
+        otherwise."""
+        keys = self._keys()
+        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+            return None
+        line = keys[0]
+        first = int(line.logical_not().cumprod(0).sum())
+        last = first + int(line[first:].cumprod(0).sum())
+        if not first <= self.offset < last < self.offset + self.length or bool(line[last:].any()):
+            return None
+        return (first, last) if self._positions_causal() else None
+
     def _keys(self) -> torch.Tensor | None:
         """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
         if self.tiles.padding is None:

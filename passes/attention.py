@@ -13,6 +13,7 @@ blocks. Both keep the log-sum-exp, so backward runs block by block.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -204,7 +205,75 @@ def attention_step(
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
+    elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
+        return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span)
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
+
+
+def _attention_over_span(
+    ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slot: int, v_slot: int,
+    scale: float | None, first: int, last: int,
+) -> torch.Tensor:
+    """A branch whose completion is right-padded from `last` on
+    (`MaskBlock.key_span`), with fused kernels instead of the mask: its real
+    rows are causal over the keys `[first, row]` (a step of `last - offset`
+    positions), its padded rows see every key of `[first, last)`
+    (`_AttentionOverSpan`), as eager's `causal & key mask` gives them. The
+    padded positions' own keys are seen by no query: no gradient."""
+    real = last - ctx.offset
+    own_k, own_v = k.narrow(-2, 0, real), v.narrow(-2, 0, real)
+    head = _AttentionOverState.apply(dataclasses.replace(ctx, length=real), q.narrow(-2, 0, real), own_k, own_v,
+                                     None, k_slot, v_slot, scale, first)
+    padded = q.narrow(-2, real, q.shape[-2] - real)
+    tail = _AttentionOverSpan.apply(ctx, padded, own_k, own_v, k_slot, v_slot, scale, first)
+    return torch.cat([head, tail], dim=-2)
+
+
+class _AttentionOverSpan(torch.autograd.Function):
+    """Queries after every key of `[first, offset + m)`: attention over all
+    of them (the fused kernels' non-causal call, `AttentionKernel`'s
+    `q_start` past the last key). Keys before the step's offset are read
+    from the state buffers and their gradients go to d(state); the step's
+    own `m` keys are `k`, `v` [1, Hkv, m, D]. Backward walks key blocks that
+    never straddle the offset, as `_AttentionOverState` does."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, first):
+        end = step.offset + k.shape[-2] - first  # keys [first, offset + m), counted from first
+        keys = step.visible(k_slot).narrow(-2, first, end)
+        values = step.visible(v_slot).narrow(-2, first, end)
+        kernel = kernel_for(q, None)
+        out, lse = kernel.forward(q, keys, values, None, scale, end)
+        ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.first = step, (k_slot, v_slot), scale, kernel, first
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step: StepContext = ctx.step
+        kernel: AttentionKernel = ctx.kernel
+        (k_slot, v_slot), first = ctx.slots, ctx.first
+        q, k, v, out, lse = ctx.saved_tensors
+        o, end = step.offset - first, step.offset - first + k.shape[-2]
+        keys = step.visible(k_slot).narrow(-2, first, end)
+        values = step.visible(v_slot).narrow(-2, first, end)
+        grad_out = grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        own_blocks = [(o + start, length) for start, length in kernel.earlier_blocks(q, k.shape[-2])]
+        for start, length in [*kernel.earlier_blocks(q, o), *own_blocks]:
+            own = start >= o
+            kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
+            vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
+            gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, None, ctx.scale, end, start)
+            grad_q += gq
+            if own:
+                grad_k.narrow(-2, start - o, length).copy_(gk)
+                grad_v.narrow(-2, start - o, length).copy_(gv)
+            else:
+                step.accumulate_grad(k_slot, gk, start + first)
+                step.accumulate_grad(v_slot, gv, start + first)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
 class _AttentionOverState(torch.autograd.Function):

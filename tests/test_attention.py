@@ -26,13 +26,14 @@ class _Materialised:
         return self.block.narrow(-1, start, count)
 
 
-def _blocked_grads(q, keys, values, grad_out, mask, kernel=attention_kernels.MATH):
-    """dQ, dK, dV the way `_AttentionOverState.backward` assembles them."""
-    o = keys.shape[-2] - q.shape[-2]
+def _blocked_grads(q, keys, values, grad_out, mask, kernel=attention_kernels.MATH, after=False):
+    """dQ, dK, dV the way `_AttentionOverState.backward` assembles them;
+    `after`: every query after every key, as `_AttentionOverSpan` runs them."""
+    o = keys.shape[-2] if after else keys.shape[-2] - q.shape[-2]
     out, lse = kernel.forward(q, keys, values, None if mask is None else _Materialised(mask), None, o)
     grad_q = torch.zeros_like(q)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
-    blocks = kernel.blocks(q, o)
+    blocks = kernel.earlier_blocks(q, o) if after else kernel.blocks(q, o)
     assert all(start + length <= o or start >= o for start, length in blocks)
     ends = [0] + [start + length for start, length in sorted(blocks)]
     assert [start for start, _ in sorted(blocks)] == ends[:-1] and ends[-1] == keys.shape[-2]  # a partition
@@ -47,9 +48,10 @@ def _blocked_grads(q, keys, values, grad_out, mask, kernel=attention_kernels.MAT
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("explicit_mask", [False, True])
+@pytest.mark.parametrize("explicit_mask", [False, True, "after"])
 @pytest.mark.parametrize("block_scores", [1, 3 * 5 * 6, 1 << 24])
 def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_scores, monkeypatch):
+    """`explicit_mask="after"`: the queries after every key (no mask, all keys seen)."""
     monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", block_scores)
     gen = torch.Generator().manual_seed(0)
     n, total, d = 5, 12, 8
@@ -59,11 +61,13 @@ def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_sco
     grad_out = torch.randn(1, heads, n, d + 2, generator=gen, dtype=torch.float64)
     causal = torch.ones(n, total, dtype=torch.bool).tril(total - n)
     # an explicit mask that also hides some earlier keys (a sliding window)
-    mask = causal & ~torch.ones(n, total, dtype=torch.bool).tril(total - n - 4) if explicit_mask else None
-    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal if mask is None else mask, enable_gqa=True)
+    after = explicit_mask == "after"
+    mask = causal & ~torch.ones(n, total, dtype=torch.bool).tril(total - n - 4) if explicit_mask is True else None
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if after else causal if mask is None else mask,
+                                          enable_gqa=True)
     want_grads = torch.autograd.grad(want, (q, keys, values), grad_out)
     with torch.no_grad():
-        out, *grads = _blocked_grads(q, keys, values, grad_out, mask)
+        out, *grads = _blocked_grads(q, keys, values, grad_out, mask, after=after)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -72,11 +76,13 @@ def test_math_kernel_blocks_match_sdpa(heads, kv_heads, explicit_mask, block_sco
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flash", "cudnn"])
 @pytest.mark.parametrize("earlier", [0, 384])
-def test_fused_kernel_blocks_match_float64(name, earlier, monkeypatch):
+@pytest.mark.parametrize("after", [False, True])
+def test_fused_kernel_blocks_match_float64(name, earlier, after, monkeypatch):
     """Flash's and cuDNN's block backward, with the merged output and
     log-sum-exp, at Qwen3.5-27B's head shapes (24 query heads over 4 key
     heads of 256), against float64 autograd on the same bf16 inputs: within
-    four times the error of the bf16 forward. Earlier keys in blocks of 128."""
+    four times the error of the bf16 forward. Earlier keys in blocks of 128.
+    `after`: every query after every key (right-padded queries)."""
     monkeypatch.setattr(attention_kernels, "FLASH_KEY_BLOCK", 128)
     kernel = attention_kernels.KERNELS[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -86,10 +92,10 @@ def test_fused_kernel_blocks_match_float64(name, earlier, monkeypatch):
     keys, values = rand(1, 4, earlier + n, d), rand(1, 4, earlier + n, d)
     exact = [t.double().requires_grad_() for t in (q, keys, values)]
     causal = torch.ones(n, earlier + n, dtype=torch.bool, device="cuda").tril(earlier)
-    want = F.scaled_dot_product_attention(*exact, attn_mask=causal, enable_gqa=True)
+    want = F.scaled_dot_product_attention(*exact, attn_mask=None if after else causal, enable_gqa=True)
     want_grads = torch.autograd.grad(want, exact, grad_out.double())
     with torch.no_grad():
-        out, *grads = _blocked_grads(q, keys, values, grad_out, None, kernel)
+        out, *grads = _blocked_grads(q, keys, values, grad_out, None, kernel, after=after)
     forward_error = (out.double() - want).abs().max() / want.abs().max()
     assert forward_error < 1e-2
     for got, expected in zip(grads, want_grads):

@@ -20,6 +20,7 @@ from torch import fx
 
 import longstraw
 from longstraw import mask as masks
+from longstraw.passes import attention
 from longstraw.errors import InputError
 from longstraw.models import qwen3_5
 from longstraw.nodes import ancestors, tensor_of
@@ -368,6 +369,34 @@ def test_left_padding_runs_causal_over_the_keys_after_it(monkeypatch):
     # the prompt chunks after the padding
     assert all(first == 13 for offset, first in found if 16 <= offset < 40)
     assert all(first is None for offset, first in found if offset < 13)
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_right_padded_completions_run_without_the_mask(monkeypatch, mode):
+    """A completion right-padded from `last` on: its real rows are causal
+    over the keys after the left padding, its padded rows see all of
+    `[first, last)`; both run the kernels without a mask (here the explicit
+    softmax, on the CPU, with `mask=None`), and the gradients are eager's."""
+    spans, kernels = [], []
+    key_span, kernel_for = masks.MaskBlock.key_span, attention.kernel_for
+
+    def recording_span(block: masks.MaskBlock) -> tuple[int, int] | None:
+        spans.append((block.offset, block.length, key_span(block)))
+        return spans[-1][2]
+
+    def recording_kernel(q, mask):
+        kernels.append((q.shape[-2], mask is None))
+        return kernel_for(q, mask)
+
+    monkeypatch.setattr(masks.MaskBlock, "key_span", recording_span)
+    monkeypatch.setattr(attention, "kernel_for", recording_kernel)
+    check_padding_parity("qwen3", mode, padded_group(3, 41, 6, 13, [6, 3, 1]), 8)
+    # the branches run [40, 47) (the prompt's last position, then the completion): completions of
+    # 3 and 1 tokens are right-padded from 44 and 42; the full one is causal over [13, 47)
+    assert {span for offset, _, span in spans if offset == 40} == {(13, 44), (13, 42)}
+    branch_calls = [(n, unmasked) for n, unmasked in kernels if n < 8]  # prompt chunks have 8 rows
+    assert all(unmasked for _, unmasked in branch_calls)
+    assert {n for n, _ in branch_calls} == {7, 4, 3, 2, 5}  # the full branch; real and padded parts
 
 
 def test_the_key_mask_is_found_in_hf_mask():

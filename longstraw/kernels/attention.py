@@ -25,7 +25,9 @@ log = logging.getLogger("longstraw.attention")
 class AttentionKernel:
     """Attention of queries at positions `[o, o+n)` over keys `[0, o+n)`,
     causal unless a mask is given: forward over all keys returning the
-    output and log-sum-exp, backward over one block of keys at a time."""
+    output and log-sum-exp, backward over one block of keys at a time.
+    `q_start` at or past the last key places every query after every key:
+    attention over all of them (right-padded queries, `_AttentionOverSpan`)."""
 
     def forward(self, q, keys, values, mask, scale, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -36,6 +38,10 @@ class AttentionKernel:
 
     def blocks(self, q: torch.Tensor, q_start: int) -> list[tuple[int, int]]:
         """(start, length) key blocks covering `[0, q_start)` and the step's own positions, never both."""
+        return [(q_start, q.shape[-2]), *self.earlier_blocks(q, q_start)]
+
+    def earlier_blocks(self, q: torch.Tensor, end: int) -> list[tuple[int, int]]:
+        """(start, length) key blocks covering `[0, end)`."""
         raise NotImplementedError
 
 
@@ -49,7 +55,8 @@ class FlashKernel(AttentionKernel):
     and the log-sum-exp the block backward needs."""
 
     def forward(self, q, keys, values, mask, scale, q_start):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)
+        causal = q_start < keys.shape[-2]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False, scale=scale)
         return out, lse
 
     def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
@@ -59,9 +66,10 @@ class FlashKernel(AttentionKernel):
             0.0, k_start == q_start, unused, unused, scale=scale,
         )
 
-    def blocks(self, q, q_start):
-        # the own positions are one causal square: flash aligns causal masks lower-right
-        return [(q_start, q.shape[-2]), *_split(0, q_start, FLASH_KEY_BLOCK)]
+    # `blocks`: the own positions are one causal square (flash aligns causal masks lower-right)
+
+    def earlier_blocks(self, q, end):
+        return _split(0, end, FLASH_KEY_BLOCK)
 
 
 class CudnnKernel(FlashKernel):
@@ -77,7 +85,8 @@ class CudnnKernel(FlashKernel):
     def forward(self, q, keys, values, mask, scale, q_start):
         out, lse = None, None
         compute = compute_dtype(q)
-        for start, length in self.blocks(q, q_start):
+        after = q_start >= keys.shape[-2]
+        for start, length in self.earlier_blocks(q, keys.shape[-2]) if after else self.blocks(q, q_start):
             own = start == q_start
             o, s = self._call(q, keys.narrow(-2, start, length), values.narrow(-2, start, length), own, scale)
             o, s = o.to(compute), s.to(compute)
@@ -111,7 +120,8 @@ class MathKernel(AttentionKernel):
         compute = compute_dtype(q)
         lse = torch.full(_grouped(q, keys).shape[:-1], float("-inf"), dtype=compute, device=q.device)
         out = torch.zeros(*lse.shape, values.shape[-1], dtype=compute, device=q.device)
-        for start, length in self.blocks(q, q_start):
+        after = q_start >= keys.shape[-2]
+        for start, length in self.earlier_blocks(q, keys.shape[-2]) if after else self.blocks(q, q_start):
             cols = None if mask is None else mask.columns(start, length)
             s = _scores(q, keys.narrow(-2, start, length), cols, scale, q_start, start)
             new = torch.logaddexp(lse, s.logsumexp(-1))
@@ -139,9 +149,15 @@ class MathKernel(AttentionKernel):
         return _ungrouped(grad_q), grad_k.to(keys.dtype), grad_v.to(values.dtype)
 
     def blocks(self, q, q_start):
-        size = max(1, MATH_BLOCK_SCORES // (q.shape[-3] * q.shape[-2]))
         n = q.shape[-2]
-        return [*_split(q_start, q_start + n, size), *_split(0, q_start, size)]
+        return [*_split(q_start, q_start + n, self._size(q)), *self.earlier_blocks(q, q_start)]
+
+    def earlier_blocks(self, q, end):
+        return _split(0, end, self._size(q))
+
+    @staticmethod
+    def _size(q: torch.Tensor) -> int:
+        return max(1, MATH_BLOCK_SCORES // (q.shape[-3] * q.shape[-2]))
 
 
 FLASH_KEY_BLOCK = 65536
