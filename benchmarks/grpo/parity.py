@@ -40,9 +40,13 @@ def reference_grads(model, kind: str, group: Group, bound: bool = False) -> dict
     return grads_of(model)
 
 
-def _on_cpu(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies: the float64 gradients wait there while the float32 runs use the device."""
-    return {n: g.cpu() for n, g in grads.items()}
+def _grads_on_cpu(model) -> dict[str, torch.Tensor]:
+    """Host copies of the model's gradients, which are then dropped: every
+    gradient set compared waits on the host, so a run's device memory holds
+    one model and its own gradients (at GLM-5's shapes in float32, 19 GB each)."""
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 PARITY_DTYPES = (torch.float64, torch.float32, torch.bfloat16)
@@ -62,17 +66,19 @@ def parity(kind, args, device, dtypes: tuple[torch.dtype, ...] = PARITY_DTYPES) 
         group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
         result = {}
         try:
+            reference_grads(model, kind, group, bound=dtype == torch.float64)
             if dtype == torch.float64:
-                truth = _on_cpu(reference_grads(model, kind, group, bound=True))
+                truth = _grads_on_cpu(model)
             else:
-                want = reference_grads(model, kind, group)
+                want = _grads_on_cpu(model)
+                release()
                 with Runner(model, kind, "longstraw_exact") as runner:
                     runner.step(group)
-                got = grads_of(model)
+                got = _grads_on_cpu(model)
                 result = compare(got, want)
                 if dtype == torch.float32 and truth is not None:
-                    result["longstraw_vs_float64"] = compare(_on_cpu(got), truth)["max_rel_l2"]
-                    result["eager_vs_float64"] = compare(_on_cpu(want), truth)["max_rel_l2"]
+                    result["longstraw_vs_float64"] = compare(got, truth)["max_rel_l2"]
+                    result["eager_vs_float64"] = compare(want, truth)["max_rel_l2"]
         except Exception as error:  # noqa: BLE001
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         if dtype != torch.float64 or "error" in result:
