@@ -16,7 +16,9 @@ index key; the index query and weights are per-position inputs of the step.
 The step selects without a query x key score matrix: it walks the keys
 `[0, o + n)` in tiles (`tiled_topk`), keeping per query the best `k`
 (value, position) pairs seen so far (a stable sort of the running best and
-the tile, running best first). Among equal scores the earlier position
+the tile, running best first), a block of query rows at a time so that a
+tile stays `INDEX_KEY_TILE` keys wide: each merge sorts the k running
+best with a whole tile, not with a sliver of it. Among equal scores the earlier position
 wins; `torch.topk`'s choice among ties is unspecified, so a tie across the
 k-th place is the one case where the selection may differ from eager's:
 the step warns when it sees one.
@@ -45,7 +47,7 @@ from .base import ArchitecturePass, SiteState, StepEmitter
 from .mla import absorbed_attention, flat_positions, latent_of
 
 INDEX_KEY_TILE = 4096  # at most this many keys scored at once
-INDEX_BLOCK_SCORES = 1 << 24  # and at most this many float32 scores (queries x index heads x keys) at once
+INDEX_BLOCK_SCORES = 1 << 24  # and at most this many float32 scores (query rows x index heads x keys) at once
 TIE = (
     "longstraw: DSA top-k selection: a query's k-th and (k+1)-th index scores are equal; LongStraw keeps the "
     "earlier position, eager's torch.topk picks among ties as it likes, so this selection may differ from an "
@@ -306,29 +308,47 @@ def tiled_topk(
     """Per query `query` [n, H, D] (weights [n, H]) at positions `[o, o + n)`,
     the `k` best of the keys `[0, o + n)` (`earlier` [o, D], then `own`
     [n, D]), walked a tile of keys at a time (`INDEX_KEY_TILE` keys, fewer
-    where n x H x tile would pass `INDEX_BLOCK_SCORES`; module docstring);
-    float32, as HF's indexer."""
-    o, n = earlier.shape[0], own.shape[0]
-    q = query.float()
-    w = weights.float()[:, None, :]  # [n, 1, H]
-    rows = torch.arange(o, o + n, device=q.device)[:, None]
-    best = torch.empty(n, 0, dtype=torch.float32, device=q.device)
-    positions = torch.empty(n, 0, dtype=torch.long, device=q.device)
-    tile = max(1, min(INDEX_KEY_TILE, INDEX_BLOCK_SCORES // (n * q.shape[1])))
-    for start in range(0, o + n, tile):
-        count = min(tile, o + n - start)
-        keys = _key_tile(earlier, own, start, count).float()  # [count, D]
-        scores = torch.matmul(w, torch.relu(torch.matmul(q, keys.T) * scale)).squeeze(-2)  # [n, count]
-        columns = torch.arange(start, start + count, device=q.device)[None, :]
-        scores = scores.masked_fill(columns > rows, -math.inf)
-        merged = torch.cat([best, scores], -1)  # [n, <= k + 1 + count]: the best so far first (earlier positions)
-        order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]  # one more: tie check
-        best = merged.gather(-1, order)
-        positions = torch.cat([positions, columns.expand(n, -1)], -1).gather(-1, order)
+    only where one query row's H x tile would pass `INDEX_BLOCK_SCORES`) for
+    a block of query rows at a time (as many as that budget holds); float32,
+    as HF's indexer. Rows are independent, so the blocks change no pick."""
+    n, heads = own.shape[0], query.shape[1]
+    tile = max(1, min(INDEX_KEY_TILE, INDEX_BLOCK_SCORES // heads))
+    row_block = max(1, INDEX_BLOCK_SCORES // (heads * tile))
+    picks = [_tiled_rows(query[r:r + row_block], weights[r:r + row_block], earlier, own, r, tile, scale, k)
+             for r in range(0, n, row_block)]
+    best = torch.cat([b for b, _ in picks])  # [n, <= k + 1]
+    positions = torch.cat([p for _, p in picks])  # [n, <= k + 1]
     if best.shape[1] > k and has_values(best):  # the planner's simulation runs on fake tensors
         if bool(((best[:, k - 1] == best[:, k]) & (best[:, k] > -math.inf)).any()):
             warnings.warn(TIE, stacklevel=2)
     return Selection(positions[:, :k], best[:, :k] > -math.inf)
+
+
+def _tiled_rows(
+    query: torch.Tensor, weights: torch.Tensor, earlier: torch.Tensor, own: torch.Tensor, first_row: int, tile: int,
+    scale: float, k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tiled_topk` for the query rows `[first_row, first_row + rows)` of the
+    step: the k + 1 best (scores, positions), best first (one more than k:
+    the tie check)."""
+    o, rows = earlier.shape[0], query.shape[0]
+    q = query.float()
+    w = weights.float()[:, None, :]  # [rows, 1, H]
+    at = torch.arange(o + first_row, o + first_row + rows, device=q.device)[:, None]  # the rows' positions
+    end = o + own.shape[0]  # every block walks the step's keys: the same number of picks per row
+    best = torch.empty(rows, 0, dtype=torch.float32, device=q.device)
+    positions = torch.empty(rows, 0, dtype=torch.long, device=q.device)
+    for start in range(0, end, tile):
+        count = min(tile, end - start)
+        keys = _key_tile(earlier, own, start, count).float()  # [count, D]
+        scores = torch.matmul(w, torch.relu(torch.matmul(q, keys.T) * scale)).squeeze(-2)  # [rows, count]
+        columns = torch.arange(start, start + count, device=q.device)[None, :]
+        scores = scores.masked_fill(columns > at, -math.inf)
+        merged = torch.cat([best, scores], -1)  # [rows, <= k + 1 + count]: the best so far first (earlier positions)
+        order = merged.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
+        best = merged.gather(-1, order)
+        positions = torch.cat([positions, columns.expand(rows, -1)], -1).gather(-1, order)
+    return best, positions
 
 
 def _key_tile(earlier: torch.Tensor, own: torch.Tensor, start: int, count: int) -> torch.Tensor:

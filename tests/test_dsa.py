@@ -222,7 +222,8 @@ def test_selection_equals_eager_for_every_query(monkeypatch, tile, budget):
     """For every query of every row and layer, the tiled selection over
     `[earlier state | own keys]`, whatever the split point, picks exactly the
     positions eager's `topk` picked (restricted to earlier positions). The
-    score budget cuts tiles to 200 // (queries x index heads) keys (1 to 4)."""
+    score budget cuts tiles to 200 // index heads keys and walks one query
+    row at a time."""
     monkeypatch.setattr(sparse_index, "INDEX_KEY_TILE", tile)
     monkeypatch.setattr(sparse_index, "INDEX_BLOCK_SCORES", budget)
     model = make_glm5()
