@@ -17,39 +17,23 @@ messages, warnings) with torch.save; the assertions run here.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
-import socket
-import sys
 import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers import gloo
 from helpers.compare import assert_grads_close, rel_err
 
 WORLD = 2
-TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3  # DDP rebuilds its buckets (bucket_cap_mb) after the first iterations: the last step runs with them
 OPTIONS = {"prefix_chunk_size": 5}  # the 11 captured prompt positions in three chunks
 
 
 # --- in the workers ----------------------------------------------------------
-
-
-def _init(rank: int, port: int) -> None:
-    sys.path.insert(0, TESTS)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )
 
 
 def _group(rank: int, step: int):
@@ -110,8 +94,8 @@ def _with_warnings(run) -> tuple:
     return result, [str(w.message) for w in caught if str(w.message).startswith("longstraw")]
 
 
-def _ddp_worker(rank: int, port: int, out: str) -> None:
-    _init(rank, port)
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    gloo.init(rank, world, port)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import longstraw
@@ -170,8 +154,8 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
-    _init(rank, port)
+def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    gloo.init(rank, world, port)
     from torch.distributed.fsdp import fully_shard
 
     import longstraw
@@ -232,16 +216,6 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 # --- in the parent ------------------------------------------------------------
 
 
-def _run(worker, tmp_path) -> list[dict]:
-    """Both ranks' results. gloo must be there: a missing backend fails, it is not skipped."""
-    assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo is required"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
 def _assert_reduced(got: dict, want: dict, local: dict, tol: float) -> None:
     assert_grads_close(got, want, tol)
     # The ranks' groups differ, so a missing reduction would show.
@@ -263,7 +237,7 @@ FSDP_FIX = (r"only to the module whose forward returns the loss", re.escape("ful
 
 
 def test_ddp(tmp_path):
-    results = _run(_ddp_worker, tmp_path)
+    results = gloo.spawn(_ddp_worker, WORLD, tmp_path)
     for res in results:
         for mode in ("exact", "detached"):
             for i in range(STEPS):
@@ -286,7 +260,7 @@ def test_ddp(tmp_path):
 
 
 def test_fsdp2(tmp_path):
-    results = _run(_fsdp_worker, tmp_path)
+    results = gloo.spawn(_fsdp_worker, WORLD, tmp_path)
     for res in results:
         for mode in ("exact", "detached"):
             for i in range(2):
