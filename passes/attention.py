@@ -222,58 +222,39 @@ def _attention_over_span(
     padded positions' own keys are seen by no query: no gradient."""
     real = last - ctx.offset
     own_k, own_v = k.narrow(-2, 0, real), v.narrow(-2, 0, real)
-    head = _AttentionOverState.apply(dataclasses.replace(ctx, length=real), q.narrow(-2, 0, real), own_k, own_v,
-                                     None, k_slot, v_slot, scale, first)
+    real_rows = dataclasses.replace(ctx, length=real)  # its keys are the span's: [0, last)
+    head = _AttentionOverState.apply(real_rows, q.narrow(-2, 0, real), own_k, own_v, None, k_slot, v_slot, scale, first)
     padded = q.narrow(-2, real, q.shape[-2] - real)
-    tail = _AttentionOverSpan.apply(ctx, padded, own_k, own_v, k_slot, v_slot, scale, first)
+    tail = _AttentionOverSpan.apply(real_rows, padded, own_k, own_v, k_slot, v_slot, scale, first)
     return torch.cat([head, tail], dim=-2)
 
 
 class _AttentionOverSpan(torch.autograd.Function):
-    """Queries after every key of `[first, offset + m)`: attention over all
-    of them (the fused kernels' non-causal call, `AttentionKernel`'s
-    `q_start` past the last key). Keys before the step's offset are read
-    from the state buffers and their gradients go to d(state); the step's
-    own `m` keys are `k`, `v` [1, Hkv, m, D]. Backward walks key blocks that
-    never straddle the offset, as `_AttentionOverState` does."""
+    """Queries after every key of the step's `[first, o+n)`: attention over
+    all of them (the fused kernels' non-causal call, `AttentionKernel`'s
+    `q_start` past the last key). `step` is the span's real rows (`k`, `v`
+    [1, Hkv, n, D], its own keys); the queries are not its rows. Backward
+    as `_AttentionOverState`'s, on key blocks that never straddle the offset."""
 
     @staticmethod
     def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, first):
-        end = step.offset + k.shape[-2] - first  # keys [first, offset + m), counted from first
-        keys = step.visible(k_slot).narrow(-2, first, end)
-        values = step.visible(v_slot).narrow(-2, first, end)
+        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         kernel = kernel_for(q, None)
-        out, lse = kernel.forward(q, keys, values, None, scale, end)
+        out, lse = kernel.forward(q, keys, values, None, scale, keys.shape[-2])
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.first = step, (k_slot, v_slot), scale, kernel, first
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        step: StepContext = ctx.step
-        kernel: AttentionKernel = ctx.kernel
-        (k_slot, v_slot), first = ctx.slots, ctx.first
+        step, kernel, first = ctx.step, ctx.kernel, ctx.first
         q, k, v, out, lse = ctx.saved_tensors
-        o, end = step.offset - first, step.offset - first + k.shape[-2]
-        keys = step.visible(k_slot).narrow(-2, first, end)
-        values = step.visible(v_slot).narrow(-2, first, end)
-        grad_out = grad_out.contiguous()
-        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        own_blocks = [(o + start, length) for start, length in kernel.earlier_blocks(q, k.shape[-2])]
-        for start, length in [*kernel.earlier_blocks(q, o), *own_blocks]:
-            own = start >= o
-            kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
-            vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
-            gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, None, ctx.scale, end, start)
-            grad_q += gq
-            if own:
-                grad_k.narrow(-2, start - o, length).copy_(gk)
-                grad_v.narrow(-2, start - o, length).copy_(gv)
-            else:
-                step.accumulate_grad(k_slot, gk, start + first)
-                step.accumulate_grad(v_slot, gv, start + first)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+        o = step.offset - first
+        own = [(o + start, length) for start, length in kernel.earlier_blocks(q, k.shape[-2])]
+        blocks = [*kernel.earlier_blocks(q, o), *own]
+        grads = _backward_over_blocks(step, kernel, blocks, grad_out, q, k, v, out, lse, None, ctx.scale,
+                                      o + k.shape[-2], first, ctx.slots)
+        return None, *grads, None, None, None, None
 
 
 class _AttentionOverState(torch.autograd.Function):
@@ -305,32 +286,44 @@ class _AttentionOverState(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        step: StepContext = ctx.step
-        kernel: AttentionKernel = ctx.kernel
-        k_slot, v_slot = ctx.slots
+        step, kernel, first = ctx.step, ctx.kernel, ctx.first
         q, k, v, out, lse = ctx.saved_tensors
-        mask: MaskBlock | None = ctx.mask
-        first = ctx.first
         o = step.offset - first  # positions from the first visible key
-        grad_out = grad_out.contiguous()
-        keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
-        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for start, length in kernel.blocks(q, o):
-            own = start >= o
-            kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
-            vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
-            cols = None if mask is None else mask.columns(start, length)
-            gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, ctx.scale, o, start)
-            grad_q += gq
-            if own:
-                grad_k.narrow(-2, start - o, length).copy_(gk)
-                grad_v.narrow(-2, start - o, length).copy_(gv)
-            else:
-                # when k and v are one slot, both land in the same d(state) and sum there
-                step.accumulate_grad(k_slot, gk, start + first)
-                step.accumulate_grad(v_slot, gv, start + first)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None, None
+        grads = _backward_over_blocks(step, kernel, kernel.blocks(q, o), grad_out, q, k, v, out, lse, ctx.mask,
+                                      ctx.scale, o, first, ctx.slots)
+        return None, *grads, None, None, None, None, None
+
+
+def _backward_over_blocks(
+    step: StepContext, kernel: AttentionKernel, blocks: list[tuple[int, int]], grad_out: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    mask: MaskBlock | None, scale: float | None, q_start: int, first: int, slots: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the step's own keys `k`, `v`, from key `blocks` (counted
+    from `first`) that never straddle the step's offset: with the output and
+    log-sum-exp of the whole row each block's gradients are exact, so dQ is
+    their sum; the earlier blocks' dK/dV go to d(state) (exact mode)."""
+    k_slot, v_slot = slots
+    o = step.offset - first
+    keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
+    grad_out = grad_out.contiguous()
+    grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    for start, length in blocks:
+        own = start >= o
+        kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
+        vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
+        cols = None if mask is None else mask.columns(start, length)
+        gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, scale, q_start, start)
+        grad_q += gq
+        if own:
+            grad_k.narrow(-2, start - o, length).copy_(gk)
+            grad_v.narrow(-2, start - o, length).copy_(gv)
+        else:
+            # when k and v are one slot, both land in the same d(state) and sum there
+            step.accumulate_grad(k_slot, gk, start + first)
+            step.accumulate_grad(v_slot, gv, start + first)
+    return grad_q.to(q.dtype), grad_k, grad_v
 
 
 def _visible_from(step: StepContext, slot: int, first: int) -> torch.Tensor:
