@@ -30,14 +30,15 @@ def reference_grads(model, kind: str, group: Group, bound: bool = False) -> dict
     branches, and one sequence at a time keeps float32 attention (SDPA's
     math kernel under grouped K/V, [G, H, N, N] scores at once) in memory.
     `bound` runs the hybrid's Gated DeltaNet through LongStraw's operators,
-    which compute in the input dtype (HF's own kernel rounds through float32)."""
+    which compute in the input dtype (HF's own kernel rounds through float32).
+    Returns them on the host (`_grads_on_cpu`)."""
     model.zero_grad(set_to_none=True)
     with Runner(model, kind, "eager_ckpt", longstraw_operators=bound):
         for g in range(group.responses.shape[0]):
             branch = Group(group.prompt, group.responses[g : g + 1], group.advantages[g : g + 1], group.mask[g : g + 1])
             share = branch.mask.sum() / group.mask.sum()
             (eager_step(model, branch) * share).backward()
-    return grads_of(model)
+    return _grads_on_cpu(model)
 
 
 def _grads_on_cpu(model) -> dict[str, torch.Tensor]:
@@ -66,11 +67,10 @@ def parity(kind, args, device, dtypes: tuple[torch.dtype, ...] = PARITY_DTYPES) 
         group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
         result = {}
         try:
-            reference_grads(model, kind, group, bound=dtype == torch.float64)
             if dtype == torch.float64:
-                truth = _grads_on_cpu(model)
+                truth = reference_grads(model, kind, group, bound=True)
             else:
-                want = _grads_on_cpu(model)
+                want = reference_grads(model, kind, group)
                 release()
                 with Runner(model, kind, "longstraw_exact") as runner:
                     runner.step(group)
