@@ -19,7 +19,9 @@ The step attends in latent space (absorbed attention): with
 so earlier positions are never decompressed: r + dr values per position
 (512 + 64 at DeepSeek-V3 shapes) instead of H x (dn + dr + dv). That is
 multi-query attention of head dim r + dr over one key head, run by the
-attention pass's explicit-softmax kernel one key block at a time. Gradients
+attention pass's explicit-softmax kernel one key block at a time (under a
+DSA selection, over each query's selected positions only, gathered a block
+of queries at a time: `_LatentOverSelection`). Gradients
 of earlier positions' latent and rope key go to d(state) (exact mode);
 `kv_b_proj` gets its gradient from both the query and the output side.
 """
@@ -250,10 +252,10 @@ class LatentAttentionPass(ArchitecturePass):
 
 
 class _LatentOverState(torch.autograd.Function):
-    """Multi-query attention of the absorbed queries over `[latent | rope
-    key]` at positions `[0, o + n)` (causal, or the keys `mask` selects),
-    values the latent: earlier positions are read from the state buffers,
-    the step's own from `latent`, `rope_key`.
+    """Causal multi-query attention of the absorbed queries over `[latent |
+    rope key]` at positions `[0, o + n)`, values the latent: earlier
+    positions are read from the state buffers, the step's own from
+    `latent`, `rope_key`.
 
     The keys `[T, r + dr]` (one layer's state, no head axis) are assembled
     in forward and again in backward, never kept between them; the
@@ -262,37 +264,118 @@ class _LatentOverState(torch.autograd.Function):
     positions' go to d(state) (exact mode)."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float, mask):
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float):
         keys = _keys(step, latent_slot, rope_slot, latent, rope_key)
         rank = latent.shape[-1]
-        out, lse = MATH.forward(query, keys, keys[..., :rank], mask, scale, step.offset)
-        ctx.step, ctx.slots, ctx.scale, ctx.rank, ctx.mask = step, (latent_slot, rope_slot), scale, rank, mask
+        out, lse = MATH.forward(query, keys, keys[..., :rank], None, scale, step.offset)
+        ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         step: StepContext = ctx.step
-        latent_slot, rope_slot = ctx.slots
         query, latent, rope_key, out, lse = ctx.saved_tensors
-        keys = _keys(step, latent_slot, rope_slot, latent, rope_key)  # rebuilt: a saved copy is a layer's state
-        rank, o = ctx.rank, step.offset
+        keys = _keys(step, *ctx.slots, latent, rope_key)  # rebuilt: a saved copy is a layer's state
+        rank, o = latent.shape[-1], step.offset
         grad_out = grad_out.contiguous()
         grad_q = torch.zeros(query.shape, dtype=compute_dtype(query), device=query.device)
-        grad_keys = torch.zeros_like(keys[0, 0])  # [T, r + dr]
+        grad_keys = torch.zeros(keys.shape[-2:], dtype=compute_dtype(query), device=query.device)  # [T, r + dr]
         for start, length in MATH.blocks(query, o):
             block = keys.narrow(-2, start, length)
-            mask = None if ctx.mask is None else ctx.mask.columns(start, length)
-            gq, gk, gv = MATH.backward(grad_out, query, block, block[..., :rank], out, lse, mask, ctx.scale, o, start)
+            gq, gk, gv = MATH.backward(grad_out, query, block, block[..., :rank], out, lse, None, ctx.scale, o, start)
             grad_q += gq
             grad_keys.narrow(0, start, length).copy_(gk[0, 0])
             grad_keys.narrow(0, start, length)[:, :rank] += gv[0, 0]
-        if o > 0:
-            step.accumulate_grad(latent_slot, slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
-            step.accumulate_grad(rope_slot, slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
-        own = grad_keys[o:]
-        grad_latent, grad_rope = own[:, :rank].reshape(latent.shape), own[:, rank:].reshape(rope_key.shape)
-        return None, grad_q.to(query.dtype), grad_latent, grad_rope, None, None, None, None
+        grad_latent, grad_rope = _route_key_grads(step, ctx.slots, grad_keys.to(keys.dtype), latent, rope_key)
+        return None, grad_q.to(query.dtype), grad_latent, grad_rope, None, None, None
+
+
+SELECTED_BLOCK_ELEMENTS = 1 << 27  # selected keys gathered at once: query rows x k x (r + dr)
+
+
+class _LatentOverSelection(torch.autograd.Function):
+    """`_LatentOverState` where each query reads only the positions listed
+    for it (`positions` [n, k], `valid` [n, k]; DSA's top-k selection):
+    the work is n x k pairs, not n x (o + n). A block of query rows gathers
+    its selected keys [rows, k, r + dr] from the layer's keys, so every
+    product is one batched matmul over the block (`SELECTED_BLOCK_ELEMENTS`
+    bounds the gathered keys); backward gathers them again and scatters
+    their gradients back with `index_add_`."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float,
+                positions, valid):
+        keys = _keys(step, latent_slot, rope_slot, latent, rope_key)[0, 0]
+        rank = latent.shape[-1]
+        out = torch.empty(query.shape[2], query.shape[1], rank, dtype=compute_dtype(query), device=query.device)
+        lse = torch.empty(out.shape[:2], dtype=out.dtype, device=query.device)  # [n, H]
+        for rows in _row_blocks(positions.shape, keys.shape[-1]):
+            q, selected, s = _selected_scores(query, keys, positions, valid, rows, scale)
+            lse[rows] = s.logsumexp(-1)
+            p = torch.exp(s - lse[rows, :, None])  # every query selects at least one earlier position
+            out[rows] = torch.bmm(p, selected[..., :rank])
+        out = out.transpose(0, 1)[None].to(query.dtype)  # [1, H, n, r]
+        ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
+        ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step: StepContext = ctx.step
+        query, latent, rope_key, out, lse, positions, valid = ctx.saved_tensors
+        keys = _keys(step, *ctx.slots, latent, rope_key)[0, 0]
+        rank, compute = latent.shape[-1], compute_dtype(query)
+        grad_q = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=compute, device=query.device)
+        grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)  # [T, r + dr]
+        for rows in _row_blocks(positions.shape, keys.shape[-1]):
+            q, selected, s = _selected_scores(query, keys, positions, valid, rows, ctx.scale)
+            p = torch.exp(s - lse[rows, :, None])  # [b, H, k]
+            do = grad_out[0, :, rows].transpose(0, 1).to(compute)  # [b, H, r]
+            o = out[0, :, rows].transpose(0, 1).to(compute)
+            ds = p * (torch.bmm(do, selected[..., :rank].transpose(1, 2)) - (do * o).sum(-1, keepdim=True))
+            grad_q[rows] = torch.bmm(ds, selected) * ctx.scale
+            grad_selected = torch.bmm(ds.transpose(1, 2), q) * ctx.scale  # [b, k, r + dr]
+            grad_selected[..., :rank] += torch.bmm(p.transpose(1, 2), do)
+            grad_keys.index_add_(0, positions[rows].flatten(), grad_selected.flatten(0, 1))
+        grad_latent, grad_rope = _route_key_grads(step, ctx.slots, grad_keys.to(keys.dtype), latent, rope_key)
+        grad_q = grad_q.transpose(0, 1)[None].to(query.dtype)
+        return None, grad_q, grad_latent, grad_rope, None, None, None, None, None
+
+
+def _row_blocks(selected: torch.Size, width: int) -> list[slice]:
+    """Blocks of query rows whose gathered keys [rows, k, width] stay within `SELECTED_BLOCK_ELEMENTS`."""
+    n, k = selected
+    rows = max(1, SELECTED_BLOCK_ELEMENTS // max(1, k * width))
+    return [slice(r, min(n, r + rows)) for r in range(0, n, rows)]
+
+
+def _selected_scores(
+    query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, rows: slice, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the query rows `rows`: their queries [b, H, r + dr] and selected
+    keys [b, k, r + dr] in the compute dtype, and the scaled scores
+    [b, H, k], -inf where a pick is not a key."""
+    compute = compute_dtype(query)
+    q = query[0, :, rows].transpose(0, 1).to(compute)
+    picked = positions[rows]
+    selected = keys.index_select(0, picked.flatten()).view(*picked.shape, keys.shape[-1]).to(compute)
+    s = torch.bmm(q, selected.transpose(1, 2)) * scale
+    return q, selected, s.masked_fill(~valid[rows, None, :], float("-inf"))
+
+
+def _route_key_grads(
+    step: StepContext, slots: tuple[int, int], grad_keys: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split d[latent | rope key] over `[0, o + n)`: earlier positions' into
+    d(state) (exact mode), the step's own returned as (d latent, d rope key)."""
+    latent_slot, rope_slot = slots
+    rank, o = latent.shape[-1], step.offset
+    if o > 0:
+        step.accumulate_grad(latent_slot, slot_layout(step, latent_slot, grad_keys[:o, :rank]), 0)
+        step.accumulate_grad(rope_slot, slot_layout(step, rope_slot, grad_keys[:o, rank:]), 0)
+    own = grad_keys[o:]
+    return own[:, :rank].reshape(latent.shape), own[:, rank:].reshape(rope_key.shape)
 
 
 def _keys(
@@ -339,18 +422,22 @@ def latent_attention_step(
     """Absorbed causal attention of the step's queries `q` [1, H, n, dn + dr]
     over positions `[0, o + n)` of the latent and the rope key; returns
     [1, H, n, dv] like the SDPA it replaces."""
-    return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale, None)
+    return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale)
 
 
 def absorbed_attention(
     ctx: StepContext, q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, weight: torch.Tensor,
-    latent_slot: int, rope_slot: int, nope_dim: int, scale: float, mask: object | None,
+    latent_slot: int, rope_slot: int, nope_dim: int, scale: float,
+    selected: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Latent-space attention over `[0, o + n)`; `mask` (None: causal) gives
-    the keys each query reads as boolean tiles, `mask.columns(start, count)`."""
+    """Latent-space attention over `[0, o + n)`: causal, or where `selected`
+    is given (positions [n, k], valid [n, k]), over those positions only."""
     heads, rank = q.shape[1], latent.shape[-1]
     w = weight.view(heads, -1, rank)  # [H, dn + dv, r]
     q_latent = torch.einsum("bhnd,hdr->bhnr", q[..., :nope_dim], w[:, :nope_dim])
     query = torch.cat([q_latent, q[..., nope_dim:]], -1)  # [1, H, n, r + dr]
-    out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, mask)
+    if selected is None:
+        out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
+    else:
+        out = _LatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)
     return torch.einsum("bhnr,hvr->bhnv", out, w[:, nope_dim:])

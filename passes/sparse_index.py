@@ -26,8 +26,10 @@ A query with fewer than `k` earlier positions reads all of them, as eager
 (its extra picks are later positions, which the causal mask drops).
 
 The selection has no gradient (eager's indexer runs under `no_grad`); the
-absorbed attention reads only the selected positions, and their latent and
-rope key gradients go to d(state) in exact mode, as in `passes/mla.py`.
+absorbed attention reads only the selected positions, gathered a block of
+queries at a time (`passes/mla.py`, `_LatentOverSelection`: n x k pairs,
+not n x (o + n)), and their latent and rope key gradients go to d(state)
+in exact mode.
 """
 
 from __future__ import annotations
@@ -275,19 +277,14 @@ class SparseLatentAttentionPass(ArchitecturePass):
         return emitter.graph.call_function(sparse_latent_attention_step, (emitter.ctx, *emitter.mapped(inputs)), kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
 class Selection:
-    """Per query of a step, the selected key positions; `columns` gives the
-    boolean tile the attention kernel reads, one key block at a time."""
+    """Per query of a step, the selected key positions [n, k] and whether
+    each pick is a key [n, k] (a query with fewer than k earlier positions
+    picks fewer)."""
 
-    def __init__(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        self.positions, self.valid = positions, valid  # [n, k]: positions and whether each pick is a key
-
-    def columns(self, start: int, count: int) -> torch.Tensor:
-        """[1, 1, n, count]: which of keys `[start, start + count)` each query reads."""
-        inside = self.valid & (self.positions >= start) & (self.positions < start + count)
-        where = torch.where(inside, self.positions - start, count)  # outside: a spare column, dropped
-        tile = torch.zeros(self.positions.shape[0], count + 1, dtype=torch.bool, device=self.positions.device)
-        return tile.scatter_(-1, where, True)[None, None, :, :count]
+    positions: torch.Tensor
+    valid: torch.Tensor
 
 
 def select_topk(
@@ -384,4 +381,5 @@ def sparse_latent_attention_step(
     MLA over the selected positions only; returns [1, H, n, dv] like the SDPA."""
     with torch.no_grad():
         selection = select_topk(ctx, index_query, index_key, weights, index_slot, index_scale, k)
-    return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale, selection)
+    selected = (selection.positions, selection.valid)
+    return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale, selected)

@@ -23,9 +23,8 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
 
 import longstraw
 from longstraw.errors import UnsupportedGraphError
-from longstraw.kernels import attention as attention_kernels
 from longstraw.passes import DEFAULT_PASSES, SparseLatentAttentionPass
-from longstraw.passes import sparse_index
+from longstraw.passes import mla, sparse_index
 
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
@@ -188,10 +187,10 @@ def test_topk_covering_every_position_is_dense_mla():
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_key_tiles_and_blocks_of_few_positions(monkeypatch, mode):
     """Index key tiles of 3 (the running top-k merged across many tiles, a
-    tile straddling the state and the step's own keys) and attention key
-    blocks of one position."""
+    tile straddling the state and the step's own keys) and attention over
+    the selected keys one query row at a time."""
     monkeypatch.setattr(sparse_index, "INDEX_KEY_TILE", 3)
-    monkeypatch.setattr(attention_kernels, "MATH_BLOCK_SCORES", 1)
+    monkeypatch.setattr(mla, "SELECTED_BLOCK_ELEMENTS", 1)
     check_parity(make_glm5(), mode, (2, 29, 4, 6))
 
 
@@ -214,6 +213,12 @@ def test_cuda_matches_eager(mode):
 
 
 # --- the selection -----------------------------------------------------------------------------
+
+
+def selected_mask(selection: sparse_index.Selection, keys: int) -> torch.Tensor:
+    """[n, keys]: which keys each query reads."""
+    mask = torch.zeros(selection.positions.shape[0], keys + 1, dtype=torch.bool)
+    return mask.scatter_(-1, torch.where(selection.valid, selection.positions, keys), True)[:, :keys]
 
 
 @pytest.mark.parametrize("tile, budget", [(1, 1 << 24), (5, 1 << 24), (4096, 1 << 24), (4096, 200)],
@@ -241,7 +246,7 @@ def test_selection_equals_eager_for_every_query(monkeypatch, tile, budget):
             for o in (0, 17, 40):  # a prompt chunk from the start, one mid-prompt, the branch after the prompt
                 selection = sparse_index.tiled_topk(q[row, o:], w[row, o:], k[row, :o], k[row, o:],
                                                     module.softmax_scale, module.index_topk)
-                got = selection.columns(0, length)[0, 0]
+                got = selected_mask(selection, length)
                 want = torch.zeros(length - o, length, dtype=torch.bool)
                 want.scatter_(-1, eager[row, o:].long(), True)
                 want &= torch.ones(length, length, dtype=torch.bool).tril()[o:]
@@ -262,10 +267,10 @@ def test_ties_go_to_earlier_positions():
             sparse_index.INDEX_KEY_TILE, before = tile, sparse_index.INDEX_KEY_TILE
             try:
                 with pytest.warns(UserWarning, match="k-th and \\(k\\+1\\)-th index scores are equal"):
-                    picked = sparse_index.tiled_topk(query, weights, keys[:o], keys[o:o + n], 1.0, k).columns(0, o + n)
+                    picked = selected_mask(sparse_index.tiled_topk(query, weights, keys[:o], keys[o:o + n], 1.0, k), o + n)
             finally:
                 sparse_index.INDEX_KEY_TILE = before
-            rows = picked[0, 0]
+            rows = picked
             for i in range(n):
                 visible = o + i + 1
                 assert rows[i].nonzero().flatten().tolist() == list(range(min(k, visible)))
