@@ -29,9 +29,9 @@ the JSON is written after every run, so a command stopped at the limit
 keeps what it measured). Its eager modes hold G x 32 float32 index-score
 matrices of (P + R)^2 and stop at a few thousand positions, so their
 sweeps start at 1024; `--p-speed-from eager_ckpt` then times every mode
-at the largest P eager + checkpointing reached. LongStraw's attention
-walks every key under the selection mask (O(P^2) work), so its sweeps
-are limited by time: from 16384 to at most 262144, exact first (each
+at the largest P eager + checkpointing reached. LongStraw's indexer
+scores every earlier key (O(P^2) work, as eager's), so its sweeps are
+limited by time: from 16384 to at most 262144, exact first (each
 mode gets the time left but a minute per later mode, and its first step
 compiles); a later command extends a sweep stopped by time with `--start
 MODE:P` (the report merges them). Parity runs at 2048
