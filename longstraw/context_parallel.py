@@ -1,9 +1,8 @@
-"""Context parallelism (issue 18), its first block: attention of replicated
-queries over a prompt state sharded across ranks.
+"""Context parallelism (issue 18): the prompt's per-position state sharded
+over ranks, everything else replicated.
 
-Each rank holds a contiguous share of the prompt's keys and values; a
-branch's queries are the same on every rank and come after every prompt
-key, so no causal mask applies inside a shard. Each rank computes the
+`sharded_attention` is the building block: attention of replicated
+queries over keys and values sharded across ranks. Each rank computes the
 attention over its own keys (output and log-sum-exp, the explicit softmax
 kernel in at least float32), and the ranks merge those partials by their
 log-sum-exp: two all-reduces, the largest log-sum-exp, then the weighted
@@ -11,14 +10,29 @@ outputs and weights in one tensor. The merged output and log-sum-exp are
 those of the whole row, so each rank's backward over its own keys gives the
 exact dK/dV of its shard (kept local) and its part of dQ (summed over the
 ranks, since q is replicated).
+
+The runtime (`Options.context_parallel`) runs every step on every rank of
+the group, on the same inputs: rank r keeps only its share of the prompt
+positions in the sequence slots' buffers (`PromptShard`), and each causal
+attention step (`sharded_causal_attention`) merges the partials over the
+shards of the positions before the step with its own causal keys, which
+every rank computed. Carries (recurrent state, convolution tails) are
+computed on every rank alike. So what autograd sees is the same on every
+rank and every rank ends with the whole gradient: none is reduced across
+the group. In exact mode d(state) is sharded like the state; the reverse
+pass broadcasts each prompt chunk's d(state) from its owner.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-from longstraw.kernels.attention import MATH, compute_dtype
+from longstraw.errors import InputError
+from longstraw.kernels.attention import MATH, compute_dtype, kernel_for
 
 
 def sharded_attention(
@@ -94,3 +108,149 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
     total, norm = sums[..., :-1], sums[..., -1]
     merged = total / torch.where(norm > 0, norm, 1.0)[..., None]
     return merged, top + torch.log(norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptShard:
+    """This rank's share `[start, end)` of the prompt positions, one
+    contiguous run of prompt chunks per rank in rank order (`shares`)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    starts: tuple[int, ...]  # every rank's first position, then the prompt's end
+
+    @property
+    def start(self) -> int:
+        return self.starts[self.rank]
+
+    @property
+    def end(self) -> int:
+        return self.starts[self.rank + 1]
+
+    def owner(self, position: int) -> int:
+        """The rank whose share holds `position` (a prompt position)."""
+        return max(r for r in range(len(self.starts) - 1) if self.starts[r] <= position < self.starts[r + 1])
+
+    def broadcast_chunk(self, local: torch.Tensor, token_dim: int, offset: int, length: int) -> torch.Tensor:
+        """Positions `[offset, offset+length)` of a sharded tensor (`local`
+        holds this rank's share), from the rank that holds them to every rank."""
+        owner = self.owner(offset)
+        if owner == self.rank:
+            chunk = local.narrow(token_dim, offset - self.start, length).contiguous()
+        else:
+            shape = list(local.shape)
+            shape[token_dim] = length
+            chunk = torch.empty(shape, dtype=local.dtype, device=local.device)
+        dist.broadcast(chunk, group_src=owner, group=self.group)
+        return chunk
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None, chunks: Sequence[tuple[int, int]], prefix_len: int) -> "PromptShard":
+        world = dist.get_world_size(group)
+        return cls(group, dist.get_rank(group), shares(chunks, prefix_len, world))
+
+
+def shares(chunks: Sequence[tuple[int, int]], prefix_len: int, world: int) -> tuple[int, ...]:
+    """The first position of each rank's share and the prompt's end: rank
+    j's share starts at the chunk boundary nearest j x prefix_len / world,
+    so a chunk is never split (a step's own positions live on one rank).
+    Ranks past the last chunk get empty shares."""
+    boundaries = [offset for offset, _ in chunks][1:]
+    starts = [0]
+    for j in range(1, world):
+        later = [b for b in boundaries if b > starts[-1]]
+        starts.append(min(later, key=lambda b: abs(b - j * prefix_len / world)) if later else prefix_len)
+    return (*starts, prefix_len)
+
+
+def sharded_causal_attention(step, q, k, v, k_slot: int, v_slot: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of a step's queries `q` [1, Hq, n, D] (positions
+    `[o, o+n)`, its own keys and values `k`, `v` [1, Hkv, n, D]) over every
+    earlier position, whose keys and values are sharded over the ranks
+    (`step.state.shard`); the same on every rank."""
+    return _ShardedCausalAttention.apply(step, q, k, v, k_slot, v_slot, scale)
+
+
+class _ShardedCausalAttention(torch.autograd.Function):
+    """Forward: the partial over this rank's positions before the step
+    (`q_start` past them: no mask), merged across the ranks
+    (`_merge`), then merged here with the causal partial over the step's own
+    keys, which every rank holds. Backward: each block's gradients from the
+    merged output and log-sum-exp; the shard's dK/dV go to this rank's
+    d(state), the shard's dQ are summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, step, q, k, v, k_slot, v_slot, scale):
+        shard, compute = step.state.shard, compute_dtype(q)
+        keys, values = _earlier_shard(step, k_slot), _earlier_shard(step, v_slot)
+        kernel = kernel_for(q, None)
+        if keys.shape[-2] > 0:
+            out, lse = kernel.forward(q, keys, values, None, scale, keys.shape[-2])
+            out = out.to(compute)
+        else:
+            lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+            out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
+        out, lse = _merge(out, lse.to(compute), shard.group)
+        own, own_lse = kernel.forward(q, k, v, None, scale, 0)
+        total = torch.logaddexp(lse, own_lse.to(compute))  # the own keys include the query's: finite
+        out = out * torch.exp(lse - total)[..., None] + own.to(compute) * torch.exp(own_lse - total)[..., None]
+        out = out.to(q.dtype)
+        ctx.step, ctx.slots, ctx.scale, ctx.kernel = step, (k_slot, v_slot), scale, kernel
+        ctx.save_for_backward(q, k, v, out, total)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step, kernel, scale = ctx.step, ctx.kernel, ctx.scale
+        q, k, v, out, lse = ctx.saved_tensors
+        k_slot, v_slot = ctx.slots
+        keys, values = _earlier_shard(step, k_slot), _earlier_shard(step, v_slot)
+        grad_out = grad_out.contiguous()
+        m = keys.shape[-2]
+        grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
+        for start, length in kernel.earlier_blocks(q, m):
+            gq, gk, gv = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length),
+                                         out, lse, None, scale, m, start)
+            grad_q += gq
+            step.accumulate_grad(k_slot, gk, step.state.shard.start + start)
+            step.accumulate_grad(v_slot, gv, step.state.shard.start + start)
+        dist.all_reduce(grad_q, group=step.state.shard.group)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        for start, length in kernel.blocks(q, 0):  # the step's own keys: positions counted from its first
+            gq, gk, gv = kernel.backward(grad_out, q, k.narrow(-2, start, length), v.narrow(-2, start, length),
+                                         out, lse, None, scale, 0, start)
+            grad_q += gq
+            grad_k.narrow(-2, start, length).copy_(gk)
+            grad_v.narrow(-2, start, length).copy_(gv)
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None
+
+
+def _earlier_shard(step, slot: int) -> torch.Tensor:
+    """This rank's keys (or values) at positions before the step: `[start, min(end, o))` of its share."""
+    shard = step.state.shard
+    token_dim = step.state.slots[slot].token_dim
+    buffer = step.state.buffers[slot]
+    return buffer.narrow(token_dim, 0, max(0, min(shard.end, step.offset) - shard.start))
+
+
+def check_replicated(values: Sequence[object], names: Sequence[str], group: dist.ProcessGroup | None) -> None:
+    """Every rank of `group` must call with the same tensors: each runs the
+    whole step, and a rank with other inputs would mix another prompt's
+    state into its attention. Compared by a checksum per tensor (its sum
+    and the sum of its squares, in float64), one all-gather per call."""
+    tensors = [(name, t) for name, t in zip(names, values) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return
+    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
+                        for _, t in tensors])
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    for rank, other in enumerate(gathered):
+        differs = ~((other == sums) | (other.isnan() & sums.isnan())).all(-1)
+        if bool(differs.any()):
+            name = tensors[int(differs.nonzero()[0, 0])][0]
+            raise InputError(
+                f"context parallelism: input `{name}` differs between rank {dist.get_rank(group)} and rank {rank} of "
+                "the group: every rank must call the compiled loss with the same inputs and the same weights (each "
+                "runs the whole step and keeps its share of the prompt state)"
+            )

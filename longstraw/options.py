@@ -94,6 +94,16 @@ class Options:
     no recomputation). Setting both `prefix_chunk_size` and
     `recompute_layers` skips planning."""
 
+    context_parallel: Any = None
+    """A `torch.distributed` process group (e.g. `dist.group.WORLD`): shard
+    the prompt's per-position state (attention K/V, and its gradient in
+    exact mode) over its ranks, a contiguous share each. Every rank calls
+    the compiled loss with the same inputs and weights (checked), runs
+    every step and gets the whole gradient: none is to be reduced across
+    the group. Needs `prefix_chunk_size` and `recompute_layers` set (the
+    planner does not plan per-rank peaks yet); models whose state is all
+    full causal attention and carries (`longstraw/context_parallel.py`)."""
+
     def __post_init__(self) -> None:
         from .pass_registry import as_pass  # the passes import the runtime, which imports this module
 
@@ -130,6 +140,17 @@ class Options:
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
         if self.progress not in (None, True, False):
             raise LongStrawError(f"progress must be None, True or False, got {self.progress!r}")
+        if self.context_parallel is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(self.context_parallel, dist.ProcessGroup)):
+                raise LongStrawError(f"context_parallel must be a torch.distributed ProcessGroup or None, got {self.context_parallel!r}")
+            if self.prefix_chunk_size is None or self.recompute_layers is None:
+                raise LongStrawError("context_parallel: set prefix_chunk_size and recompute_layers (the memory planner "
+                                     "does not plan per-rank peaks yet)")
+            if self.attention_outputs_on_host:
+                raise LongStrawError("context_parallel does not keep attention outputs on the host yet: "
+                                     "set attention_outputs_on_host=False")
         if self.on_unsupported not in ("error", "eager"):
             raise LongStrawError(f"on_unsupported must be 'error' or 'eager', got {self.on_unsupported!r}")
 

@@ -33,6 +33,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
+from .context_parallel import PromptShard, check_replicated
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
@@ -321,6 +322,8 @@ class GroupRunner:
 
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
+        if self.options.context_parallel is not None:
+            check_replicated(inputs, [argument_name(p) for p in self.part.placeholders], self.options.context_parallel)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)
@@ -391,11 +394,14 @@ class GroupRunner:
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
         kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
+        chunks = self._chunks(group.prefix_len)
+        cp = self.options.context_parallel
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept,
-                            active=stage.active if len(self.stages) > 1 else None)
+                            active=stage.active if len(self.stages) > 1 else None,
+                            shard=None if cp is None else PromptShard.of(cp, chunks, group.prefix_len))
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
-        for offset, length in self._walk(self._chunks(group.prefix_len), "prompt capture"):
+        for offset, length in self._walk(chunks, "prompt capture"):
             if self.random and not again:
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
@@ -410,8 +416,7 @@ class GroupRunner:
 
     def _check_finite(self, state: PromptState) -> None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
-        tensors = [(slot, state.buffers[slot.index].narrow(slot.token_dim, 0, state.prefix_len)) for slot in self.part.slots
-                   if slot.index in state.buffers]
+        tensors = [(slot, state.prompt_part(slot)) for slot in self.part.slots if slot.index in state.buffers]
         # the carries branches read (a non-finite earlier boundary reaches the state after it)
         tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.index in state.carries]
         if not tensors or not has_values(tensors[0][1]):

@@ -35,6 +35,7 @@ from .errors import LongStrawError, module_path
 
 if TYPE_CHECKING:
     from .carry import SpanGraphs
+    from .context_parallel import PromptShard
 
 log = logging.getLogger("longstraw.state")
 
@@ -81,11 +82,13 @@ class PromptState:
         self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
         boundaries: bool = True, span_graphs: "SpanGraphs | None" = None,
         attention_outputs: "HostAttentionOutputs | None" = None, active: Collection[int] | None = None,
+        shard: "PromptShard | None" = None,
     ) -> None:
         self.slots = slots  # every slot of the plan, indexed by `StateSlot.index`; `active` ones get memory
         self.span_graphs = span_graphs  # CUDA graphs of carried operators' spanwise backward (carry.py)
         self.attention_outputs = attention_outputs  # exact mode: the capture's attention outputs, for the reverse pass
         self.prefix_len = prefix_len
+        self.shard = shard  # context parallelism: the sequence buffers hold this rank's share of the prompt only
         self.verify = verify
         self.device = device
         self.boundaries = boundaries  # keep the carries at every chunk boundary (exact mode's reverse pass)
@@ -97,7 +100,7 @@ class PromptState:
                 continue
             if slot.kind == SlotKind.SEQUENCE:
                 shape = list(slot.shape)
-                shape[slot.token_dim] = capacity
+                shape[slot.token_dim] = capacity if shard is None else shard.end - shard.start
                 if verify and slot.dtype.is_floating_point:
                     buffer = torch.full(shape, float("nan"), dtype=slot.dtype, device=device)
                 else:
@@ -110,10 +113,7 @@ class PromptState:
 
     def allocate_grads(self) -> None:
         """d(state) of the prompt, accumulated by replays in backward."""
-        self.grads = {
-            i: torch.zeros_like(buf.narrow(self.slots[i].token_dim, 0, self.prefix_len))
-            for i, buf in self.buffers.items()
-        }
+        self.grads = {i: torch.zeros_like(self.prompt_part(self.slots[i])) for i in self.buffers}
         self.carry_grads = {i: {} for i in self.carries}
 
     def keep_carry(self, slot: int, position: int, value: torch.Tensor) -> None:
@@ -140,20 +140,30 @@ class PromptState:
             return torch.empty(value.shape, dtype=value.dtype, device=self.device)
         return value.to(self.device, non_blocking=True)
 
+    def prompt_part(self, slot: StateSlot) -> torch.Tensor:
+        """The prompt positions of a sequence slot held here: `[0, prefix_len)`,
+        or this rank's share under context parallelism."""
+        length = self.prefix_len if self.shard is None else self.shard.end - self.shard.start
+        return self.buffers[slot.index].narrow(slot.token_dim, 0, length)
+
     def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
         """The accumulated gradient of what a prompt chunk `[offset, offset+length)`
         produced. A carry's gradient is handed over once: the reverse pass
-        reaches each chunk once, and keeping them all would grow with P."""
-        if slot.kind == SlotKind.SEQUENCE:
+        reaches each chunk once, and keeping them all would grow with P.
+        Under context parallelism every rank replays the chunk: its owner
+        broadcasts the chunk's d(state)."""
+        if slot.kind == SlotKind.CARRY:
+            return self.carry_grads[slot.index].pop(offset + length, None)
+        if self.shard is None:
             return self.grads[slot.index].narrow(slot.token_dim, offset, length)
-        return self.carry_grads[slot.index].pop(offset + length, None)
+        return self.shard.broadcast_chunk(self.grads[slot.index], slot.token_dim, offset, length)
 
     def unwritten(self) -> StateSlot | None:
         """`Options.verify_state`: a slot with a prompt position the capture never wrote."""
         for slot in self.slots:
             buffer = self.buffers.get(slot.index)
             if buffer is not None and buffer.is_floating_point():
-                if bool(buffer.narrow(slot.token_dim, 0, self.prefix_len).isnan().any()):
+                if bool(self.prompt_part(slot).isnan().any()):
                     return slot
         return None
 
@@ -393,9 +403,16 @@ class StepContext:
     # sequence slots
 
     def write(self, slot: int, value: torch.Tensor) -> torch.Tensor:
-        """Store the step's new positions of a slot; returns `value` unchanged."""
+        """Store the step's new positions of a slot; returns `value` unchanged.
+        Under context parallelism only the owner of a prompt chunk stores it
+        (the sharded attention reads a step's own keys from its arguments)."""
         token_dim = self.state.slots[slot].token_dim
-        region = self.state.buffers[slot].narrow(token_dim, self.offset, self.length)
+        offset, shard = self.offset, self.state.shard
+        if shard is not None:
+            if not shard.start <= offset < shard.end:
+                return value
+            offset -= shard.start
+        region = self.state.buffers[slot].narrow(token_dim, offset, self.length)
         if self.state.verify and self.offset < self.state.prefix_len:
             self._verify_write(slot, region, value)
         region.copy_(value.detach())
@@ -412,6 +429,13 @@ class StepContext:
 
     def visible(self, slot: int) -> torch.Tensor:
         """All positions up to the end of this step: `[0, offset + length)`."""
+        if self.state.shard is not None:
+            raise LongStrawError(
+                f"context parallelism: {self.state.slots[slot].label()} is read by an operator that needs every "
+                "earlier position on this rank; with Options.context_parallel only full causal attention "
+                "(CausalAttentionPass, no padding mask) and carried state (Gated DeltaNet, causal convolutions) run "
+                "on a sharded prompt. Run this model without context_parallel."
+            )
         token_dim = self.state.slots[slot].token_dim
         return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
 
@@ -423,7 +447,8 @@ class StepContext:
         length = min(grad.shape[token_dim], self.offset - start)
         if grads is None or length <= 0:
             return
-        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
+        local = start if self.state.shard is None else start - self.state.shard.start  # d(state) is sharded like the state
+        grads[slot].narrow(token_dim, local, length).add_(grad.narrow(token_dim, 0, length))
 
     # carry slots
 

@@ -19,6 +19,7 @@ import operator
 import torch
 from torch import fx
 
+from longstraw.context_parallel import sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.mask import MaskBlock, key_padding_of, reads_input
@@ -203,6 +204,14 @@ def attention_step(
     first = 0
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
+    if ctx.state.shard is not None:
+        if mask is not None:
+            raise LongStrawError(
+                f"context parallelism: the attention over {ctx.state.slots[k_slot].label()} has a mask that is not "
+                "plain causal (padding, a window); a sharded prompt runs plain causal attention only. Run this batch "
+                "without context_parallel."
+            )
+        return sharded_causal_attention(ctx, q, k, v, k_slot, v_slot, scale)
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:

@@ -112,3 +112,146 @@ def test_sharded_attention(world, tmp_path):
             start, m = sum(case.shards[:index]), case.shards[index]
             assert_close(rank_grad_k, grad_k.narrow(-2, start, m), TOL, f"{what}: dK")
             assert_close(rank_grad_v, grad_v.narrow(-2, start, m), TOL, f"{what}: dV")
+
+
+# --- the runtime: Options.context_parallel ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCase:
+    model: str  # "dense" (tiny Qwen3) or "hybrid" (tiny Qwen3.5: Gated DeltaNet and full attention)
+    mode: str
+    G: int = 3
+    P: int = 37  # chunks of 8: the shares hold several chunks, the last one short
+    R: int = 5
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.mode}"
+
+
+STEP_CASES = {
+    2: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact"),
+        StepCase("hybrid", "detached")],
+    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29)],
+}
+STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
+
+
+def _model(kind: str) -> torch.nn.Module:
+    from helpers.tiny_models import make_qwen3, make_qwen3_5
+
+    return make_qwen3() if kind == "dense" else make_qwen3_5()
+
+
+def _backend(case: StepCase, group=None):
+    import longstraw
+
+    return longstraw.Backend(prompt_grad=case.mode, prefix_chunk_size=8, recompute_layers=False,
+                             context_parallel=group)
+
+
+def _step_worker(rank: int, world: int, port: int, out: str) -> None:
+    gloo.init(rank, world, port)
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
+
+    from longstraw import state as state_module
+
+    lengths: list[set[int]] = []  # per PromptState made: the token lengths of its sequence buffers
+    init = state_module.PromptState.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        lengths.append({b.shape[self.slots[i].token_dim] for i, b in self.buffers.items()})
+
+    state_module.PromptState.__init__ = recording
+    res = {}
+    for case in STEP_CASES[world]:
+        lengths.clear()
+        model = _model(case.model)
+        backend = _backend(case, dist.group.WORLD)
+        loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model,
+                                              *make_group(case.G, case.P, case.R))
+        res[case.name] = (loss.detach(), grads, set().union(*lengths))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", sorted(STEP_CASES))
+def test_step_matches_one_process(world, tmp_path):
+    """Loss and every gradient of a GRPO step whose prompt state is sharded
+    over `world` gloo processes equal the same step in one process (both
+    modes; that step's parity with eager is test_families' and
+    test_qwen3_5's), and the dense model's exact ones eager's; every rank
+    gets the whole gradient, and holds only its share of the prompt state."""
+    from helpers.compare import assert_grads_close
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.reference import eager_loss_and_grads
+    from helpers.tiny_models import make_group
+    from longstraw.context_parallel import shares
+    from longstraw.state import chunk_schedule
+
+    results = gloo.spawn(_step_worker, world, tmp_path)
+    for case in STEP_CASES[world]:
+        model, group = _model(case.model), make_group(case.G, case.P, case.R)
+        want_loss, want = compiled_loss_and_grads(compile_loss(grpo_loss_f64, _backend(case)), model, *group)
+        captured = case.P - 1  # the last prompt position's logit is read by the loss: it runs in every branch
+        share = shares(chunk_schedule(captured, 8), captured, world)
+        assert len(set(share)) == world + 1  # no empty share
+        for rank in range(world):
+            loss, grads, lengths = results[rank][case.name]
+            assert lengths == {share[rank + 1] - share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
+            assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
+            assert_grads_close(grads, want, STEP_TOL)
+        if case.mode == "exact" and case.model == "dense":  # the hybrid's eager GDN rounds through float32 (test_qwen3_5)
+            eager_loss, eager = eager_loss_and_grads(grpo_loss_f64, model, *group)
+            assert_close(results[0][case.name][0], eager_loss, 1e-6, f"{case.name}: loss against eager")
+            assert_grads_close(results[0][case.name][1], eager, 1e-6)
+
+
+def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
+    gloo.init(rank, world, port)
+    import longstraw
+    from helpers.harness import compile_loss
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group, make_model
+    from test_mla import make_deepseek_v3
+
+    def error_of(run) -> str:
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    cp = dict(prefix_chunk_size=8, recompute_layers=False, context_parallel=dist.group.WORLD)
+    prompt, responses, advantages, mask = make_group(2, 30, 4)
+    res = {
+        "other inputs": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            make_model("plain"), prompt, responses, advantages + rank, mask)),
+        "window mask": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            make_model("plain_window_mask"), prompt, responses, advantages, mask)),
+        "latent": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            make_deepseek_v3(), prompt, responses, advantages, mask)),
+        "unplanned": error_of(lambda: longstraw.Backend(context_parallel=dist.group.WORLD)),
+        "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
+                                                          context_parallel="world")),
+    }
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_refusals(tmp_path):
+    """Every rank refuses, with the cause: other inputs on another rank,
+    attention under a mask that is not plain causal, a state that is not
+    full causal attention (MLA's latent), planning
+    left to the planner, a context_parallel that is not a process group."""
+    for res in gloo.spawn(_refusal_worker, 2, tmp_path):
+        assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
+        assert "context parallelism: the attention over" in res["window mask"] and "not plain causal" in res["window mask"]
+        assert "context parallelism:" in res["latent"] and "latent_attention" in res["latent"], res["latent"]
+        assert "set prefix_chunk_size and recompute_layers" in res["unplanned"]
+        assert "must be a torch.distributed ProcessGroup" in res["not a group"]
