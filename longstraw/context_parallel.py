@@ -237,12 +237,11 @@ def check_replicated(values: Sequence[object], names: Sequence[str], group: dist
     """Every rank of `group` must call with the same tensors: each runs the
     whole step, and a rank with other inputs would mix another prompt's
     state into its attention. Compared by a checksum per tensor (its sum
-    and the sum of its squares, in float64), one all-gather per call."""
+    and its norm, in float64), one all-gather per call."""
     tensors = [(name, t) for name, t in zip(names, values) if isinstance(t, torch.Tensor)]
     if not tensors:
         return
-    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().square().sum()])
-                        for _, t in tensors])
+    sums = torch.stack([_checksum(t.detach()) for _, t in tensors])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
     for rank, other in enumerate(gathered):
@@ -254,3 +253,10 @@ def check_replicated(values: Sequence[object], names: Sequence[str], group: dist
                 "the group: every rank must call the compiled loss with the same inputs and the same weights (each "
                 "runs the whole step and keeps its share of the prompt state)"
             )
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """[sum, norm] of `t`, accumulated in float64."""
+    if not t.is_floating_point():
+        t = t.double()  # ids and masks: small
+    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
