@@ -26,7 +26,7 @@ from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
-from .planner import DEFAULT_CHUNK, MemoryModel, available_budget, default_budget
+from .planner import DEFAULT_CHUNK, MemoryModel, available_budget, context_ranks, default_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .state import SlotKind
@@ -280,7 +280,8 @@ def _sized(plan: GroupPlan, args: Sequence[Any], activations: dict[tuple, dict[i
         params = [a for p, a in zip(plan.partition.placeholders, args) if p in plan.partition.params and isinstance(a, torch.Tensor)]
         grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)
         others = max(held - model.weights - grads, 0)  # what the process holds besides the weights and their grads
-        chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute)
+        chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute,
+                              ranks=context_ranks(opts))
         chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB", budget / 1e9, others / 1e9, chunk, recompute,

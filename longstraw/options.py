@@ -100,9 +100,9 @@ class Options:
     exact mode) over its ranks, a contiguous share each. Every rank calls
     the compiled loss with the same inputs and weights (checked), runs
     every step and gets the whole gradient: none is to be reduced across
-    the group. Needs `prefix_chunk_size` and `recompute_layers` set (the
-    planner does not plan per-rank peaks yet); models whose state is all
-    full causal attention and carries (`longstraw/context_parallel.py`)."""
+    the group. The planner plans one rank's peak (its largest share of the
+    state). Models whose state is all full causal attention and carries
+    (`longstraw/context_parallel.py`)."""
 
     def __post_init__(self) -> None:
         from .pass_registry import as_pass  # the passes import the runtime, which imports this module
@@ -145,9 +145,6 @@ class Options:
 
             if not (dist.is_available() and isinstance(self.context_parallel, dist.ProcessGroup)):
                 raise LongStrawError(f"context_parallel must be a torch.distributed ProcessGroup or None, got {self.context_parallel!r}")
-            if self.prefix_chunk_size is None or self.recompute_layers is None:
-                raise LongStrawError("context_parallel: set prefix_chunk_size and recompute_layers (the memory planner "
-                                     "does not plan per-rank peaks yet)")
             if self.attention_outputs_on_host:
                 raise LongStrawError("context_parallel does not keep attention outputs on the host yet: "
                                      "set attention_outputs_on_host=False")

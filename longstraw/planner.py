@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from .nodes import tensor_of
+from .context_parallel import shares
 from .depth import Depth
+from .nodes import tensor_of
 from .simulation import (
     float_dtype, sampled_chunks, simulate_phases, simulate_step, step_depth, steps_without_middle, tensor_bytes,
     traced_prefix_len,
@@ -74,6 +75,7 @@ class MemoryPlan:
     activations: int  # one branch replay, one prompt chunk, or one reverse chunk, and kernel workspaces
     budget: int | None
     largest_prompt: int | None
+    ranks: int = 1  # context parallelism: the peak is one rank's, holding the largest share of the prompt state
 
     @property
     def peak(self) -> int:
@@ -88,14 +90,16 @@ class MemoryPlan:
         rows = [
             ("weights", self.weights),
             ("grads (trainable)", self.grads),
-            (f"state, {self.P - 1 + self.R} positions", self.state),
+            (f"state, {self.P - 1 + self.R} positions" if self.ranks == 1 else
+             f"state, the largest share of {self.P - 1} positions over {self.ranks} ranks", self.state),
             ("d(state)" + ("" if self.prompt_grad == "exact" else " (detached: none)"), self.state_grad),
             ("activations" + (", layer-wise recomputation" if self.recompute_layers else ""), self.activations),
         ]
         lines = [f"P={self.P} G={self.G} R={self.R} prompt_grad={self.prompt_grad} "
                  f"prefix_chunk_size={self.prefix_chunk_size} recompute_layers={self.recompute_layers}"]
         lines += [f"  {name:44} {gb(size)}" for name, size in rows]
-        lines.append(f"  {'predicted peak (independent of G)':44} {gb(self.peak)}")
+        lines.append(f"  {'predicted peak (independent of G)' if self.ranks == 1 else 'predicted peak per rank':44} "
+                     f"{gb(self.peak)}")
         if self.budget is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'budget':44} {gb(self.budget)}  -> {verdict}")
@@ -123,18 +127,23 @@ class MemoryModel:
         self._context = (self.branch_len, self.float_dtype, self.weights, self.grads)
 
     def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0,
-              chunks: int | None = None) -> tuple[int, int]:
+              chunks: int | None = None, ranks: int = 1) -> tuple[int, int]:
         """(state, d(state)) bytes on `device` for a P-token prompt and
         branches of R positions. Carries: the latest, and in exact mode off
         a GPU every chunk boundary (a GPU keeps those on the host) of the
-        `chunks` the capture runs (default: all)."""
+        `chunks` the capture runs (default: all). Over `ranks` (context
+        parallelism) the rank with the largest share of the prompt: its
+        buffers hold the share and no branch positions; carries are on
+        every rank."""
         slots = self.plan.partition.slots
-        chunks = chunk_count(max(P - 1, 0), chunk) if chunks is None else chunks
+        prompt = max(P - 1, 0)
+        chunks = chunk_count(prompt, chunk) if chunks is None else chunks
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
         boundaries = chunks + 1 if mode == "exact" and not boundaries_on_host(device) else 1
-        state = int(per_position * (P - 1 + R)) + fixed * boundaries
-        state_grad = int(per_position * (P - 1)) + 2 * fixed if mode == "exact" else 0
+        held = prompt + R if ranks == 1 else largest_share(prompt, chunk, ranks)
+        state = int(per_position * held) + fixed * boundaries
+        state_grad = int(per_position * (prompt if ranks == 1 else held)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad
 
     def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> int:
@@ -178,19 +187,21 @@ class MemoryModel:
 
     def predict(
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,
-        dtype: torch.dtype | None = None, budget: int | None = None,
+        dtype: torch.dtype | None = None, budget: int | None = None, ranks: int = 1,
     ) -> MemoryPlan:
+        """The peak for these sizes; over `ranks`, one rank's (every rank runs
+        every step, so the activations are one process's)."""
         scale = _scale(self.float_dtype, dtype)
         chunk = min(chunk, max(P - 1, 1))
         activations = self.activations(mode, chunk, recompute, device, dtype)
         fixed = int(self.weights * scale), int(self.grads * scale)
-        fits = lambda p: sum(fixed) + sum(self.state(p, R, mode, chunk, device, scale)) + activations <= budget  # noqa: E731
+        state = lambda p: self.state(p, R, mode, chunk, device, scale, ranks=ranks)  # noqa: E731
+        fits = lambda p: sum(fixed) + sum(state(p)) + activations <= budget  # noqa: E731
         largest = None if budget is None else _largest(fits)
-        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *self.state(P, R, mode, chunk, device, scale),
-                          activations, budget, largest)
+        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *state(P), activations, budget, largest, ranks)
 
     def choose(self, P: int, R: int, mode: str, device: torch.device, budget: int, chunk: int | None = None,
-               recompute: bool | None = None, dtype: torch.dtype | None = None) -> MemoryPlan:
+               recompute: bool | None = None, dtype: torch.dtype | None = None, ranks: int = 1) -> MemoryPlan:
         """The fastest (chunk, recompute) whose predicted peak fits `budget`;
         a given `chunk` or `recompute` is kept. When nothing fits, the
         smallest predicted peak (and a warning: the step may run out of memory)."""
@@ -206,7 +217,7 @@ class MemoryModel:
             candidates += [(c, False) for c in chunks if c < fast]
         plans = []
         for c, r in candidates:
-            plan = self.predict(P, 1, R, mode, c, r, device, dtype, budget)
+            plan = self.predict(P, 1, R, mode, c, r, device, dtype, budget, ranks)
             if plan.fits:
                 return plan
             plans.append(plan)
@@ -216,6 +227,19 @@ class MemoryModel:
                     "of memory: shorten the prompt, use prompt_grad='detached', or raise memory_budget_gb.",
                     budget / 1e9, P, mode, best.peak / 1e9, best.prefix_chunk_size, best.recompute_layers)
         return best
+
+
+def context_ranks(options: Any) -> int:
+    """Ranks the prompt state is sharded over (`Options.context_parallel`)."""
+    group = options.context_parallel
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def largest_share(prompt: int, chunk: int, ranks: int) -> int:
+    """The most prompt positions one rank holds under context parallelism
+    (`context_parallel.shares` of the chunk schedule)."""
+    starts = shares(chunk_schedule(prompt, chunk), prompt, ranks)
+    return max(b - a for a, b in zip(starts, starts[1:]))
 
 
 def default_budget(device: torch.device) -> int | None:

@@ -36,7 +36,7 @@ from .errors import LongStrawError
 from .graph_model import COLORS, REGION_TITLES, REGIONS, describe_slot, graph_model
 from .nodes import tensor_of
 from .options import Options
-from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan, default_budget
+from .planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan, context_ranks, default_budget
 
 
 
@@ -85,6 +85,7 @@ class ExplainReport:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute_layers: bool | None = None,
+        ranks: int | None = None,
     ) -> MemoryPlan:
         """Predicted peak for a group of G branches of R positions after a
         P-token prompt (R as in the plan summary: the positions one branch
@@ -97,7 +98,9 @@ class ExplainReport:
         would choose them (the `prefix_chunk_size` and `recompute_layers` of
         the result) for the budget: `budget_gb`, else the options'
         `memory_budget_gb`, else on CUDA the device's free memory; with
-        none of these, 8192 without recomputation."""
+        none of these, 8192 without recomputation. `ranks` (default: the
+        options' `context_parallel` group's size, else 1) predicts one
+        rank's peak with the prompt state sharded over that many."""
         G = self.traced_group_size if G is None else G
         R = self.traced_response_len if R is None else R
         mode = prompt_grad or self.options.prompt_grad
@@ -106,11 +109,12 @@ class ExplainReport:
         device = torch.device(device) if device is not None else self.example_device
         budget_gb = self.options.memory_budget_gb if budget_gb is None else budget_gb
         budget = default_budget(device) if budget_gb is None else int(budget_gb * 1e9)
+        ranks = context_ranks(self.options) if ranks is None else ranks
         if budget is not None and (chunk is None or recompute is None):
-            chosen = self.memory.choose(P, R, mode, device, budget, chunk, recompute, dtype)
+            chosen = self.memory.choose(P, R, mode, device, budget, chunk, recompute, dtype, ranks)
             chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
         chunk = DEFAULT_CHUNK if chunk is None else chunk
-        return self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget)
+        return self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget, ranks)
 
     # views ---------------------------------------------------------------
 

@@ -201,8 +201,9 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     from longstraw.kernels import attention
 
     part = plan.partition
+    # one process's steps: a rank under context parallelism runs the same ones, its state is the planner's formula
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
-                                  progress=False, check_finite=False, verify_state=False)
+                                  progress=False, check_finite=False, verify_state=False, context_parallel=None)
     live = plan.runner.stages[-1]
     if steps is None:
         stages = plan.runner.stages

@@ -153,6 +153,7 @@ def _backend(case: StepCase, group=None):
 
 def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
+    import longstraw
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
@@ -160,23 +161,64 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     from longstraw import state as state_module
 
     lengths: list[set[int]] = []  # per PromptState made: the token lengths of its sequence buffers
-    init = state_module.PromptState.__init__
+    held: list[int] = []  # per PromptState made: bytes of its buffers, then of its d(state)
+    init, allocate_grads = state_module.PromptState.__init__, state_module.PromptState.allocate_grads
 
     def recording(self, *args, **kwargs):
         init(self, *args, **kwargs)
         lengths.append({b.shape[self.slots[i].token_dim] for i, b in self.buffers.items()})
+        held.append(sum(b.numel() * b.element_size() for b in self.buffers.values()))
+
+    def recording_grads(self):
+        allocate_grads(self)
+        held.append(sum(g.numel() * g.element_size() for g in self.grads.values()))
 
     state_module.PromptState.__init__ = recording
+    state_module.PromptState.allocate_grads = recording_grads
     res = {}
     for case in STEP_CASES[world]:
         lengths.clear()
+        held.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
-        loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model,
-                                              *make_group(case.G, case.P, case.R))
+        group = make_group(case.G, case.P, case.R)
+        loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
         res[case.name] = (loss.detach(), grads, set().union(*lengths))
+        if case.model == "dense":  # what the planner predicts for one rank, against what this rank held
+            held_bytes = sum(held)
+            plan = longstraw.explain(grpo_loss_f64, model, *group, options=backend.options).plan(P=case.P)
+            res[case.name + " state"] = (plan.ranks, plan.state + plan.state_grad, held_bytes)
+    if world == 2:  # planned for a budget: the planner simulates one process's steps, no collectives
+        case = PLANNED_CASE
+        backend = longstraw.Backend(prompt_grad=case.mode, memory_budget_gb=1.0, context_parallel=dist.group.WORLD)
+        res["planned"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), _model(case.model),
+                                                 *make_group(case.G, case.P, case.R))
+    if world == 2:
+        res["fsdp2"] = _fsdp2_step(FSDP2_CASE)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+FSDP2_CASE = PLANNED_CASE = StepCase("dense", "exact")
+
+
+def _fsdp2_step(case: StepCase) -> tuple[set[str], torch.Tensor, dict]:
+    """FSDP2 over the same ranks, as `tests/test_distributed.py`'s recipe:
+    `fully_shard` on the loss module, compiled. Every rank's gradient is
+    the whole one, so FSDP2's average over the ranks is that gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    import longstraw
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
+
+    torch._dynamo.reset()
+    module = longstraw.LossModule(_model(case.model), grpo_loss_f64)
+    fully_shard(module)
+    loss = torch.compile(module, backend=_backend(case, dist.group.WORLD))(*make_group(case.G, case.P, case.R))
+    loss.backward()
+    grads = {name.removeprefix("model."): p.grad.full_tensor() for name, p in module.named_parameters()}
+    return {type(p).__name__ for p in module.parameters()}, loss.detach(), grads
 
 
 @pytest.mark.parametrize("world", sorted(STEP_CASES))
@@ -185,7 +227,11 @@ def test_step_matches_one_process(world, tmp_path):
     over `world` gloo processes equal the same step in one process (both
     modes; that step's parity with eager is test_families' and
     test_qwen3_5's), and the dense model's exact ones eager's; every rank
-    gets the whole gradient, and holds only its share of the prompt state."""
+    gets the whole gradient, and holds only its share of the prompt state.
+    With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
+    the same ranks (its average of the ranks' equal gradients is the
+    gradient) and planned for a memory budget. The planner's per-rank state
+    and d(state) are the bytes the rank with the largest share held."""
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
@@ -206,6 +252,20 @@ def test_step_matches_one_process(world, tmp_path):
             assert lengths == {share[rank + 1] - share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
             assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
             assert_grads_close(grads, want, STEP_TOL)
+        if (case.model, case.mode) == (FSDP2_CASE.model, FSDP2_CASE.mode) and world == 2:
+            for rank in range(world):  # FSDP2 shards the parameters; the gathered gradient is the same
+                kinds, loss, grads = results[rank]["fsdp2"]
+                assert kinds == {"DTensor"}
+                assert_close(loss, want_loss, STEP_TOL, f"fsdp2, rank {rank}: loss")
+                assert_grads_close(grads, want, STEP_TOL)
+        if case == PLANNED_CASE and world == 2:
+            for rank in range(world):
+                loss, grads = results[rank]["planned"]
+                assert_close(loss, want_loss, STEP_TOL, f"planned, rank {rank}: loss")
+                assert_grads_close(grads, want, STEP_TOL)
+        if case.model == "dense":  # the planner's per-rank state is what the rank with the largest share held
+            predicted = {results[rank][case.name + " state"][:2] for rank in range(world)}
+            assert predicted == {(world, max(results[rank][case.name + " state"][2] for rank in range(world)))}
         if case.mode == "exact" and case.model == "dense":  # the hybrid's eager GDN rounds through float32 (test_qwen3_5)
             eager_loss, eager = eager_loss_and_grads(grpo_loss_f64, model, *group)
             assert_close(results[0][case.name][0], eager_loss, 1e-6, f"{case.name}: loss against eager")
@@ -236,7 +296,6 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             make_model("plain_window_mask"), prompt, responses, advantages, mask)),
         "latent": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_deepseek_v3(), prompt, responses, advantages, mask)),
-        "unplanned": error_of(lambda: longstraw.Backend(context_parallel=dist.group.WORLD)),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
                                                           context_parallel="world")),
     }
@@ -247,11 +306,10 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_refusals(tmp_path):
     """Every rank refuses, with the cause: other inputs on another rank,
     attention under a mask that is not plain causal, a state that is not
-    full causal attention (MLA's latent), planning
-    left to the planner, a context_parallel that is not a process group."""
+    full causal attention (MLA's latent), a context_parallel that is not a
+    process group."""
     for res in gloo.spawn(_refusal_worker, 2, tmp_path):
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
         assert "context parallelism: the attention over" in res["window mask"] and "not plain causal" in res["window mask"]
         assert "context parallelism:" in res["latent"] and "latent_attention" in res["latent"], res["latent"]
-        assert "set prefix_chunk_size and recompute_layers" in res["unplanned"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
