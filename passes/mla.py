@@ -28,8 +28,10 @@ of earlier positions' latent and rope key go to d(state) (exact mode);
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -310,11 +312,12 @@ class _LatentOverSelection(torch.autograd.Function):
         rank = latent.shape[-1]
         out = torch.empty(query.shape[2], query.shape[1], rank, dtype=compute_dtype(query), device=query.device)
         lse = torch.empty(out.shape[:2], dtype=out.dtype, device=query.device)  # [n, H]
-        for rows in _row_blocks(positions.shape, keys.shape[-1]):
-            q, selected, s = _selected_scores(query, keys, positions, valid, rows, scale)
-            lse[rows] = s.logsumexp(-1)
-            p = torch.exp(s - lse[rows, :, None])  # every query selects at least one earlier position
-            out[rows] = torch.bmm(p, selected[..., :rank])
+        with _products_exact_for(query.dtype):
+            for rows in _row_blocks(positions.shape, keys.shape[-1]):
+                q, selected, s = _selected_scores(query, keys, positions, valid, rows, scale)
+                lse[rows] = s.logsumexp(-1)
+                p = torch.exp(s - lse[rows, :, None])  # every query selects at least one earlier position
+                out[rows] = torch.bmm(p, selected[..., :rank])
         out = out.transpose(0, 1)[None].to(query.dtype)  # [1, H, n, r]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
@@ -328,16 +331,17 @@ class _LatentOverSelection(torch.autograd.Function):
         rank, compute = latent.shape[-1], compute_dtype(query)
         grad_q = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=compute, device=query.device)
         grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)  # [T, r + dr]
-        for rows in _row_blocks(positions.shape, keys.shape[-1]):
-            q, selected, s = _selected_scores(query, keys, positions, valid, rows, ctx.scale)
-            p = torch.exp(s - lse[rows, :, None])  # [b, H, k]
-            do = grad_out[0, :, rows].transpose(0, 1).to(compute)  # [b, H, r]
-            o = out[0, :, rows].transpose(0, 1).to(compute)
-            ds = p * (torch.bmm(do, selected[..., :rank].transpose(1, 2)) - (do * o).sum(-1, keepdim=True))
-            grad_q[rows] = torch.bmm(ds, selected) * ctx.scale
-            grad_selected = torch.bmm(ds.transpose(1, 2), q) * ctx.scale  # [b, k, r + dr]
-            grad_selected[..., :rank] += torch.bmm(p.transpose(1, 2), do)
-            grad_keys.index_add_(0, positions[rows].flatten(), grad_selected.flatten(0, 1))
+        with _products_exact_for(query.dtype):
+            for rows in _row_blocks(positions.shape, keys.shape[-1]):
+                q, selected, s = _selected_scores(query, keys, positions, valid, rows, ctx.scale)
+                p = torch.exp(s - lse[rows, :, None])  # [b, H, k]
+                do = grad_out[0, :, rows].transpose(0, 1).to(compute)  # [b, H, r]
+                o = out[0, :, rows].transpose(0, 1).to(compute)
+                ds = p * (torch.bmm(do, selected[..., :rank].transpose(1, 2)) - (do * o).sum(-1, keepdim=True))
+                grad_q[rows] = torch.bmm(ds, selected) * ctx.scale
+                grad_selected = torch.bmm(ds.transpose(1, 2), q) * ctx.scale  # [b, k, r + dr]
+                grad_selected[..., :rank] += torch.bmm(p.transpose(1, 2), do)
+                grad_keys.index_add_(0, positions[rows].flatten(), grad_selected.flatten(0, 1))
         grad_latent, grad_rope = _route_key_grads(step, ctx.slots, grad_keys.to(keys.dtype), latent, rope_key)
         grad_q = grad_q.transpose(0, 1)[None].to(query.dtype)
         return None, grad_q, grad_latent, grad_rope, None, None, None, None, None
@@ -348,6 +352,26 @@ def _row_blocks(selected: torch.Size, width: int) -> list[slice]:
     n, k = selected
     rows = max(1, SELECTED_BLOCK_ELEMENTS // max(1, k * width))
     return [slice(r, min(n, r + rows)) for r in range(0, n, rows)]
+
+
+@contextlib.contextmanager
+def _products_exact_for(dtype: torch.dtype) -> Iterator[None]:
+    """The block's float32 matrix products on CUDA's TF32 units when the
+    model runs in 16 bits: its queries, keys and output gradients come from
+    fp16/bf16 values, which TF32's 10-bit mantissa holds exactly, so their
+    products are the ones 16-bit matrix units would form, accumulated in
+    float32 (as SDPA's kernels do for eager); the softmax probabilities and
+    score gradients round to 10 bits (flash attention rounds them to 16-bit
+    operands). A float32 or float64 model keeps full-precision products."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before, matmul.allow_tf32 = matmul.allow_tf32, True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
 
 
 def _selected_scores(

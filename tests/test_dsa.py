@@ -28,7 +28,7 @@ from longstraw.passes import mla, sparse_index
 
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
-from helpers.reference import detached_reference
+from helpers.reference import detached_reference, eager_loss_and_grads
 from helpers.tiny_models import make_group
 from test_families import deterministic_algorithms
 
@@ -210,6 +210,34 @@ def test_branch_order_does_not_matter(mode):
 def test_cuda_matches_eager(mode):
     """Float64 on CUDA: the selection's tensors are made on the step's device."""
     check_parity(make_glm5().cuda(), mode, (3, 64, 6, 24), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_cuda_bf16_is_as_accurate_as_eager(mode):
+    """bf16 on CUDA, where the selected attention's products run on TF32
+    units (`passes/mla.py`, `_products_exact_for`): against float64, the
+    worst parameter's gradient is no further off than eager bf16's (within
+    a factor 2), and LongStraw's loss is eager's to bf16 rounding."""
+    import copy
+
+    from helpers.compare import rel_err
+    from helpers.harness import compiled_loss_and_grads
+
+    truth_model = make_glm5(experts=False).cuda()
+    model = copy.deepcopy(truth_model).to(torch.bfloat16)
+    group = tuple(t.cuda() for t in make_group(3, 96, 6, pad=True))
+    truth_loss, truth = (detached_reference(truth_model, *group) if mode == "detached" else
+                         eager_loss_and_grads(grpo_loss_f64, truth_model, *group))
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=40)
+    loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+    if mode == "exact":
+        _, eager = eager_loss_and_grads(grpo_loss_f64, model, *group)
+    else:
+        _, eager = detached_reference(model, *group)
+    worst = lambda grads: max(rel_err(grads[n].double(), truth[n]) for n in truth if truth[n] is not None)  # noqa: E731
+    assert worst(got) <= 2 * worst(eager), (worst(got), worst(eager))
+    assert rel_err(loss.double(), truth_loss) < 2e-2
 
 
 # --- the selection -----------------------------------------------------------------------------
