@@ -124,15 +124,28 @@ class StepCase:
     G: int = 3
     P: int = 37  # chunks of 8: the shares hold several chunks, the last one short
     R: int = 5
+    layerwise: bool = False  # recompute_layers and verify_state
+    prompts: tuple[int, ...] = ()  # a trainer's batch of several prompts, this many completions each
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.mode}"
+        return "-".join([self.model, self.mode, *(["layerwise"] if self.layerwise else []),
+                         *([f"prompts{len(self.prompts)}"] if self.prompts else [])])
+
+    def loss_and_inputs(self):
+        from helpers.losses import grpo_loss_f64
+        from helpers.tiny_models import make_group
+        from test_batches import batch_loss, make_batch
+
+        if self.prompts:
+            return batch_loss, make_batch(list(self.prompts), self.P, self.R, vocab=64)
+        return grpo_loss_f64, make_group(self.G, self.P, self.R)
 
 
 STEP_CASES = {
     2: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact"),
-        StepCase("hybrid", "detached")],
+        StepCase("hybrid", "detached"), StepCase("dense", "exact", layerwise=True),
+        StepCase("hybrid", "exact", prompts=(2, 3))],
     3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29)],
 }
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
@@ -147,8 +160,8 @@ def _model(kind: str) -> torch.nn.Module:
 def _backend(case: StepCase, group=None):
     import longstraw
 
-    return longstraw.Backend(prompt_grad=case.mode, prefix_chunk_size=8, recompute_layers=False,
-                             context_parallel=group)
+    return longstraw.Backend(prompt_grad=case.mode, prefix_chunk_size=8, recompute_layers=case.layerwise,
+                             verify_state=case.layerwise, context_parallel=group)
 
 
 def _step_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -181,12 +194,12 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         held.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
-        group = make_group(case.G, case.P, case.R)
-        loss, grads = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), model, *group)
+        loss_fn, inputs = case.loss_and_inputs()
+        loss, grads = compiled_loss_and_grads(compile_loss(loss_fn, backend), model, *inputs)
         res[case.name] = (loss.detach(), grads, set().union(*lengths))
-        if case.model == "dense":  # what the planner predicts for one rank, against what this rank held
+        if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
-            plan = longstraw.explain(grpo_loss_f64, model, *group, options=backend.options).plan(P=case.P)
+            plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
             res[case.name + " state"] = (plan.ranks, plan.state + plan.state_grad, held_bytes)
     if world == 2:  # planned for a budget: the planner simulates one process's steps, no collectives
         case = PLANNED_CASE
@@ -200,6 +213,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 FSDP2_CASE = PLANNED_CASE = StepCase("dense", "exact")
+PLANNED = {StepCase("dense", "exact"), StepCase("dense", "detached")}  # the planner's state against the buffers
 
 
 def _fsdp2_step(case: StepCase) -> tuple[set[str], torch.Tensor, dict]:
@@ -228,22 +242,24 @@ def test_step_matches_one_process(world, tmp_path):
     modes; that step's parity with eager is test_families' and
     test_qwen3_5's), and the dense model's exact ones eager's; every rank
     gets the whole gradient, and holds only its share of the prompt state.
+    Also with layer-wise recomputation and `verify_state` (each prompt
+    position written once, on its owner), and over a trainer's batch of
+    two prompts (two groups, each sharded; the first captured again in
+    backward).
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
     the same ranks (its average of the ranks' equal gradients is the
     gradient) and planned for a memory budget. The planner's per-rank state
     and d(state) are the bytes the rank with the largest share held."""
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
-    from helpers.losses import grpo_loss_f64
     from helpers.reference import eager_loss_and_grads
-    from helpers.tiny_models import make_group
     from longstraw.context_parallel import shares
     from longstraw.state import chunk_schedule
 
     results = gloo.spawn(_step_worker, world, tmp_path)
     for case in STEP_CASES[world]:
-        model, group = _model(case.model), make_group(case.G, case.P, case.R)
-        want_loss, want = compiled_loss_and_grads(compile_loss(grpo_loss_f64, _backend(case)), model, *group)
+        model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
+        want_loss, want = compiled_loss_and_grads(compile_loss(loss_fn, _backend(case)), model, *inputs)
         captured = case.P - 1  # the last prompt position's logit is read by the loss: it runs in every branch
         share = shares(chunk_schedule(captured, 8), captured, world)
         assert len(set(share)) == world + 1  # no empty share
@@ -263,11 +279,11 @@ def test_step_matches_one_process(world, tmp_path):
                 loss, grads = results[rank]["planned"]
                 assert_close(loss, want_loss, STEP_TOL, f"planned, rank {rank}: loss")
                 assert_grads_close(grads, want, STEP_TOL)
-        if case.model == "dense":  # the planner's per-rank state is what the rank with the largest share held
+        if case in PLANNED:  # the planner's per-rank state is what the rank with the largest share held
             predicted = {results[rank][case.name + " state"][:2] for rank in range(world)}
             assert predicted == {(world, max(results[rank][case.name + " state"][2] for rank in range(world)))}
         if case.mode == "exact" and case.model == "dense":  # the hybrid's eager GDN rounds through float32 (test_qwen3_5)
-            eager_loss, eager = eager_loss_and_grads(grpo_loss_f64, model, *group)
+            eager_loss, eager = eager_loss_and_grads(loss_fn, model, *inputs)
             assert_close(results[0][case.name][0], eager_loss, 1e-6, f"{case.name}: loss against eager")
             assert_grads_close(results[0][case.name][1], eager, 1e-6)
 
