@@ -163,39 +163,47 @@ def shares(chunks: Sequence[tuple[int, int]], prefix_len: int, world: int) -> tu
     return (*starts, prefix_len)
 
 
-def sharded_causal_attention(step, q, k, v, k_slot: int, v_slot: int, scale: float | None) -> torch.Tensor:
+def sharded_causal_attention(
+    step, q, k, v, k_slot: int, v_slot: int, scale: float | None, first: int, last: int
+) -> torch.Tensor:
     """Causal attention of a step's queries `q` [1, Hq, n, D] (positions
-    `[o, o+n)`, its own keys and values `k`, `v` [1, Hkv, n, D]) over every
-    earlier position, whose keys and values are sharded over the ranks
-    (`step.state.shard`); the same on every rank."""
-    return _ShardedCausalAttention.apply(step, q, k, v, k_slot, v_slot, scale)
+    `[o, o+n)`, its own keys and values `k`, `v` [1, Hkv, n, D]) over the
+    keys `[first, last)` alone (`MaskBlock.key_interval`: left-padded
+    prompts and right-padded completions; plain causal is `[0, o+n)`),
+    whose earlier positions are sharded over the ranks (`step.state.shard`);
+    the same on every rank."""
+    return _ShardedCausalAttention.apply(step, q, k, v, k_slot, v_slot, scale, first, last)
 
 
 class _ShardedCausalAttention(torch.autograd.Function):
-    """Forward: the partial over this rank's positions before the step
-    (`q_start` past them: no mask), merged across the ranks
-    (`_merge`), then merged here with the causal partial over the step's own
-    keys, which every rank holds. Backward: each block's gradients from the
-    merged output and log-sum-exp; the shard's dK/dV go to this rank's
-    d(state), the shard's dQ are summed over the ranks."""
+    """Forward: the partial over this rank's keys before the step (the
+    kernels' non-causal call, `q_start` past them), merged across the ranks
+    (`_merge`), then merged here with the partial over the step's own keys,
+    which every rank holds: causal for the rows among them, all of them for
+    the rows after them (right padding), none for rows before `first` (left
+    padding: output 0). Backward: each block's gradients from the merged
+    output and log-sum-exp; the shard's dK/dV go to this rank's d(state),
+    the shard's dQ are summed over the ranks."""
 
     @staticmethod
-    def forward(ctx, step, q, k, v, k_slot, v_slot, scale):
+    def forward(ctx, step, q, k, v, k_slot, v_slot, scale, first, last):
         shard, compute = step.state.shard, compute_dtype(q)
-        keys, values = _earlier_shard(step, k_slot), _earlier_shard(step, v_slot)
+        keys, values = (_shard_keys(step, slot, first, last) for slot in (k_slot, v_slot))
         kernel = kernel_for(q, None)
+        empty = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device), empty
         if keys.shape[-2] > 0:
             out, lse = kernel.forward(q, keys, values, None, scale, keys.shape[-2])
-            out = out.to(compute)
-        else:
-            lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-            out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
-        out, lse = _merge(out, lse.to(compute), shard.group)
-        own, own_lse = kernel.forward(q, k, v, None, scale, 0)
-        total = torch.logaddexp(lse, own_lse.to(compute))  # the own keys include the query's: finite
-        out = out * torch.exp(lse - total)[..., None] + own.to(compute) * torch.exp(own_lse - total)[..., None]
+        out, lse = _merge(out.to(compute), lse.to(compute), shard.group)
+        own, own_lse = torch.zeros_like(out), empty.clone()
+        for rows, q_start, (start, end) in _own_parts(step, first, last):
+            o, s = kernel.forward(q[..., rows, :], k[..., start:end, :], v[..., start:end, :], None, scale, q_start)
+            own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
+        total = torch.logaddexp(lse, own_lse)
+        finite = torch.where(total.isneginf(), 0.0, total)  # rows before `first` see no key: output 0
+        out = out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None]
         out = out.to(q.dtype)
-        ctx.step, ctx.slots, ctx.scale, ctx.kernel = step, (k_slot, v_slot), scale, kernel
+        ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.keys = step, (k_slot, v_slot), scale, kernel, (first, last)
         ctx.save_for_backward(q, k, v, out, total)
         return out
 
@@ -203,34 +211,58 @@ class _ShardedCausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         step, kernel, scale = ctx.step, ctx.kernel, ctx.scale
         q, k, v, out, lse = ctx.saved_tensors
-        k_slot, v_slot = ctx.slots
-        keys, values = _earlier_shard(step, k_slot), _earlier_shard(step, v_slot)
+        (k_slot, v_slot), (first, last) = ctx.slots, ctx.keys
+        keys, values = (_shard_keys(step, slot, first, last) for slot in (k_slot, v_slot))
         grad_out = grad_out.contiguous()
         m = keys.shape[-2]
+        at = step.state.shard.start + max(0, first - step.state.shard.start)  # the shard keys' first position
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
-        for start, length in kernel.earlier_blocks(q, m):
+        for start, length in kernel.earlier_blocks(q, m):  # rows that see no shard key: none (their lse is finite)
             gq, gk, gv = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length),
                                          out, lse, None, scale, m, start)
             grad_q += gq
-            step.accumulate_grad(k_slot, gk, step.state.shard.start + start)
-            step.accumulate_grad(v_slot, gv, step.state.shard.start + start)
+            step.accumulate_grad(k_slot, gk, at + start)
+            step.accumulate_grad(v_slot, gv, at + start)
         dist.all_reduce(grad_q, group=step.state.shard.group)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for start, length in kernel.blocks(q, 0):  # the step's own keys: positions counted from its first
-            gq, gk, gv = kernel.backward(grad_out, q, k.narrow(-2, start, length), v.narrow(-2, start, length),
-                                         out, lse, None, scale, 0, start)
-            grad_q += gq
-            grad_k.narrow(-2, start, length).copy_(gk)
-            grad_v.narrow(-2, start, length).copy_(gv)
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None
+        for rows, q_start, (own_start, own_end) in _own_parts(step, first, last):
+            part = [t[..., rows, :].contiguous() for t in (q, grad_out, out)]
+            part_lse = lse[..., rows].contiguous()
+            own_k, own_v = k[..., own_start:own_end, :], v[..., own_start:own_end, :]
+            blocks = kernel.blocks(part[0], 0) if q_start == 0 else kernel.earlier_blocks(part[0], q_start)
+            for start, length in blocks:
+                gq, gk, gv = kernel.backward(part[1], part[0], own_k.narrow(-2, start, length),
+                                             own_v.narrow(-2, start, length), part[2], part_lse, None, scale, q_start, start)
+                grad_q[..., rows, :] += gq
+                grad_k[..., own_start + start:own_start + start + length, :] += gk
+                grad_v[..., own_start + start:own_start + start + length, :] += gv
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None, None
 
 
-def _earlier_shard(step, slot: int) -> torch.Tensor:
-    """This rank's keys (or values) at positions before the step: `[start, min(end, o))` of its share."""
+def _shard_keys(step, slot: int, first: int, last: int) -> torch.Tensor:
+    """This rank's keys (or values) at positions before the step and in
+    `[first, last)`: `[max(first, start), min(last, o, end))` of its share."""
     shard = step.state.shard
     token_dim = step.state.slots[slot].token_dim
     buffer = step.state.buffers[slot]
-    return buffer.narrow(token_dim, 0, max(0, min(shard.end, step.offset) - shard.start))
+    begin, end = max(first, shard.start), min(last, step.offset, shard.end)
+    return buffer.narrow(token_dim, begin - shard.start, end - begin) if begin < end else buffer.narrow(token_dim, 0, 0)
+
+
+def _own_parts(step, first: int, last: int) -> list[tuple[slice, int, tuple[int, int]]]:
+    """The step's rows that see some of its own keys: (rows, the kernels'
+    `q_start`, the own keys' local range). The keys `[a, b)` of the step
+    (local, from `[first, last)`) are causal for the rows among them
+    (`q_start` 0) and all seen by the rows after them (`q_start` b - a);
+    rows before them see none."""
+    n = step.length
+    a, b = min(max(first - step.offset, 0), n), min(max(last - step.offset, 0), n)
+    if b <= a:
+        return []
+    parts = [(slice(a, b), 0, (a, b))]
+    if b < n:
+        parts.append((slice(b, n), b - a, (a, b)))
+    return parts
 
 
 def check_replicated(values: Sequence[object], names: Sequence[str], group: dist.ProcessGroup | None) -> None:

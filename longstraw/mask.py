@@ -112,6 +112,24 @@ class MaskBlock:
             return None
         return (first, last) if self._positions_causal() else None
 
+    def key_interval(self) -> tuple[int, int] | None:
+        """`(a, b)` when the key mask is on exactly over `[a, b)` of the
+        visible columns, the same for every row, and the positions-only
+        part is causal: causal attention over the keys `[a, b)` alone (a
+        query before `a` sees nothing, one at or after `b` sees all of
+        them). `first_key` and `key_span` are its cases the one-process
+        steps run with fused kernels; context parallelism runs all of it.
+        None without a key mask, or for another pattern."""
+        keys = self._keys()
+        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+            return None
+        line = keys[0]
+        first = int(line.logical_not().cumprod(0).sum())
+        last = first + int(line[first:].cumprod(0).sum())
+        if bool(line[last:].any()):
+            return None
+        return (first, last) if self._positions_causal() else None
+
     def _keys(self) -> torch.Tensor | None:
         """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
         if self.tiles.padding is None:

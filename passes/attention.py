@@ -205,13 +205,14 @@ def attention_step(
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
     if ctx.state.shard is not None:
-        if mask is not None:
+        keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()
+        if keys is None:
             raise LongStrawError(
                 f"context parallelism: the attention over {ctx.state.slots[k_slot].label()} has a mask that is not "
-                "plain causal (padding, a window); a sharded prompt runs plain causal attention only. Run this batch "
-                "without context_parallel."
+                "causal attention over one run of keys (a window, a padding mask with holes); a sharded prompt runs "
+                "that form only. Run this batch without context_parallel."
             )
-        return sharded_causal_attention(ctx, q, k, v, k_slot, v_slot, scale)
+        return sharded_causal_attention(ctx, q, k, v, k_slot, v_slot, scale, *keys)
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:

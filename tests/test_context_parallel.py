@@ -126,27 +126,33 @@ class StepCase:
     R: int = 5
     layerwise: bool = False  # recompute_layers and verify_state
     prompts: tuple[int, ...] = ()  # a trainer's batch of several prompts, this many completions each
+    left: int = 0  # TRL's padding: the prompt left-padded by this much, completions right-padded
 
     @property
     def name(self) -> str:
         return "-".join([self.model, self.mode, *(["layerwise"] if self.layerwise else []),
-                         *([f"prompts{len(self.prompts)}"] if self.prompts else [])])
+                         *([f"prompts{len(self.prompts)}"] if self.prompts else []),
+                         *([f"padded{self.left}"] if self.left else [])])
 
     def loss_and_inputs(self):
         from helpers.losses import grpo_loss_f64
         from helpers.tiny_models import make_group
         from test_batches import batch_loss, make_batch
+        from test_padding import padded_group, trl_grpo_loss
 
         if self.prompts:
             return batch_loss, make_batch(list(self.prompts), self.P, self.R, vocab=64)
+        if self.left:  # completions of R, R - 2 and 1 tokens
+            return trl_grpo_loss, padded_group(self.G, self.P, self.R, self.left, lengths=[self.R, self.R - 2, 1])
         return grpo_loss_f64, make_group(self.G, self.P, self.R)
 
 
 STEP_CASES = {
     2: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact"),
         StepCase("hybrid", "detached"), StepCase("dense", "exact", layerwise=True),
-        StepCase("hybrid", "exact", prompts=(2, 3))],
-    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29)],
+        StepCase("hybrid", "exact", prompts=(2, 3)), StepCase("dense", "exact", left=11),
+        StepCase("hybrid", "detached", left=19)],
+    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("dense", "exact", left=11)],
 }
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
 
@@ -243,9 +249,11 @@ def test_step_matches_one_process(world, tmp_path):
     test_qwen3_5's), and the dense model's exact ones eager's; every rank
     gets the whole gradient, and holds only its share of the prompt state.
     Also with layer-wise recomputation and `verify_state` (each prompt
-    position written once, on its owner), and over a trainer's batch of
-    two prompts (two groups, each sharded; the first captured again in
-    backward).
+    position written once, on its owner), over a trainer's batch of two
+    prompts (two groups, each sharded; the first captured again in
+    backward), and over TRL's padding (a left-padded prompt whose padding
+    ends inside a chunk or a share, completions right-padded, one to a
+    single token).
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
     the same ranks (its average of the ranks' equal gradients is the
     gradient) and planned for a memory budget. The planner's per-rank state
@@ -268,7 +276,7 @@ def test_step_matches_one_process(world, tmp_path):
             assert lengths == {share[rank + 1] - share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
             assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
             assert_grads_close(grads, want, STEP_TOL)
-        if (case.model, case.mode) == (FSDP2_CASE.model, FSDP2_CASE.mode) and world == 2:
+        if case == FSDP2_CASE and world == 2:
             for rank in range(world):  # FSDP2 shards the parameters; the gathered gradient is the same
                 kinds, loss, grads = results[rank]["fsdp2"]
                 assert kinds == {"DTensor"}
@@ -321,11 +329,12 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_refusals(tmp_path):
     """Every rank refuses, with the cause: other inputs on another rank,
-    attention under a mask that is not plain causal, a state that is not
+    attention under a mask that is not causal over one run of keys (a
+    sliding window), a state that is not
     full causal attention (MLA's latent), a context_parallel that is not a
     process group."""
     for res in gloo.spawn(_refusal_worker, 2, tmp_path):
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
-        assert "context parallelism: the attention over" in res["window mask"] and "not plain causal" in res["window mask"]
+        assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
         assert "context parallelism:" in res["latent"] and "latent_attention" in res["latent"], res["latent"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
