@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -163,16 +164,47 @@ def shares(chunks: Sequence[tuple[int, int]], prefix_len: int, world: int) -> tu
     return (*starts, prefix_len)
 
 
+class ShardKeys(Protocol):
+    """Where a sharded attention's earlier keys and values live in the state."""
+
+    def read(self, step, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, Hkv, end - begin, D] at positions `[begin, end)` of this rank's share."""
+
+    def accumulate(self, step, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
+        """Add their gradients, from `position` on, to d(state)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotKeys:
+    """Attention's keys and values: one sequence slot each."""
+
+    k_slot: int
+    v_slot: int
+
+    def read(self, step, begin, end):
+        return tuple(shard_positions(step, slot, begin, end) for slot in (self.k_slot, self.v_slot))
+
+    def accumulate(self, step, grad_k, grad_v, position):
+        step.accumulate_grad(self.k_slot, grad_k, position)
+        step.accumulate_grad(self.v_slot, grad_v, position)
+
+
+def shard_positions(step, slot: int, begin: int, end: int) -> torch.Tensor:
+    """A sequence slot's positions `[begin, end)`, within this rank's share."""
+    start = step.state.shard.start
+    return step.state.buffers[slot].narrow(step.state.slots[slot].token_dim, begin - start, end - begin)
+
+
 def sharded_causal_attention(
-    step, q, k, v, k_slot: int, v_slot: int, scale: float | None, first: int, last: int
+    step, q, k, v, keys: ShardKeys, scale: float | None, first: int, last: int
 ) -> torch.Tensor:
     """Causal attention of a step's queries `q` [1, Hq, n, D] (positions
     `[o, o+n)`, its own keys and values `k`, `v` [1, Hkv, n, D]) over the
     keys `[first, last)` alone (`MaskBlock.key_interval`: left-padded
     prompts and right-padded completions; plain causal is `[0, o+n)`),
-    whose earlier positions are sharded over the ranks (`step.state.shard`);
-    the same on every rank."""
-    return _ShardedCausalAttention.apply(step, q, k, v, k_slot, v_slot, scale, first, last)
+    whose earlier positions are sharded over the ranks (`step.state.shard`,
+    read and differentiated through `keys`); the same on every rank."""
+    return _ShardedCausalAttention.apply(step, q, k, v, keys, scale, first, last)
 
 
 class _ShardedCausalAttention(torch.autograd.Function):
@@ -186,24 +218,25 @@ class _ShardedCausalAttention(torch.autograd.Function):
     the shard's dQ are summed over the ranks."""
 
     @staticmethod
-    def forward(ctx, step, q, k, v, k_slot, v_slot, scale, first, last):
+    def forward(ctx, step, q, k, v, keys, scale, first, last):
         shard, compute = step.state.shard, compute_dtype(q)
-        keys, values = (_shard_keys(step, slot, first, last) for slot in (k_slot, v_slot))
+        begin, end = _shard_range(step, first, last)
         kernel = kernel_for(q, None)
         empty = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
         out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device), empty
-        if keys.shape[-2] > 0:
-            out, lse = kernel.forward(q, keys, values, None, scale, keys.shape[-2])
+        if begin < end:
+            shard_k, shard_v = keys.read(step, begin, end)
+            out, lse = kernel.forward(q, shard_k, shard_v, None, scale, end - begin)
         out, lse = _merge(out.to(compute), lse.to(compute), shard.group)
         own, own_lse = torch.zeros_like(out), empty.clone()
-        for rows, q_start, (start, end) in _own_parts(step, first, last):
-            o, s = kernel.forward(q[..., rows, :], k[..., start:end, :], v[..., start:end, :], None, scale, q_start)
+        for rows, q_start, (start, stop) in _own_parts(step, first, last):
+            o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
             own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
         total = torch.logaddexp(lse, own_lse)
         finite = torch.where(total.isneginf(), 0.0, total)  # rows before `first` see no key: output 0
         out = out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None]
         out = out.to(q.dtype)
-        ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.keys = step, (k_slot, v_slot), scale, kernel, (first, last)
+        ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.span = step, keys, scale, kernel, (first, last)
         ctx.save_for_backward(q, k, v, out, total)
         return out
 
@@ -211,18 +244,17 @@ class _ShardedCausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         step, kernel, scale = ctx.step, ctx.kernel, ctx.scale
         q, k, v, out, lse = ctx.saved_tensors
-        (k_slot, v_slot), (first, last) = ctx.slots, ctx.keys
-        keys, values = (_shard_keys(step, slot, first, last) for slot in (k_slot, v_slot))
+        first, last = ctx.span
+        begin, end = _shard_range(step, first, last)
         grad_out = grad_out.contiguous()
-        m = keys.shape[-2]
-        at = step.state.shard.start + max(0, first - step.state.shard.start)  # the shard keys' first position
         grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
-        for start, length in kernel.earlier_blocks(q, m):  # rows that see no shard key: none (their lse is finite)
-            gq, gk, gv = kernel.backward(grad_out, q, keys.narrow(-2, start, length), values.narrow(-2, start, length),
-                                         out, lse, None, scale, m, start)
-            grad_q += gq
-            step.accumulate_grad(k_slot, gk, at + start)
-            step.accumulate_grad(v_slot, gv, at + start)
+        if begin < end:  # the rows that see no shard key (before `first`) exist only when this range is empty
+            shard_k, shard_v = ctx.keys.read(step, begin, end)
+            for start, length in kernel.earlier_blocks(q, end - begin):
+                gq, gk, gv = kernel.backward(grad_out, q, shard_k.narrow(-2, start, length),
+                                             shard_v.narrow(-2, start, length), out, lse, None, scale, end - begin, start)
+                grad_q += gq
+                ctx.keys.accumulate(step, gk, gv, begin + start)
         dist.all_reduce(grad_q, group=step.state.shard.group)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for rows, q_start, (own_start, own_end) in _own_parts(step, first, last):
@@ -236,17 +268,14 @@ class _ShardedCausalAttention(torch.autograd.Function):
                 grad_q[..., rows, :] += gq
                 grad_k[..., own_start + start:own_start + start + length, :] += gk
                 grad_v[..., own_start + start:own_start + start + length, :] += gv
-        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None, None
+        return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
-def _shard_keys(step, slot: int, first: int, last: int) -> torch.Tensor:
-    """This rank's keys (or values) at positions before the step and in
-    `[first, last)`: `[max(first, start), min(last, o, end))` of its share."""
+def _shard_range(step, first: int, last: int) -> tuple[int, int]:
+    """This rank's positions before the step and in `[first, last)`:
+    `[max(first, start), min(last, o, end))` of its share (empty: begin >= end)."""
     shard = step.state.shard
-    token_dim = step.state.slots[slot].token_dim
-    buffer = step.state.buffers[slot]
-    begin, end = max(first, shard.start), min(last, step.offset, shard.end)
-    return buffer.narrow(token_dim, begin - shard.start, end - begin) if begin < end else buffer.narrow(token_dim, 0, 0)
+    return max(first, shard.start), min(last, step.offset, shard.end)
 
 
 def _own_parts(step, first: int, last: int) -> list[tuple[slice, int, tuple[int, int]]]:

@@ -19,7 +19,7 @@ import operator
 import torch
 from torch import fx
 
-from longstraw.context_parallel import sharded_causal_attention
+from longstraw.context_parallel import SlotKeys, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.mask import MaskBlock, key_padding_of, reads_input
@@ -212,7 +212,7 @@ def attention_step(
                 "causal attention over one run of keys (a window, a padding mask with holes); a sharded prompt runs "
                 "that form only. Run this batch without context_parallel."
             )
-        return sharded_causal_attention(ctx, q, k, v, k_slot, v_slot, scale, *keys)
+        return sharded_causal_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale, *keys)
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:

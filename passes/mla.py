@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
+from longstraw.context_parallel import shard_positions, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
 from longstraw.kernels.attention import MATH, compute_dtype
@@ -402,6 +403,29 @@ def _route_key_grads(
     return own[:, :rank].reshape(latent.shape), own[:, rank:].reshape(rope_key.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentKeys:
+    """Context parallelism's `ShardKeys` for MLA: keys `[latent | rope key]`
+    of one head, values the latent, read from the rank's share of the two
+    slots; d(latent) = dK[:r] + dV, d(rope key) = dK[r:]."""
+
+    latent_slot: int
+    rope_slot: int
+    rank: int
+
+    def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [flat_positions(step, slot, shard_positions(step, slot, begin, end))
+                 for slot in (self.latent_slot, self.rope_slot)]
+        keys = torch.cat(parts, -1)[None, None]
+        return keys, keys[..., :self.rank]
+
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
+        grad = grad_k[0, 0]
+        latent = grad[:, :self.rank] + grad_v[0, 0]
+        step.accumulate_grad(self.latent_slot, slot_layout(step, self.latent_slot, latent), position)
+        step.accumulate_grad(self.rope_slot, slot_layout(step, self.rope_slot, grad[:, self.rank:]), position)
+
+
 def _keys(
     step: StepContext, latent_slot: int, rope_slot: int, latent: torch.Tensor, rope_key: torch.Tensor
 ) -> torch.Tensor:
@@ -460,7 +484,12 @@ def absorbed_attention(
     w = weight.view(heads, -1, rank)  # [H, dn + dv, r]
     q_latent = torch.einsum("bhnd,hdr->bhnr", q[..., :nope_dim], w[:, :nope_dim])
     query = torch.cat([q_latent, q[..., nope_dim:]], -1)  # [1, H, n, r + dr]
-    if selected is None:
+    if selected is None and ctx.state.shard is not None:  # context parallelism: the state is sharded
+        n = query.shape[-2]
+        own = torch.cat([latent.reshape(1, 1, n, rank), rope_key.reshape(1, 1, n, -1)], -1)
+        keys = LatentKeys(latent_slot, rope_slot, rank)
+        out = sharded_causal_attention(ctx, query, own, own[..., :rank], keys, scale, 0, ctx.offset + n)
+    elif selected is None:
         out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
     else:
         out = _LatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)

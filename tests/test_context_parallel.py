@@ -119,7 +119,7 @@ def test_sharded_attention(world, tmp_path):
 
 @dataclass(frozen=True)
 class StepCase:
-    model: str  # "dense" (tiny Qwen3) or "hybrid" (tiny Qwen3.5: Gated DeltaNet and full attention)
+    model: str  # "dense" (Qwen3), "hybrid" (Qwen3.5: Gated DeltaNet and full attention), "latent" (DeepSeek-V3: MLA, MoE)
     mode: str
     G: int = 3
     P: int = 37  # chunks of 8: the shares hold several chunks, the last one short
@@ -151,16 +151,18 @@ STEP_CASES = {
     2: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact"),
         StepCase("hybrid", "detached"), StepCase("dense", "exact", layerwise=True),
         StepCase("hybrid", "exact", prompts=(2, 3)), StepCase("dense", "exact", left=11),
-        StepCase("hybrid", "detached", left=19)],
-    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("dense", "exact", left=11)],
+        StepCase("hybrid", "detached", left=19), StepCase("latent", "exact"), StepCase("latent", "detached")],
+    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("dense", "exact", left=11),
+        StepCase("latent", "exact")],
 }
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
 
 
 def _model(kind: str) -> torch.nn.Module:
     from helpers.tiny_models import make_qwen3, make_qwen3_5
+    from test_mla import make_deepseek_v3
 
-    return make_qwen3() if kind == "dense" else make_qwen3_5()
+    return {"dense": make_qwen3, "hybrid": make_qwen3_5, "latent": lambda: make_deepseek_v3(experts=True)}[kind]()
 
 
 def _backend(case: StepCase, group=None):
@@ -196,6 +198,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     state_module.PromptState.allocate_grads = recording_grads
     res = {}
     for case in STEP_CASES[world]:
+        torch._dynamo.reset()  # each case compiles the loss anew: past Dynamo's recompile limit it would run eagerly
         lengths.clear()
         held.clear()
         model = _model(case.model)
@@ -208,6 +211,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
             res[case.name + " state"] = (plan.ranks, plan.state + plan.state_grad, held_bytes)
     if world == 2:  # planned for a budget: the planner simulates one process's steps, no collectives
+        torch._dynamo.reset()
         case = PLANNED_CASE
         backend = longstraw.Backend(prompt_grad=case.mode, memory_budget_gb=1.0, context_parallel=dist.group.WORLD)
         res["planned"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), _model(case.model),
@@ -266,6 +270,7 @@ def test_step_matches_one_process(world, tmp_path):
 
     results = gloo.spawn(_step_worker, world, tmp_path)
     for case in STEP_CASES[world]:
+        torch._dynamo.reset()
         model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
         want_loss, want = compiled_loss_and_grads(compile_loss(loss_fn, _backend(case)), model, *inputs)
         captured = case.P - 1  # the last prompt position's logit is read by the loss: it runs in every branch
@@ -290,7 +295,7 @@ def test_step_matches_one_process(world, tmp_path):
         if case in PLANNED:  # the planner's per-rank state is what the rank with the largest share held
             predicted = {results[rank][case.name + " state"][:2] for rank in range(world)}
             assert predicted == {(world, max(results[rank][case.name + " state"][2] for rank in range(world)))}
-        if case.mode == "exact" and case.model == "dense":  # the hybrid's eager GDN rounds through float32 (test_qwen3_5)
+        if case.mode == "exact" and case.model != "hybrid":  # the hybrid's eager GDN rounds through float32 (test_qwen3_5)
             eager_loss, eager = eager_loss_and_grads(loss_fn, model, *inputs)
             assert_close(results[0][case.name][0], eager_loss, 1e-6, f"{case.name}: loss against eager")
             assert_grads_close(results[0][case.name][1], eager, 1e-6)
@@ -302,7 +307,7 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from test_mla import make_deepseek_v3
+    from test_dsa import make_glm5
 
     def error_of(run) -> str:
         try:
@@ -318,8 +323,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             make_model("plain"), prompt, responses, advantages + rank, mask)),
         "window mask": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain_window_mask"), prompt, responses, advantages, mask)),
-        "latent": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
-            make_deepseek_v3(), prompt, responses, advantages, mask)),
+        "selection": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            make_glm5(experts=False), prompt, responses, advantages, mask)),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
                                                           context_parallel="world")),
     }
@@ -330,11 +335,10 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_refusals(tmp_path):
     """Every rank refuses, with the cause: other inputs on another rank,
     attention under a mask that is not causal over one run of keys (a
-    sliding window), a state that is not
-    full causal attention (MLA's latent), a context_parallel that is not a
-    process group."""
+    sliding window), a state read whole (DSA's index keys: its top-k is
+    not distributed yet), a context_parallel that is not a process group."""
     for res in gloo.spawn(_refusal_worker, 2, tmp_path):
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
-        assert "context parallelism:" in res["latent"] and "latent_attention" in res["latent"], res["latent"]
+        assert "context parallelism:" in res["selection"] and "sparse_latent_attention" in res["selection"], res["selection"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
