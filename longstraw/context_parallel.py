@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from longstraw.errors import InputError
 from longstraw.kernels.attention import MATH, compute_dtype, kernel_for
+from longstraw.state import StepContext
 
 
 def sharded_attention(
@@ -130,7 +131,7 @@ class PromptShard:
 
     def owner(self, position: int) -> int:
         """The rank whose share holds `position` (a prompt position)."""
-        return max(r for r in range(len(self.starts) - 1) if self.starts[r] <= position < self.starts[r + 1])
+        return next(r for r in range(len(self.starts) - 1) if self.starts[r] <= position < self.starts[r + 1])
 
     def broadcast_chunk(self, local: torch.Tensor, token_dim: int, offset: int, length: int) -> torch.Tensor:
         """Positions `[offset, offset+length)` of a sharded tensor (`local`
@@ -167,10 +168,10 @@ def shares(chunks: Sequence[tuple[int, int]], prefix_len: int, world: int) -> tu
 class ShardKeys(Protocol):
     """Where a sharded attention's earlier keys and values live in the state."""
 
-    def read(self, step, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, Hkv, end - begin, D] at positions `[begin, end)` of this rank's share."""
 
-    def accumulate(self, step, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
         """Add their gradients, from `position` on, to d(state)."""
 
 
@@ -181,22 +182,22 @@ class SlotKeys:
     k_slot: int
     v_slot: int
 
-    def read(self, step, begin, end):
+    def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(shard_positions(step, slot, begin, end) for slot in (self.k_slot, self.v_slot))
 
-    def accumulate(self, step, grad_k, grad_v, position):
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
         step.accumulate_grad(self.k_slot, grad_k, position)
         step.accumulate_grad(self.v_slot, grad_v, position)
 
 
-def shard_positions(step, slot: int, begin: int, end: int) -> torch.Tensor:
+def shard_positions(step: StepContext, slot: int, begin: int, end: int) -> torch.Tensor:
     """A sequence slot's positions `[begin, end)`, within this rank's share."""
     start = step.state.shard.start
     return step.state.buffers[slot].narrow(step.state.slots[slot].token_dim, begin - start, end - begin)
 
 
 def sharded_causal_attention(
-    step, q, k, v, keys: ShardKeys, scale: float | None, first: int, last: int
+    step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys, scale: float | None, first: int, last: int
 ) -> torch.Tensor:
     """Causal attention of a step's queries `q` [1, Hq, n, D] (positions
     `[o, o+n)`, its own keys and values `k`, `v` [1, Hkv, n, D]) over the
@@ -271,14 +272,14 @@ class _ShardedCausalAttention(torch.autograd.Function):
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
-def _shard_range(step, first: int, last: int) -> tuple[int, int]:
+def _shard_range(step: StepContext, first: int, last: int) -> tuple[int, int]:
     """This rank's positions before the step and in `[first, last)`:
     `[max(first, start), min(last, o, end))` of its share (empty: begin >= end)."""
     shard = step.state.shard
     return max(first, shard.start), min(last, step.offset, shard.end)
 
 
-def _own_parts(step, first: int, last: int) -> list[tuple[slice, int, tuple[int, int]]]:
+def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, int, tuple[int, int]]]:
     """The step's rows that see some of its own keys: (rows, the kernels'
     `q_start`, the own keys' local range). The keys `[a, b)` of the step
     (local, from `[first, last)`) are causal for the rows among them
