@@ -158,7 +158,32 @@ class Backend:
             self.fallbacks.append(Fallback("ddp_split", DDP_SPLIT))
             return gm.forward
         name_arguments(gm)
+        _warn_at_the_recompile_limit(opts)
         return CompiledGroupLoss(gm, opts, self, partial_graph_reason(gm))
+
+
+RECOMPILE_LIMIT = (
+    "longstraw: this is Dynamo's last compile of this loss (torch._dynamo.config.recompile_limit = {limit}): "
+    "if it is recompiled again (new Python scalars, model objects, backends), Dynamo runs it eagerly without "
+    "calling LongStraw: {what}. Keep the loss's guards stable, raise the limit, or set "
+    "torch._dynamo.config.fail_on_recompile_limit_hit = True to make that an error."
+)
+
+
+def _warn_at_the_recompile_limit(opts: Options) -> None:
+    """Dynamo runs a frame eagerly once it has compiled it `recompile_limit`
+    times, without asking the backend; the last compile it allows is the
+    last moment LongStraw can say so."""
+    import torch._dynamo.config as dynamo
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or dynamo.fail_on_recompile_limit_hit:
+        return
+    if compile_id.frame_compile_id == dynamo.recompile_limit - 1:
+        what = ("eager's exact gradient instead of the detached one, and no memory savings"
+                if opts.prompt_grad == "detached" else "the same gradients, without LongStraw's memory savings")
+        warnings.warn(RECOMPILE_LIMIT.format(limit=dynamo.recompile_limit, what=what), stacklevel=2)
 
 
 def _refuse(message: str) -> Callable:
