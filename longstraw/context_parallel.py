@@ -74,7 +74,7 @@ class _ShardedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale):
         qc = q.to(compute_dtype(q))  # the partial output stays in the compute dtype until merged
         out, lse = MATH.forward(qc, k, v, None, scale, k.shape[-2])  # q_start past every key: no mask
-        out, lse = _merge(out, lse, group)
+        out, lse = merge_partials(out, lse, group)
         ctx.group, ctx.scale, ctx.dtype = group, scale, q.dtype
         ctx.save_for_backward(qc, k, v, out, lse)
         return out.to(q.dtype)
@@ -97,7 +97,9 @@ class _ShardedAttention(torch.autograd.Function):
         return grad_q.to(ctx.dtype), grad_k, grad_v, None, None
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranks' partials (out [B, Hq, n, D], lse [B, Hq, n]) merged by
     log-sum-exp: weights exp(lse_r - max_r lse_r), shifted by the maximum so
     that none overflows; an empty shard's lse is -inf, weight 0."""
@@ -211,7 +213,7 @@ def sharded_causal_attention(
 class _ShardedCausalAttention(torch.autograd.Function):
     """Forward: the partial over this rank's keys before the step (the
     kernels' non-causal call, `q_start` past them), merged across the ranks
-    (`_merge`), then merged here with the partial over the step's own keys,
+    (`merge_partials`), then merged here with the partial over the step's own keys,
     which every rank holds: causal for the rows among them, all of them for
     the rows after them (right padding), none for rows before `first` (left
     padding: output 0). Backward: each block's gradients from the merged
@@ -228,7 +230,7 @@ class _ShardedCausalAttention(torch.autograd.Function):
         if begin < end:
             shard_k, shard_v = keys.read(step, begin, end)
             out, lse = kernel.forward(q, shard_k, shard_v, None, scale, end - begin)
-        out, lse = _merge(out.to(compute), lse.to(compute), shard.group)
+        out, lse = merge_partials(out.to(compute), lse.to(compute), shard.group)
         own, own_lse = torch.zeros_like(out), empty.clone()
         for rows, q_start, (start, stop) in _own_parts(step, first, last):
             o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)

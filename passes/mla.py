@@ -34,9 +34,10 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import shard_positions, sharded_causal_attention
+from longstraw.context_parallel import merge_partials, shard_positions, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
 from longstraw.kernels.attention import MATH, compute_dtype
@@ -304,21 +305,14 @@ class _LatentOverSelection(torch.autograd.Function):
     its selected keys [rows, k, r + dr] from the layer's keys, so every
     product is one batched matmul over the block (`SELECTED_BLOCK_ELEMENTS`
     bounds the gathered keys); backward gathers them again and scatters
-    their gradients back with `index_add_`."""
+    their gradients back with `index_add_` (`_selected_forward`,
+    `_selected_backward`)."""
 
     @staticmethod
     def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float,
                 positions, valid):
         keys = _keys(step, latent_slot, rope_slot, latent, rope_key)[0, 0]
-        rank = latent.shape[-1]
-        out = torch.empty(query.shape[2], query.shape[1], rank, dtype=compute_dtype(query), device=query.device)
-        lse = torch.empty(out.shape[:2], dtype=out.dtype, device=query.device)  # [n, H]
-        with _products_exact_for(query.dtype):
-            for rows in _row_blocks(positions.shape, keys.shape[-1]):
-                q, selected, s = _selected_scores(query, keys, positions, valid, rows, scale)
-                lse[rows] = s.logsumexp(-1)
-                p = torch.exp(s - lse[rows, :, None])  # every query selects at least one earlier position
-                out[rows] = torch.bmm(p, selected[..., :rank])
+        out, lse = _selected_forward(query, keys, positions, valid, latent.shape[-1], scale)
         out = out.transpose(0, 1)[None].to(query.dtype)  # [1, H, n, r]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
@@ -329,23 +323,114 @@ class _LatentOverSelection(torch.autograd.Function):
         step: StepContext = ctx.step
         query, latent, rope_key, out, lse, positions, valid = ctx.saved_tensors
         keys = _keys(step, *ctx.slots, latent, rope_key)[0, 0]
-        rank, compute = latent.shape[-1], compute_dtype(query)
-        grad_q = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=compute, device=query.device)
-        grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)  # [T, r + dr]
-        with _products_exact_for(query.dtype):
-            for rows in _row_blocks(positions.shape, keys.shape[-1]):
-                q, selected, s = _selected_scores(query, keys, positions, valid, rows, ctx.scale)
-                p = torch.exp(s - lse[rows, :, None])  # [b, H, k]
-                do = grad_out[0, :, rows].transpose(0, 1).to(compute)  # [b, H, r]
-                o = out[0, :, rows].transpose(0, 1).to(compute)
-                ds = p * (torch.bmm(do, selected[..., :rank].transpose(1, 2)) - (do * o).sum(-1, keepdim=True))
-                grad_q[rows] = torch.bmm(ds, selected) * ctx.scale
-                grad_selected = torch.bmm(ds.transpose(1, 2), q) * ctx.scale  # [b, k, r + dr]
-                grad_selected[..., :rank] += torch.bmm(p.transpose(1, 2), do)
-                grad_keys.index_add_(0, positions[rows].flatten(), grad_selected.flatten(0, 1))
+        grad_keys = torch.zeros(keys.shape, dtype=compute_dtype(query), device=query.device)  # [T, r + dr]
+        grad_q = _selected_backward(query, keys, positions, valid, ctx.scale, grad_out, out, lse, grad_keys)
         grad_latent, grad_rope = _route_key_grads(step, ctx.slots, grad_keys.to(keys.dtype), latent, rope_key)
-        grad_q = grad_q.transpose(0, 1)[None].to(query.dtype)
-        return None, grad_q, grad_latent, grad_rope, None, None, None, None, None
+        return None, grad_q.transpose(0, 1)[None].to(query.dtype), grad_latent, grad_rope, None, None, None, None, None
+
+
+class _ShardedLatentOverSelection(torch.autograd.Function):
+    """`_LatentOverSelection` under context parallelism: each rank attends
+    over the picks in its share of the earlier positions, the partials are
+    merged across the ranks (`context_parallel.merge_partials`), then with
+    the partial over the picks among the step's own positions, which every
+    rank holds. Backward: the share's key gradients go to this rank's
+    d(state), its dQ are summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float,
+                positions, valid):
+        rank, n = latent.shape[-1], query.shape[-2]
+        shard_keys, shard_index, shard_valid = _shard_picks(step, (latent_slot, rope_slot), rank, positions, valid)
+        out, lse = _selected_forward(query, shard_keys, shard_index, shard_valid, rank, scale)
+        out, lse = merge_partials(out.transpose(0, 1), lse.transpose(0, 1), step.state.shard.group)  # [H, n, ...]
+        own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
+        own_index, own_valid = (positions - step.offset).clamp(min=0), valid & (positions >= step.offset)
+        own, own_lse = _selected_forward(query, own_keys, own_index, own_valid, rank, scale)
+        own, own_lse = own.transpose(0, 1), own_lse.transpose(0, 1)
+        total = torch.logaddexp(lse, own_lse)  # every query picks at least one position
+        out = out * torch.exp(lse - total)[..., None] + own * torch.exp(own_lse - total)[..., None]
+        out = out[None].to(query.dtype)  # [1, H, n, r]
+        ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
+        ctx.save_for_backward(query, latent, rope_key, out, total.transpose(0, 1), positions, valid)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step: StepContext = ctx.step
+        query, latent, rope_key, out, lse, positions, valid = ctx.saved_tensors
+        rank, n, compute = latent.shape[-1], query.shape[-2], compute_dtype(query)
+        shard_keys, shard_index, shard_valid = _shard_picks(step, ctx.slots, rank, positions, valid)
+        grad_shard = torch.zeros(shard_keys.shape, dtype=compute, device=query.device)
+        grad_q = _selected_backward(query, shard_keys, shard_index, shard_valid, ctx.scale, grad_out, out, lse, grad_shard)
+        dist.all_reduce(grad_q, group=step.state.shard.group)
+        shard = step.state.shard
+        if min(shard.end, step.offset) > shard.start:  # the share holds earlier positions: their d(state)
+            LatentKeys(*ctx.slots, rank).accumulate(step, grad_shard.to(shard_keys.dtype)[None, None], None, shard.start)
+        own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
+        own_index, own_valid = (positions - step.offset).clamp(min=0), valid & (positions >= step.offset)
+        grad_own = torch.zeros(own_keys.shape, dtype=compute, device=query.device)
+        grad_q += _selected_backward(query, own_keys, own_index, own_valid, ctx.scale, grad_out, out, lse, grad_own)
+        grad_own = grad_own.to(latent.dtype)
+        grad_latent, grad_rope = grad_own[:, :rank].reshape(latent.shape), grad_own[:, rank:].reshape(rope_key.shape)
+        return None, grad_q.transpose(0, 1)[None].to(query.dtype), grad_latent, grad_rope, None, None, None, None, None
+
+
+def _shard_picks(
+    step: StepContext, slots: tuple[int, int], rank: int, positions: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's keys `[latent | rope key]` before the step ([m, r + dr];
+    one row of zeros that no pick reads when there are none), and the
+    picks among them: indices into them and which picks they are."""
+    shard = step.state.shard
+    begin, end = shard.start, max(shard.start, min(shard.end, step.offset))
+    keys = LatentKeys(*slots, rank).read(step, begin, end)[0][0, 0]
+    if keys.shape[0] == 0:
+        keys = keys.new_zeros(1, keys.shape[-1])
+    inside = valid & (positions >= begin) & (positions < end)
+    return keys, torch.where(inside, positions - begin, 0), inside
+
+
+def _selected_forward(
+    query: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `query` [1, H, n, r + dr] over the rows `index` [n, k]
+    of `keys` [T, r + dr] where `valid`, values the first `rank` features:
+    out [n, H, r] and lse [n, H] in the compute dtype (a row with no valid
+    pick: 0 and -inf)."""
+    out = torch.empty(query.shape[2], query.shape[1], rank, dtype=compute_dtype(query), device=query.device)
+    lse = torch.empty(out.shape[:2], dtype=out.dtype, device=query.device)
+    with _products_exact_for(query.dtype):
+        for rows in _row_blocks(index.shape, keys.shape[-1]):
+            q, selected, s = _selected_scores(query, keys, index, valid, rows, scale)
+            lse[rows] = s.logsumexp(-1)
+            p = torch.exp(s - torch.where(lse[rows].isneginf(), 0.0, lse[rows])[..., None])
+            out[rows] = torch.bmm(p, selected[..., :rank])
+    return out, lse
+
+
+def _selected_backward(
+    query: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, scale: float,
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, grad_keys: torch.Tensor,
+) -> torch.Tensor:
+    """dQ [n, H, r + dr] of `_selected_forward`'s picks, given the whole
+    row's output `out` [1, H, n, r] and `lse` [n, H] (a block's gradients
+    are exact with them); the picked keys' gradients are added into
+    `grad_keys` [T, r + dr] (d(latent) in its first r features: dK + dV)."""
+    rank, compute = out.shape[-1], compute_dtype(query)
+    grad_q = torch.empty(query.shape[2], query.shape[1], query.shape[3], dtype=compute, device=query.device)
+    with _products_exact_for(query.dtype):
+        for rows in _row_blocks(index.shape, keys.shape[-1]):
+            q, selected, s = _selected_scores(query, keys, index, valid, rows, scale)
+            p = torch.exp(s - lse[rows, :, None])  # [b, H, k]
+            do = grad_out[0, :, rows].transpose(0, 1).to(compute)  # [b, H, r]
+            o = out[0, :, rows].transpose(0, 1).to(compute)
+            ds = p * (torch.bmm(do, selected[..., :rank].transpose(1, 2)) - (do * o).sum(-1, keepdim=True))
+            grad_q[rows] = torch.bmm(ds, selected) * scale
+            grad_selected = torch.bmm(ds.transpose(1, 2), q) * scale  # [b, k, r + dr]
+            grad_selected[..., :rank] += torch.bmm(p.transpose(1, 2), do)
+            grad_keys.index_add_(0, index[rows].flatten(), grad_selected.flatten(0, 1))
+    return grad_q
 
 
 def _row_blocks(selected: torch.Size, width: int) -> list[slice]:
@@ -419,9 +504,10 @@ class LatentKeys:
         keys = torch.cat(parts, -1)[None, None]
         return keys, keys[..., :self.rank]
 
-    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor | None, position: int) -> None:
+        """`grad_v` None: `grad_k`'s latent part holds dK + dV already."""
         grad = grad_k[0, 0]
-        latent = grad[:, :self.rank] + grad_v[0, 0]
+        latent = grad[:, :self.rank] if grad_v is None else grad[:, :self.rank] + grad_v[0, 0]
         step.accumulate_grad(self.latent_slot, slot_layout(step, self.latent_slot, latent), position)
         step.accumulate_grad(self.rope_slot, slot_layout(step, self.rope_slot, grad[:, self.rank:]), position)
 
@@ -491,6 +577,8 @@ def absorbed_attention(
         out = sharded_causal_attention(ctx, query, own, own[..., :rank], keys, scale, 0, ctx.offset + n)
     elif selected is None:
         out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
+    elif ctx.state.shard is not None:
+        out = _ShardedLatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)
     else:
         out = _LatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)
     return torch.einsum("bhnr,hvr->bhnv", out, w[:, nope_dim:])

@@ -39,8 +39,10 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
+from longstraw.context_parallel import shard_positions
 from longstraw.mask import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext, has_values
@@ -294,9 +296,11 @@ def select_topk(
     """The top-`k` keys of `[0, o + n)` for the step's queries at `[o, o + n)`."""
     o, n = ctx.offset, ctx.length
     heads = query.shape[-2]
+    query, weights, own = query.reshape(n, heads, -1), weights.reshape(n, heads), own_keys.reshape(n, -1)
+    if ctx.state.shard is not None:
+        return _sharded_topk(ctx, query, weights, own, index_slot, scale, k)
     earlier = flat_positions(ctx, index_slot, ctx.visible(index_slot)).narrow(0, 0, o)  # [o, D]
-    own = own_keys.reshape(n, -1)  # [n, D]
-    return tiled_topk(query.reshape(n, heads, -1), weights.reshape(n, heads), earlier, own, scale, k)
+    return tiled_topk(query, weights, earlier, own, scale, k)
 
 
 def tiled_topk(
@@ -308,17 +312,58 @@ def tiled_topk(
     only where one query row's H x tile would pass `INDEX_BLOCK_SCORES`) for
     a block of query rows at a time (as many as that budget holds); float32,
     as HF's indexer. Rows are independent, so the blocks change no pick."""
-    n, heads = own.shape[0], query.shape[1]
+    return _selection(*_best(query, weights, earlier, own, scale, k), k)
+
+
+def _best(
+    query: torch.Tensor, weights: torch.Tensor, earlier: torch.Tensor, own: torch.Tensor, scale: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tiled_topk`'s k + 1 best (scores, positions) per query, best first."""
+    n, heads = query.shape[0], query.shape[1]
     tile = max(1, min(INDEX_KEY_TILE, INDEX_BLOCK_SCORES // heads))
     row_block = max(1, INDEX_BLOCK_SCORES // (heads * tile))
     picks = [_tiled_rows(query[r:r + row_block], weights[r:r + row_block], earlier, own, r, tile, scale, k)
              for r in range(0, n, row_block)]
-    best = torch.cat([b for b, _ in picks])  # [n, <= k + 1]
-    positions = torch.cat([p for _, p in picks])  # [n, <= k + 1]
+    return torch.cat([b for b, _ in picks]), torch.cat([p for _, p in picks])  # [n, <= k + 1] each
+
+
+def _selection(best: torch.Tensor, positions: torch.Tensor, k: int) -> Selection:
+    """The first k of the k + 1 best, warning when the k-th ties with the next."""
     if best.shape[1] > k and has_values(best):  # the planner's simulation runs on fake tensors
         if bool(((best[:, k - 1] == best[:, k]) & (best[:, k] > -math.inf)).any()):
-            warnings.warn(TIE, stacklevel=2)
+            warnings.warn(TIE, stacklevel=3)
     return Selection(positions[:, :k], best[:, :k] > -math.inf)
+
+
+def _sharded_topk(
+    ctx: StepContext, query: torch.Tensor, weights: torch.Tensor, own: torch.Tensor, index_slot: int, scale: float,
+    k: int,
+) -> Selection:
+    """`tiled_topk` under context parallelism: each rank's k + 1 best among
+    its share of the earlier index keys, gathered in rank order, then the
+    step's own keys (every rank scores them), merged by a stable sort: among
+    equal scores the earlier position wins, as in `tiled_topk`."""
+    shard = ctx.state.shard
+    begin, end = shard.start, max(shard.start, min(shard.end, ctx.offset))
+    local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, begin, end))
+    best, positions = _padded(*_best(query, weights, local, own[:0], scale, k), k + 1)
+    gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(dist.get_world_size(shard.group))]
+    dist.all_gather([b for b, _ in gathered], best, group=shard.group)
+    dist.all_gather([p for _, p in gathered], positions + begin, group=shard.group)
+    own_best, own_positions = _best(query, weights, own[:0], own, scale, k)  # causal among the step's own keys
+    scores = torch.cat([*(b for b, _ in gathered), own_best], -1)
+    picked = torch.cat([*(p for _, p in gathered), own_positions + ctx.offset], -1)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
+    return _selection(scores.gather(-1, order), picked.gather(-1, order), k)
+
+
+def _padded(best: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best, positions) widened to `width` columns with -inf scores (not keys), for the all-gather."""
+    missing = width - best.shape[1]
+    if missing == 0:
+        return best, positions
+    return (torch.cat([best, best.new_full((best.shape[0], missing), -math.inf)], -1),
+            torch.cat([positions, positions.new_zeros(positions.shape[0], missing)], -1))
 
 
 def _tiled_rows(
