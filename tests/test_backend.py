@@ -75,14 +75,10 @@ def test_readme_loss():
     assert backend.plans[-1].prefix_len == 19
 
 
-def test_warns_at_dynamos_last_compile(monkeypatch):
+def test_warns_at_dynamos_last_compile():
     """Past `recompile_limit` compiles Dynamo runs the loss eagerly without
     asking the backend (detached mode would silently get eager's exact
     gradient); the last compile it allows warns, naming the fix."""
-    import torch._dynamo.config as dynamo
-
-    monkeypatch.setattr(dynamo, "recompile_limit", 2)
-    torch._dynamo.reset()
     model = make_model("plain")
 
     def scaled_loss(model, scale, *group):  # a new Python float: a new Dynamo guard, a recompile
@@ -90,19 +86,18 @@ def test_warns_at_dynamos_last_compile(monkeypatch):
 
     compiled = compile_loss(scaled_loss, longstraw.Backend(prompt_grad="detached", prefix_chunk_size=8))
     group = make_group(2, 12, 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled(model, 0.5, *group)
-        assert not [w for w in caught if "recompile_limit" in str(w.message)]
-        compiled(model, 1.5, *group)
-    messages = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+
+    def warned(**config) -> list[str]:
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=2, **config), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(model, 0.5, *group)
+            assert not [w for w in caught if "recompile_limit" in str(w.message)]  # not at the first compile
+            compiled(model, 1.5, *group)
+        torch._dynamo.reset()
+        return [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+
+    messages = warned()
     assert len(messages) == 1 and "eager's exact gradient instead of the detached one" in messages[0]
     assert "fail_on_recompile_limit_hit = True" in messages[0]
-    monkeypatch.setattr(dynamo, "fail_on_recompile_limit_hit", True)  # then Dynamo itself refuses: no warning
-    torch._dynamo.reset()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compiled(model, 0.5, *group)
-        compiled(model, 1.5, *group)
-    assert not [w for w in caught if "recompile_limit" in str(w.message)]
-    torch._dynamo.reset()
+    assert not warned(fail_on_recompile_limit_hit=True)  # then Dynamo itself refuses: no warning
