@@ -26,6 +26,7 @@ pass broadcasts each prompt chunk's d(state) from its owner.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -297,25 +298,33 @@ def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, in
     return parts
 
 
-def check_replicated(values: Sequence[object], names: Sequence[str], group: dist.ProcessGroup | None) -> None:
-    """Every rank of `group` must call with the same tensors: each runs the
-    whole step, and a rank with other inputs would mix another prompt's
-    state into its attention. Compared by a checksum per tensor (its sum
-    and its norm, in float64), one all-gather per call."""
-    tensors = [(name, t) for name, t in zip(names, values) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return
-    sums = torch.stack([_checksum(t.detach()) for _, t in tensors])
+def check_replicated(
+    values: Sequence[object], names: Sequence[str], graph: torch.fx.Graph, group: dist.ProcessGroup | None
+) -> None:
+    """Every rank of `group` must call with the same inputs and the same
+    graph: each runs the whole step, and a rank with another prompt, other
+    weights or another Python value folded into its graph (a scalar
+    argument) would mix them into the others' attention. Compared by a
+    checksum per tensor (its sum and its norm, in float64), the value of
+    each number, and a fingerprint of the graph's code, in one all-gather
+    per call."""
+    checked = [(name, _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
+    checked += [(name, torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
+                if isinstance(v, (int, float, torch.SymInt, torch.SymFloat))]
+    checked.append(("the compiled graph", torch.tensor([float(zlib.crc32(str(graph).encode())), 0.0], dtype=torch.float64)))
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    sums = torch.stack([c.to(device) for _, c in checked])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
     for rank, other in enumerate(gathered):
         differs = ~((other == sums) | (other.isnan() & sums.isnan())).all(-1)
         if bool(differs.any()):
-            name = tensors[int(differs.nonzero()[0, 0])][0]
+            name = checked[int(differs.nonzero()[0, 0])][0]
+            what = name if name == "the compiled graph" else f"input `{name}`"
             raise InputError(
-                f"context parallelism: input `{name}` differs between rank {dist.get_rank(group)} and rank {rank} of "
-                "the group: every rank must call the compiled loss with the same inputs and the same weights (each "
-                "runs the whole step and keeps its share of the prompt state)"
+                f"context parallelism: {what} differs between rank {dist.get_rank(group)} and rank {rank} of the "
+                "group: every rank must call the compiled loss with the same inputs, weights and Python values "
+                "(each runs the whole step and keeps its share of the prompt state)"
             )
 
 

@@ -323,7 +323,8 @@ class GroupRunner:
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         if self.options.context_parallel is not None:
-            check_replicated(inputs, [argument_name(p) for p in self.part.placeholders], self.options.context_parallel)
+            names = [argument_name(p) for p in self.part.placeholders]
+            check_replicated(inputs, names, self.part.graph, self.options.context_parallel)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

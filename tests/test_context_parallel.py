@@ -321,11 +321,16 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             return f"{type(error).__name__}: {error}"
         return "no error"
 
+    def scaled_loss(model, scale, *group):  # a Python float: Dynamo folds it into the graph
+        return grpo_loss_f64(model, *group) * scale
+
     cp = dict(prefix_chunk_size=8, recompute_layers=False, context_parallel=dist.group.WORLD)
     prompt, responses, advantages, mask = make_group(2, 30, 4)
     res = {
         "other inputs": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain"), prompt, responses, advantages + rank, mask)),
+        "other scalar": error_of(lambda: compile_loss(scaled_loss, longstraw.Backend(**cp))(
+            make_model("plain"), 0.5 + rank, prompt, responses, advantages, mask)),
         "window mask": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain_window_mask"), prompt, responses, advantages, mask)),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
@@ -336,12 +341,15 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_refusals(tmp_path):
-    """Every rank refuses, with the cause: other inputs on another rank,
+    """Every rank refuses, with the cause: other inputs on another rank, a
+    Python value that differs between ranks (folded into their graphs),
     attention under a mask that is not causal over one run of keys (a
     sliding window mask that no pass proved), a context_parallel that is
     not a process group."""
     for res in gloo.spawn(_refusal_worker, 2, tmp_path):
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
+        assert res["other scalar"].startswith("InputError: context parallelism: "), res["other scalar"]
+        assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
 
