@@ -86,14 +86,10 @@ class MaskBlock:
         padding), every query at or after `a`, the positions-only part
         causal. Then a fused causal kernel over those keys computes it.
         None otherwise (no key mask, or another pattern)."""
-        keys = self._keys()
-        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+        keys = self.key_interval()
+        if keys is None or not 0 < keys[0] <= self.offset or keys[1] != self.offset + self.length:
             return None
-        line = keys[0]
-        first = int(line.logical_not().cumprod(0).sum())
-        if first == 0 or first > self.offset or not bool(line[first:].all()):
-            return None
-        return first if self._positions_causal() else None
+        return keys[0]
 
     def key_span(self) -> tuple[int, int] | None:
         """`(a, b)` when the key mask is on exactly over `[a, b)` with
@@ -102,15 +98,10 @@ class MaskBlock:
         is causal. Then the rows before `b` are causal attention over the
         keys `[a, row]` and the rows from `b` on see all of `[a, b)`. None
         otherwise."""
-        keys = self._keys()
-        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
+        keys = self.key_interval()
+        if keys is None or not keys[0] <= self.offset < keys[1] < self.offset + self.length:
             return None
-        line = keys[0]
-        first = int(line.logical_not().cumprod(0).sum())
-        last = first + int(line[first:].cumprod(0).sum())
-        if not first <= self.offset < last < self.offset + self.length or bool(line[last:].any()):
-            return None
-        return (first, last) if self._positions_causal() else None
+        return keys
 
     def key_interval(self) -> tuple[int, int] | None:
         """`(a, b)` when the key mask is on exactly over `[a, b)` of the
