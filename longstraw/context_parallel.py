@@ -298,20 +298,25 @@ def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, in
     return parts
 
 
+def graph_fingerprint(graph: torch.fx.Graph) -> float:
+    """CRC-32 of the graph's text, which holds the Python values Dynamo folded into it (exact in float64)."""
+    return float(zlib.crc32(str(graph).encode()))
+
+
 def check_replicated(
-    values: Sequence[object], names: Sequence[str], graph: torch.fx.Graph, group: dist.ProcessGroup | None
+    values: Sequence[object], names: Sequence[str], fingerprint: float, group: dist.ProcessGroup | None
 ) -> None:
     """Every rank of `group` must call with the same inputs and the same
     graph: each runs the whole step, and a rank with another prompt, other
     weights or another Python value folded into its graph (a scalar
     argument) would mix them into the others' attention. Compared by a
     checksum per tensor (its sum and its norm, in float64), the value of
-    each number, and a fingerprint of the graph's code, in one all-gather
-    per call."""
+    each number, and the graph's `fingerprint` (`graph_fingerprint`), in
+    one all-gather per call."""
     checked = [(name, _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
     checked += [(name, torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
                 if isinstance(v, (int, float, torch.SymInt, torch.SymFloat))]
-    checked.append(("the compiled graph", torch.tensor([float(zlib.crc32(str(graph).encode())), 0.0], dtype=torch.float64)))
+    checked.append(("the compiled graph", torch.tensor([fingerprint, 0.0], dtype=torch.float64)))
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     sums = torch.stack([c.to(device) for _, c in checked])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import sys
@@ -33,7 +34,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
-from .context_parallel import PromptShard, check_replicated
+from .context_parallel import PromptShard, check_replicated, graph_fingerprint
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
@@ -198,6 +199,12 @@ class GroupRunner:
                 out.append(inputs[self.position[node]])
         return out
 
+    @functools.cached_property
+    def _replica_key(self) -> tuple[list[str], float]:
+        """What `check_replicated` compares besides the values: the inputs'
+        names and the graph's fingerprint, fixed for a plan."""
+        return [argument_name(p) for p in self.part.placeholders], graph_fingerprint(self.part.graph)
+
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
         return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
 
@@ -323,8 +330,7 @@ class GroupRunner:
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         if self.options.context_parallel is not None:
-            names = [argument_name(p) for p in self.part.placeholders]
-            check_replicated(inputs, names, self.part.graph, self.options.context_parallel)
+            check_replicated(inputs, *self._replica_key, self.options.context_parallel)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

@@ -432,9 +432,9 @@ class StepContext:
         if self.state.shard is not None:
             raise LongStrawError(
                 f"context parallelism: {self.state.slots[slot].label()} is read by an operator that needs every "
-                "earlier position on this rank; with Options.context_parallel only full causal attention "
-                "(CausalAttentionPass, no padding mask) and carried state (Gated DeltaNet, causal convolutions) run "
-                "on a sharded prompt. Run this model without context_parallel."
+                "earlier position on this rank, but a sharded prompt holds only this rank's share; the built-in "
+                "passes read it through longstraw.context_parallel's sharded attention. Run this model without "
+                "context_parallel, or make the pass's step merge partials over the shards as those do."
             )
         token_dim = self.state.slots[slot].token_dim
         return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
