@@ -117,31 +117,64 @@ def merge_partials(
 
 @dataclasses.dataclass(frozen=True)
 class PromptShard:
-    """This rank's share `[start, end)` of the prompt positions, one
-    contiguous run of prompt chunks per rank in rank order (`shares`)."""
+    """This rank's share of the prompt positions: whole prompt chunks,
+    assigned by `assign_chunks` so that every rank holds about as many
+    positions and computes about as much attention. The sequence buffers
+    hold the share's chunks back to back in position order, so a buffer
+    index ("local") grows with the position and the share's positions in
+    any interval `[a, b)` are one run of buffer indices."""
 
     group: dist.ProcessGroup | None
     rank: int
-    starts: tuple[int, ...]  # every rank's first position, then the prompt's end
+    chunks: tuple[tuple[tuple[int, int], ...], ...]  # per rank: its chunks (offset, length), in position order
 
     @property
-    def start(self) -> int:
-        return self.starts[self.rank]
-
-    @property
-    def end(self) -> int:
-        return self.starts[self.rank + 1]
+    def size(self) -> int:
+        """Positions this rank holds (the sequence buffers' length)."""
+        return sum(length for _, length in self.chunks[self.rank])
 
     def owner(self, position: int) -> int:
         """The rank whose share holds `position` (a prompt position)."""
-        return next(r for r in range(len(self.starts) - 1) if self.starts[r] <= position < self.starts[r + 1])
+        return next(r for r, held in enumerate(self.chunks) if any(o <= position < o + n for o, n in held))
+
+    def held_before(self, position: int) -> int:
+        """How many of this rank's positions are before `position`: the
+        buffer index of its first position at or after `position`."""
+        return sum(min(n, max(position - o, 0)) for o, n in self.chunks[self.rank])
+
+    def local_range(self, first: int, last: int) -> tuple[int, int]:
+        """The buffer indices `[begin, end)` of this rank's positions in `[first, last)` (empty: begin == end)."""
+        begin = self.held_before(first)
+        return begin, max(begin, self.held_before(last))
+
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        """The prompt positions of buffer indices `local` (an integer tensor)."""
+        starts, offsets = self._runs(local.device)
+        run = torch.searchsorted(starts, local, right=True) - 1
+        return local - starts[run] + offsets[run]
+
+    def to_local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffer indices of prompt `positions` and whether this rank holds
+        them (the index is 0 where it does not)."""
+        starts, offsets = self._runs(positions.device)
+        lengths = torch.tensor([n for _, n in self.chunks[self.rank]] or [0], device=positions.device)
+        run = (torch.searchsorted(offsets, positions, right=True) - 1).clamp(min=0)
+        inside = positions - offsets[run]
+        held = (inside >= 0) & (inside < lengths[run])
+        return torch.where(held, starts[run] + inside, 0), held
+
+    def _runs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per chunk of this rank: its first buffer index and its first position."""
+        held = self.chunks[self.rank] or ((0, 0),)
+        starts = [sum(n for _, n in held[:i]) for i in range(len(held))]
+        return torch.tensor(starts, device=device), torch.tensor([o for o, _ in held], device=device)
 
     def broadcast_chunk(self, local: torch.Tensor, token_dim: int, offset: int, length: int) -> torch.Tensor:
-        """Positions `[offset, offset+length)` of a sharded tensor (`local`
-        holds this rank's share), from the rank that holds them to every rank."""
+        """Positions `[offset, offset+length)` (a prompt chunk) of a sharded
+        tensor (`local` holds this rank's share), from its owner to every rank."""
         owner = self.owner(offset)
         if owner == self.rank:
-            chunk = local.narrow(token_dim, offset - self.start, length).contiguous()
+            chunk = local.narrow(token_dim, self.held_before(offset), length).contiguous()
         else:
             shape = list(local.shape)
             shape[token_dim] = length
@@ -150,32 +183,36 @@ class PromptShard:
         return chunk
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None, chunks: Sequence[tuple[int, int]], prefix_len: int) -> "PromptShard":
-        world = dist.get_world_size(group)
-        return cls(group, dist.get_rank(group), shares(chunks, prefix_len, world))
+    def of(cls, group: dist.ProcessGroup | None, chunks: Sequence[tuple[int, int]]) -> "PromptShard":
+        return cls(group, dist.get_rank(group), assign_chunks(chunks, dist.get_world_size(group)))
 
 
-def shares(chunks: Sequence[tuple[int, int]], prefix_len: int, world: int) -> tuple[int, ...]:
-    """The first position of each rank's share and the prompt's end: rank
-    j's share starts at the chunk boundary nearest j x prefix_len / world,
-    so a chunk is never split (a step's own positions live on one rank).
-    Ranks past the last chunk get empty shares."""
-    boundaries = [offset for offset, _ in chunks][1:]
-    starts = [0]
-    for j in range(1, world):
-        later = [b for b in boundaries if b > starts[-1]]
-        starts.append(min(later, key=lambda b: abs(b - j * prefix_len / world)) if later else prefix_len)
-    return (*starts, prefix_len)
+def assign_chunks(chunks: Sequence[tuple[int, int]], world: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each rank's prompt chunks: dealt out in rounds of `world`, every
+    other round in reverse rank order (0, 1, ..., W-1, W-1, ..., 1, 0, ...).
+
+    A rank's attention work over earlier keys is, per position it holds,
+    the number of queries after it: with contiguous shares rank 0 would do
+    3/4 of it at W = 2. Dealt this way, every pair of rounds gives each rank
+    one chunk of the pair's earlier round and its mirror in the later, so
+    with equal chunks the positions held and the work both differ by at
+    most one round's worth (equal when the chunks are a multiple of 2W).
+    A chunk is never split: a step's own positions live on one rank."""
+    held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for i, chunk in enumerate(chunks):
+        round_, seat = divmod(i, world)
+        held[seat if round_ % 2 == 0 else world - 1 - seat].append(chunk)
+    return tuple(tuple(h) for h in held)
 
 
 class ShardKeys(Protocol):
     """Where a sharded attention's earlier keys and values live in the state."""
 
     def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [1, Hkv, end - begin, D] at positions `[begin, end)` of this rank's share."""
+        """Keys and values [1, Hkv, end - begin, D] at buffer indices `[begin, end)` of this rank's share."""
 
-    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
-        """Add their gradients, from `position` on, to d(state)."""
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, local: int) -> None:
+        """Add their gradients, from buffer index `local` on, to d(state)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,15 +225,14 @@ class SlotKeys:
     def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(shard_positions(step, slot, begin, end) for slot in (self.k_slot, self.v_slot))
 
-    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, position: int) -> None:
-        step.accumulate_grad(self.k_slot, grad_k, position)
-        step.accumulate_grad(self.v_slot, grad_v, position)
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor, local: int) -> None:
+        step.accumulate_shard_grad(self.k_slot, grad_k, local)
+        step.accumulate_shard_grad(self.v_slot, grad_v, local)
 
 
 def shard_positions(step: StepContext, slot: int, begin: int, end: int) -> torch.Tensor:
-    """A sequence slot's positions `[begin, end)`, within this rank's share."""
-    start = step.state.shard.start
-    return step.state.buffers[slot].narrow(step.state.slots[slot].token_dim, begin - start, end - begin)
+    """A sequence slot's buffer indices `[begin, end)` of this rank's share."""
+    return step.state.buffers[slot].narrow(step.state.slots[slot].token_dim, begin, end - begin)
 
 
 def sharded_causal_attention(
@@ -276,10 +312,9 @@ class _ShardedCausalAttention(torch.autograd.Function):
 
 
 def _shard_range(step: StepContext, first: int, last: int) -> tuple[int, int]:
-    """This rank's positions before the step and in `[first, last)`:
-    `[max(first, start), min(last, o, end))` of its share (empty: begin >= end)."""
-    shard = step.state.shard
-    return max(first, shard.start), min(last, step.offset, shard.end)
+    """The buffer indices of this rank's positions before the step and in
+    `[first, last)` (empty: begin == end)."""
+    return step.state.shard.local_range(first, min(last, step.offset))
 
 
 def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, int, tuple[int, int]]]:
@@ -296,6 +331,27 @@ def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, in
     if b < n:
         parts.append((slice(b, n), b - a, (a, b)))
     return parts
+
+
+def raise_together(error: Exception | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Raise the error of the lowest rank that has one, on every rank.
+
+    A check that reads this rank's share (`verify_state`, `check_finite`)
+    can fail on one rank alone; raised there alone, it would leave the other
+    ranks waiting in the step's next collective until the group's timeout.
+    Every rank calls this at the same point of the step: an all-reduce
+    finds the first failing rank, which sends its error to the others."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    first = torch.tensor([world if error is None else rank], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    source = int(first)
+    if source == world:
+        return
+    sent = [error]
+    dist.broadcast_object_list(sent, group_src=source, group=group, device=device)
+    if rank != source:
+        sent[0].add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
+    raise sent[0]
 
 
 def graph_fingerprint(graph: torch.fx.Graph) -> float:

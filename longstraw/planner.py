@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .context_parallel import shares
+from .context_parallel import assign_chunks
 from .depth import Depth
 from .nodes import tensor_of
 from .simulation import (
@@ -237,9 +237,8 @@ def context_ranks(options: Any) -> int:
 
 def largest_share(prompt: int, chunk: int, ranks: int) -> int:
     """The most prompt positions one rank holds under context parallelism
-    (`context_parallel.shares` of the chunk schedule)."""
-    starts = shares(chunk_schedule(prompt, chunk), prompt, ranks)
-    return max(b - a for a, b in zip(starts, starts[1:]))
+    (`context_parallel.assign_chunks` of the chunk schedule)."""
+    return max(sum(n for _, n in held) for held in assign_chunks(chunk_schedule(prompt, chunk), ranks))
 
 
 def default_budget(device: torch.device) -> int | None:

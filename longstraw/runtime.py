@@ -34,7 +34,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
-from .context_parallel import PromptShard, check_replicated, graph_fingerprint
+from .context_parallel import PromptShard, check_replicated, graph_fingerprint, raise_together
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
@@ -406,7 +406,7 @@ class GroupRunner:
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept,
                             active=stage.active if len(self.stages) > 1 else None,
-                            shard=None if cp is None else PromptShard.of(cp, chunks, group.prefix_len))
+                            shard=None if cp is None else PromptShard.of(cp, chunks))
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
         for offset, length in self._walk(chunks, "prompt capture"):
             if self.random and not again:
@@ -415,24 +415,34 @@ class GroupRunner:
             with _noting(f"{what} [{offset}, {offset + length})"), restored:
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 stage.prefix.module(ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
-        if verify and (slot := state.unwritten()) is not None:
-            raise LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
-        if self.options.check_finite:
-            self._check_finite(state)
+        failure = state.failure
+        if failure is None and verify and (slot := state.unwritten()) is not None:
+            failure = LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
+        if failure is None and self.options.check_finite:
+            failure = self._nonfinite(state)
+        self._raise(failure, device)
         return state
 
-    def _check_finite(self, state: PromptState) -> None:
+    def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
+        """Raise a check's failure; under context parallelism on every rank
+        at once, since the checks read the rank's own share."""
+        if self.options.context_parallel is not None:
+            raise_together(failure, self.options.context_parallel, device)
+        elif failure is not None:
+            raise failure
+
+    def _nonfinite(self, state: PromptState) -> InputError | None:
         """NaN or Inf in the captured state would poison every branch: name the layer."""
         tensors = [(slot, state.prompt_part(slot)) for slot in self.part.slots if slot.index in state.buffers]
         # the carries branches read (a non-finite earlier boundary reaches the state after it)
         tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.index in state.carries]
         if not tensors or not has_values(tensors[0][1]):
-            return
+            return None
         finite = torch.stack([t.isfinite().all() for _, t in tensors])
         if bool(finite.all()):
-            return
+            return None
         slot, _ = tensors[int((~finite).nonzero()[0, 0])]
-        raise InputError(
+        return InputError(
             f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
             "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
             "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
@@ -508,6 +518,7 @@ class GroupRunner:
                     self._accumulate(leaves, outs, seeds)
                 if state.attention_outputs is not None:
                     state.attention_outputs.drop(offset)
+        self._raise(state.failure, call.device)
         state.release()
         group_call.state = None
 

@@ -100,7 +100,7 @@ class PromptState:
                 continue
             if slot.kind == SlotKind.SEQUENCE:
                 shape = list(slot.shape)
-                shape[slot.token_dim] = capacity if shard is None else shard.end - shard.start
+                shape[slot.token_dim] = capacity if shard is None else shard.size
                 if verify and slot.dtype.is_floating_point:
                     buffer = torch.full(shape, float("nan"), dtype=slot.dtype, device=device)
                 else:
@@ -110,6 +110,9 @@ class PromptState:
                 self.carries[slot.index] = {0: torch.zeros(slot.shape, dtype=slot.dtype, device=device)}
         self.grads: dict[int, torch.Tensor] | None = None
         self.carry_grads: dict[int, dict[int, torch.Tensor]] | None = None
+        # context parallelism: a `verify_state` failure on this rank's share, raised on every rank together
+        # (`context_parallel.raise_together`) where the runtime checks, not mid-step, where the others would wait
+        self.failure: LongStrawError | None = None
 
     def allocate_grads(self) -> None:
         """d(state) of the prompt, accumulated by replays in backward."""
@@ -143,7 +146,7 @@ class PromptState:
     def prompt_part(self, slot: StateSlot) -> torch.Tensor:
         """The prompt positions of a sequence slot held here: `[0, prefix_len)`,
         or this rank's share under context parallelism."""
-        length = self.prefix_len if self.shard is None else self.shard.end - self.shard.start
+        length = self.prefix_len if self.shard is None else self.shard.size
         return self.buffers[slot.index].narrow(slot.token_dim, 0, length)
 
     def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
@@ -409,9 +412,9 @@ class StepContext:
         token_dim = self.state.slots[slot].token_dim
         offset, shard = self.offset, self.state.shard
         if shard is not None:
-            if not shard.start <= offset < shard.end:
+            if offset >= self.state.prefix_len or shard.owner(offset) != shard.rank:
                 return value
-            offset -= shard.start
+            offset = shard.held_before(offset)
         region = self.state.buffers[slot].narrow(token_dim, offset, self.length)
         if self.state.verify and self.offset < self.state.prefix_len:
             self._verify_write(slot, region, value)
@@ -422,10 +425,14 @@ class StepContext:
         """`Options.verify_state`: the capture writes only unwritten (NaN)
         positions; a replay of a prompt chunk writes exactly what is there."""
         where = f"{self.state.slots[slot].label()}, positions [{self.offset}, {self.offset + self.length})"
+        failure = None
         if not self.grad_enabled and not bool(region.isnan().all()):
-            raise LongStrawError(f"verify_state: the prompt capture wrote {where} twice")
+            failure = LongStrawError(f"verify_state: the prompt capture wrote {where} twice")
         if self.grad_enabled and not torch.equal(region, value.detach()):
-            raise LongStrawError(f"verify_state: the reverse pass recomputed {where} with other values than the capture")
+            failure = LongStrawError(f"verify_state: the reverse pass recomputed {where} with other values than the capture")
+        if failure is not None and self.state.shard is None:
+            raise failure
+        self.state.failure = self.state.failure or failure
 
     def visible(self, slot: int) -> torch.Tensor:
         """All positions up to the end of this step: `[0, offset + length)`."""
@@ -447,8 +454,15 @@ class StepContext:
         length = min(grad.shape[token_dim], self.offset - start)
         if grads is None or length <= 0:
             return
-        local = start if self.state.shard is None else start - self.state.shard.start  # d(state) is sharded like the state
-        grads[slot].narrow(token_dim, local, length).add_(grad.narrow(token_dim, 0, length))
+        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
+
+    def accumulate_shard_grad(self, slot: int, grad: torch.Tensor, local: int) -> None:
+        """Context parallelism: add the gradient of this rank's share at
+        buffer indices `[local, local + len)` (positions before the step)
+        into d(state), which is sharded like the state."""
+        if self.state.grads is not None:
+            token_dim = self.state.slots[slot].token_dim
+            self.state.grads[slot].narrow(token_dim, local, grad.shape[token_dim]).add_(grad)
 
     # carry slots
 

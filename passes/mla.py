@@ -364,9 +364,8 @@ class _ShardedLatentOverSelection(torch.autograd.Function):
         grad_shard = torch.zeros(shard_keys.shape, dtype=compute, device=query.device)
         grad_q = _selected_backward(query, shard_keys, shard_index, shard_valid, ctx.scale, grad_out, out, lse, grad_shard)
         dist.all_reduce(grad_q, group=step.state.shard.group)
-        shard = step.state.shard
-        if min(shard.end, step.offset) > shard.start:  # the share holds earlier positions: their d(state)
-            LatentKeys(*ctx.slots, rank).accumulate(step, grad_shard.to(shard_keys.dtype)[None, None], None, shard.start)
+        if step.state.shard.held_before(step.offset) > 0:  # the share holds earlier positions: their d(state)
+            LatentKeys(*ctx.slots, rank).accumulate(step, grad_shard.to(shard_keys.dtype)[None, None], None, 0)
         own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
         own_index, own_valid = (positions - step.offset).clamp(min=0), valid & (positions >= step.offset)
         grad_own = torch.zeros(own_keys.shape, dtype=compute, device=query.device)
@@ -383,12 +382,12 @@ def _shard_picks(
     one row of zeros that no pick reads when there are none), and the
     picks among them: indices into them and which picks they are."""
     shard = step.state.shard
-    begin, end = shard.start, max(shard.start, min(shard.end, step.offset))
-    keys = LatentKeys(*slots, rank).read(step, begin, end)[0][0, 0]
+    keys = LatentKeys(*slots, rank).read(step, 0, shard.held_before(step.offset))[0][0, 0]
     if keys.shape[0] == 0:
         keys = keys.new_zeros(1, keys.shape[-1])
-    inside = valid & (positions >= begin) & (positions < end)
-    return keys, torch.where(inside, positions - begin, 0), inside
+    local, held = shard.to_local(positions)
+    inside = valid & held & (positions < step.offset)
+    return keys, torch.where(inside, local, 0), inside
 
 
 def _selected_forward(
@@ -504,12 +503,12 @@ class LatentKeys:
         keys = torch.cat(parts, -1)[None, None]
         return keys, keys[..., :self.rank]
 
-    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor | None, position: int) -> None:
+    def accumulate(self, step: StepContext, grad_k: torch.Tensor, grad_v: torch.Tensor | None, local: int) -> None:
         """`grad_v` None: `grad_k`'s latent part holds dK + dV already."""
         grad = grad_k[0, 0]
         latent = grad[:, :self.rank] if grad_v is None else grad[:, :self.rank] + grad_v[0, 0]
-        step.accumulate_grad(self.latent_slot, slot_layout(step, self.latent_slot, latent), position)
-        step.accumulate_grad(self.rope_slot, slot_layout(step, self.rope_slot, grad[:, self.rank:]), position)
+        step.accumulate_shard_grad(self.latent_slot, slot_layout(step, self.latent_slot, latent), local)
+        step.accumulate_shard_grad(self.rope_slot, slot_layout(step, self.rope_slot, grad[:, self.rank:]), local)
 
 
 def _keys(

@@ -344,12 +344,11 @@ def _sharded_topk(
     step's own keys (every rank scores them), merged by a stable sort: among
     equal scores the earlier position wins, as in `tiled_topk`."""
     shard = ctx.state.shard
-    begin, end = shard.start, max(shard.start, min(shard.end, ctx.offset))
-    local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, begin, end))
+    local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(ctx.offset)))
     best, positions = _padded(*_best(query, weights, local, own[:0], scale, k), k + 1)
     gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather([b for b, _ in gathered], best, group=shard.group)
-    dist.all_gather([p for _, p in gathered], positions + begin, group=shard.group)
+    dist.all_gather([p for _, p in gathered], shard.to_global(positions), group=shard.group)
     own_best, own_positions = _best(query, weights, own[:0], own, scale, k)  # causal among the step's own keys
     scores = torch.cat([*(b for b, _ in gathered), own_best], -1)
     picked = torch.cat([*(p for _, p in gathered), own_positions + ctx.offset], -1)

@@ -377,3 +377,26 @@ def test_depth_bench_records_a_run_stopped_by_its_timeout(tmp_path, monkeypatch)
     (run,) = json.loads(out.read_text())["runs"]
     assert not run["ok"] and run["error"].startswith("Stopped: stopped by signal")
     assert set(run["steps"]) == {"capturing prompt chunk", "running branch"}
+
+
+def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/context_parallel_bench.py's smoke run (tiny shapes, two
+    gloo processes on the CPU, chunks of 8 so both ranks hold some): the
+    sharded step's gradients equal the one-process step's on every rank,
+    and every rank's run is recorded with the same loss."""
+    import json
+
+    import context_parallel_bench
+
+    argv = ["context_parallel_bench.py", "--tiny", "--ranks", "2", "--modes", "exact", "--P", "40", "--G", "2",
+            "--R", "8", "--chunk", "8", "--p-parity", "40", "--out-dir", str(tmp_path), "--name", "cp"]
+    monkeypatch.setattr(sys, "argv", argv)
+    context_parallel_bench.main()
+    result = json.loads((tmp_path / "cp.json").read_text())
+    assert result["command"].endswith("--out-dir benchmarks/results --name cp")
+    assert (result["ranks"], result["backend"], result["shared_gpu"]) == (2, "gloo", False)
+    for parity in result["parity_per_rank"]:
+        assert parity["max_rel_l2"] < 1e-5 and parity["parameters"] == 47
+    (run,) = result["runs"]
+    assert run["ok"] and run["mode"] == "exact" and len(set(run["loss_per_rank"])) == 1
+    assert not (tmp_path / "cp_ranks").exists()

@@ -272,7 +272,7 @@ def test_step_matches_one_process(world, tmp_path):
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.reference import eager_loss_and_grads
-    from longstraw.context_parallel import shares
+    from longstraw.context_parallel import assign_chunks
     from longstraw.state import chunk_schedule
 
     results = gloo.spawn(_step_worker, world, tmp_path)
@@ -281,11 +281,11 @@ def test_step_matches_one_process(world, tmp_path):
         model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
         want_loss, want = compiled_loss_and_grads(compile_loss(loss_fn, _backend(case)), model, *inputs)
         captured = case.P - 1  # the last prompt position's logit is read by the loss: it runs in every branch
-        share = shares(chunk_schedule(captured, 8), captured, world)
-        assert len(set(share)) == world + 1  # no empty share
+        share = [sum(n for _, n in held) for held in assign_chunks(chunk_schedule(captured, 8), world)]
+        assert all(share)  # no empty share
         for rank in range(world):
             loss, grads, lengths = results[rank][case.name]
-            assert lengths <= {share[rank + 1] - share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
+            assert lengths <= {share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
             assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
             assert_grads_close(grads, want, STEP_TOL)
         if case == FSDP2_CASE and world == 2:
@@ -318,7 +318,7 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
         try:
             run()
         except Exception as error:  # noqa: BLE001
-            return f"{type(error).__name__}: {error}"
+            return "\n".join([f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])])
         return "no error"
 
     def scaled_loss(model, scale, *group):  # a Python float: Dynamo folds it into the graph
@@ -326,6 +326,12 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 
     cp = dict(prefix_chunk_size=8, recompute_layers=False, context_parallel=dist.group.WORLD)
     prompt, responses, advantages, mask = make_group(2, 30, 4)
+    # a token whose embedding is NaN at prompt position 26, in rank 0's last chunk [24, 29): only rank 0's
+    # share of the state is not finite (rank 1 holds [8, 24))
+    poisoned, token = make_model("plain"), next(t for t in range(64) if t not in prompt[:26] and t not in responses)
+    with torch.no_grad():
+        poisoned.embed.weight[token] = float("nan")
+    nan_prompt = torch.cat([prompt[:26], torch.tensor([token]), prompt[27:]])
     res = {
         "other inputs": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain"), prompt, responses, advantages + rank, mask)),
@@ -335,6 +341,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             make_model("plain_window_mask"), prompt, responses, advantages, mask)),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
                                                           context_parallel="world")),
+        "nan in one share": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            poisoned, nan_prompt, responses, advantages, mask)),
     }
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -345,8 +353,16 @@ def test_refusals(tmp_path):
     Python value that differs between ranks (folded into their graphs),
     attention under a mask that is not causal over one run of keys (a
     sliding window mask that no pass proved), a context_parallel that is
-    not a process group."""
-    for res in gloo.spawn(_refusal_worker, 2, tmp_path):
+    not a process group. A check that fails on one rank's share alone
+    (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
+    where raising on rank 0 alone would leave rank 1 waiting in the next
+    collective until the group's timeout."""
+    results = gloo.spawn(_refusal_worker, 2, tmp_path)
+    for rank, res in enumerate(results):
+        assert res["nan in one share"].startswith("InputError: the captured prompt state"), res["nan in one share"]
+        assert "holds NaN or Inf" in res["nan in one share"]
+        assert ("raised on rank 0 of the context-parallel group" in res["nan in one share"]) == (rank == 1)
+    for res in results:
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
         assert res["other scalar"].startswith("InputError: context parallelism: "), res["other scalar"]
         assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
@@ -368,7 +384,60 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
     slot = StateSlot(0, SlotKind.SEQUENCE, node, token_dim=2, batch_dim=0, shape=(1, 2, 8, 4), dtype=torch.float64,
                      reason="my_pass:keys")
     state = PromptState([slot], capacity=10, prefix_len=8, device=torch.device("cpu"),
-                        shard=PromptShard(None, 1, (0, 4, 8)))
-    assert state.buffers[0].shape == (1, 2, 4, 4)  # positions [4, 8) only
+                        shard=PromptShard(None, 1, (((0, 2), (6, 2)), ((2, 2), (4, 2)))))
+    assert state.buffers[0].shape == (1, 2, 4, 4)  # positions [2, 6) only
     with pytest.raises(LongStrawError, match="context parallelism: .*my_pass.*needs every earlier position"):
         StepContext(state, 8, 2, grad_enabled=False).visible(0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("prompt", [37, 100, 1000, 8 * 2 * 8 * 5])
+def test_chunks_are_dealt_so_that_positions_and_attention_work_balance(world, prompt):
+    """`assign_chunks`: every chunk on one rank, in position order; the
+    positions held differ by at most one chunk, and the attention over
+    earlier keys (per position held, the prompt positions after it) by at
+    most one chunk's worth, 8 x prompt; both equal when the chunks are a
+    multiple of 2 x world. Contiguous shares would give rank 0 3/4 of the
+    work at world 2."""
+    from longstraw.context_parallel import assign_chunks
+    from longstraw.state import chunk_schedule
+
+    chunks = chunk_schedule(prompt, 8)
+    held = assign_chunks(chunks, world)
+    assert sorted(c for h in held for c in h) == chunks and all(list(h) == sorted(h) for h in held)
+    positions = [sum(n for _, n in h) for h in held]
+    work = [sum(n * (prompt - o - n) for o, n in h) for h in held]
+    assert max(positions) - min(positions) <= 8
+    if len(chunks) >= world:
+        assert max(work) - min(work) <= 8 * prompt
+    if len(chunks) % (2 * world) == 0:
+        assert len(set(positions)) == 1 and len(set(work)) == 1
+
+
+def test_a_share_maps_buffer_indices_to_positions_and_back():
+    """A rank's buffer holds its chunks back to back: `held_before`,
+    `local_range`, `to_global`, `to_local` and `owner` agree with a table
+    built position by position, for shares of separated chunks, a short
+    last chunk and a rank with no chunk at all."""
+    from longstraw.context_parallel import PromptShard, assign_chunks
+    from longstraw.state import chunk_schedule
+
+    for prompt, world in ((16, 2), (29, 3), (7, 2), (3, 2)):
+        held = assign_chunks(chunk_schedule(prompt, 4), world)
+        for rank in range(world):
+            shard = PromptShard(None, rank, held)
+            mine = [p for o, n in held[rank] for p in range(o, o + n)]  # buffer index -> position
+            assert shard.size == len(mine)
+            for position in range(prompt + 1):
+                assert shard.held_before(position) == sum(p < position for p in mine)
+                if position < prompt:
+                    assert (position in mine) == (shard.owner(position) == rank)
+            for first in range(prompt + 1):
+                for last in range(first, prompt + 1):
+                    begin, end = shard.local_range(first, last)
+                    assert mine[begin:end] == [p for p in mine if first <= p < last]
+            local = torch.arange(len(mine))
+            assert shard.to_global(local).tolist() == mine
+            index, inside = shard.to_local(torch.arange(prompt + 3))
+            assert inside.tolist() == [p in mine for p in range(prompt + 3)]
+            assert index[inside].tolist() == list(range(len(mine)))

@@ -79,8 +79,11 @@ class Runner:
     GLM-5's experts run torch's grouped_mm in bf16 and HF's fallback in
     other dtypes (parity's float32 and float64 runs)."""
 
-    def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False) -> None:
+    def __init__(self, model, kind: str, mode: str, longstraw_operators: bool = False, context_parallel=None,
+                 prefix_chunk_size: int = 8192) -> None:
         self.model, self.kind, self.mode = model, kind, mode
+        self.context_parallel = context_parallel  # a process group: the longstraw modes shard the prompt state over it
+        self.prefix_chunk_size = prefix_chunk_size
         self.longstraw_operators = longstraw_operators or mode.startswith("longstraw")
         self.compiled: Callable | None = None
 
@@ -99,8 +102,9 @@ class Runner:
         if self.mode.startswith("longstraw"):
             torch._dynamo.reset()
             # the sizes these benchmarks have always measured; left None, the backend would plan them per P
-            backend = longstraw.Backend(prompt_grad=self.mode.removeprefix("longstraw_"), prefix_chunk_size=8192,
-                                        recompute_layers=False)
+            backend = longstraw.Backend(prompt_grad=self.mode.removeprefix("longstraw_"),
+                                        prefix_chunk_size=self.prefix_chunk_size, recompute_layers=False,
+                                        context_parallel=self.context_parallel)
             self.compiled = torch.compile(grpo_loss, backend=backend)
         return self
 

@@ -1,0 +1,203 @@
+"""Context parallelism on GPUs: grpo_bench's GRPO step with the prompt state
+sharded over `--ranks` processes (`Options.context_parallel`).
+
+    python benchmarks/context_parallel_bench.py --model dense --ranks 2 --P 65536,262144 \
+        --out-dir $OUT --name cp_bench_dense_h200
+
+Each rank is a process on GPU `rank mod the GPUs there are`: NCCL when every
+rank has a GPU of its own, else gloo over CUDA tensors. Ranks sharing a GPU
+measure each rank's memory exactly (the allocator's peak is per process) but
+not the time, since they run on one GPU's compute: `shared_gpu` says which.
+
+1. Parity: float32 at `--p-parity` (several 8192-position chunks, so every
+   rank holds some), exact mode: every rank's loss and gradients against the
+   same step in one process, which each rank also runs alone (no
+   collectives); relative L2 per parameter, the worst kept.
+2. Per mode and P (bf16, G = 8, R = 1024, chunk 8192): each rank's peak
+   allocated memory and step time (the first call, which plans and
+   compiles, then a warm one). Rank 0 decides, by the time left, whether a
+   run starts, and tells the others: ranks must agree, or one would wait in
+   a collective the other never calls.
+
+`tests/test_explain.py` holds the planner's per-rank peak
+(`explain(...).plan(P, ranks=W)`) to these measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+from grpo.measure import GiB, Clock, release, sync
+from grpo.models import build_model, make_group
+from grpo.modes import Runner
+from grpo.parity import _grads_on_cpu, compare
+from grpo.results import git_commit
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _step(runner: Runner, group) -> dict:
+    """One step: seconds and this process's peak allocated memory (0 on the CPU)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    start = time.perf_counter()
+    loss = runner.step(group)
+    sync()
+    return {"seconds": time.perf_counter() - start, "loss": float(loss),
+            "peak_gb": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0}
+
+
+def _agreed(rank: int, decision: bool, device: torch.device) -> bool:
+    """Rank 0's decision, on every rank."""
+    flag = torch.tensor([int(decision) if rank == 0 else 0], device=device)
+    dist.broadcast(flag, group_src=0)
+    return bool(flag)
+
+
+def _parity(args, rank: int, device: torch.device) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = build_model(args.model, args.tiny, torch.float32, device)
+    group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
+    with Runner(model, args.model, "longstraw_exact", context_parallel=dist.group.WORLD, prefix_chunk_size=args.chunk) as runner:
+        sharded_loss = float(runner.step(group))
+    sharded = _grads_on_cpu(model)
+    with Runner(model, args.model, "longstraw_exact", prefix_chunk_size=args.chunk) as runner:
+        alone_loss = float(runner.step(group))
+    alone = _grads_on_cpu(model)
+    result = {"P": args.p_parity, "dtype": "float32", "loss_rel_diff": abs(sharded_loss - alone_loss) / abs(alone_loss),
+              **compare(sharded, alone)}
+    del model, sharded, alone
+    release()
+    return result
+
+
+def _worker(rank: int, args, port: int, out: str) -> None:
+    gpus = torch.cuda.device_count()
+    if gpus:
+        device = torch.device("cuda", rank % gpus)
+        torch.cuda.set_device(device)
+    else:  # --tiny on the CPU: a smoke run of this script
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    backend = "nccl" if gpus >= args.ranks else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
+                            timeout=datetime.timedelta(seconds=300), device_id=device if backend == "nccl" else None)
+    clock = Clock(args.budget_s)
+    result = {"rank": rank, "backend": backend, "shared_gpu": 0 < gpus < args.ranks, "runs": []}
+    if args.p_parity:
+        result["parity"] = _parity(args, rank, device)
+        print(f"rank {rank} parity: {result['parity']}", flush=True)
+    model = build_model(args.model, args.tiny, torch.bfloat16 if gpus else torch.float32, device)
+    for mode in args.modes.split(","):
+        with Runner(model, args.model, f"longstraw_{mode}", context_parallel=dist.group.WORLD,
+                    prefix_chunk_size=args.chunk) as runner:
+            for P in (int(p) for p in args.P.split(",")):
+                run = {"mode": mode, "P": P, "G": args.G, "R": args.R}
+                if not _agreed(rank, clock.left() > args.reserve_s, device):
+                    result["runs"].append({**run, "ok": False, "skipped": "time"})
+                    continue
+                group = make_group(args.G, P, args.R, model.config.vocab_size, device)
+                first = _step(runner, group)
+                release(model)
+                warm = _step(runner, group)
+                release(model)
+                run.update(ok=True, first_seconds=first["seconds"], seconds=warm["seconds"],
+                           peak_gb=max(first["peak_gb"], warm["peak_gb"]), loss=warm["loss"])
+                result["runs"].append(run)
+                print(f"rank {rank} {mode:8s} P={P:>8d} first {first['seconds']:.1f}s warm {warm['seconds']:.2f}s "
+                      f"peak {run['peak_gb']:.1f}GB", flush=True)
+                del group
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def table(result: dict) -> str:
+    lines = ["| mode | P | peak GB per rank | first step s | warm step s |", "| --- | ---: | --- | ---: | ---: |"]
+    for run in result["runs"]:
+        if run["ok"]:
+            peaks = " / ".join(f"{p:.1f}" for p in run["peak_gb_per_rank"])
+            lines.append(f"| {run['mode']} | {run['P']:,} | {peaks} | {run['first_seconds']:.1f} | {run['seconds']:.2f} |")
+        else:
+            lines.append(f"| {run['mode']} | {run['P']:,} | skipped ({run.get('skipped')}) | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("dense", "hybrid"), default="dense")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--modes", default="detached,exact")
+    parser.add_argument("--P", default="65536,262144", help="prompt lengths, comma-separated")
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--R", type=int, default=1024)
+    parser.add_argument("--p-parity", type=int, default=32768, help="0: no parity run")
+    parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (on the CPU without CUDA: a smoke run)")
+    parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--reserve-s", type=float, default=90, help="no run starts with less time left than this")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--name", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.tiny:
+        sys.exit("context_parallel_bench needs CUDA (or --tiny)")
+    os.environ.update(MULTICAST_OFF)
+    name = args.name or f"cp_bench_{args.model}"
+    out = Path(args.out_dir)
+    ranks_dir = out / f"{name}_ranks"
+    ranks_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(args, _free_port(), str(ranks_dir)), nprocs=args.ranks, join=True)
+    per_rank = [torch.load(ranks_dir / f"rank{r}.pt", weights_only=False) for r in range(args.ranks)]
+    runs = []
+    for i, run in enumerate(per_rank[0]["runs"]):
+        merged = dict(run)
+        if run["ok"]:
+            merged["peak_gb_per_rank"] = [r["runs"][i]["peak_gb"] for r in per_rank]
+            merged["peak_gb"] = max(merged["peak_gb_per_rank"])
+            merged["seconds"] = max(r["runs"][i]["seconds"] for r in per_rank)
+            merged["first_seconds"] = max(r["runs"][i]["first_seconds"] for r in per_rank)
+            merged["loss_per_rank"] = [r["runs"][i]["loss"] for r in per_rank]
+        runs.append(merged)
+    result = {
+        "model": args.model, "ranks": args.ranks, "backend": per_rank[0]["backend"],
+        "shared_gpu": per_rank[0]["shared_gpu"], "G": args.G, "R": args.R,
+        "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "prefix_chunk_size": args.chunk,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "command": " ".join(["python", "benchmarks/context_parallel_bench.py", *sys.argv[1:]]).replace(
+            str(args.out_dir), "benchmarks/results"),
+        "git_commit": git_commit(), "peak_unit": "1e+09 bytes",
+        "parity_per_rank": [r.get("parity") for r in per_rank], "runs": runs,
+    }
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.md").write_text(table(result) + "\n")
+    for path in ranks_dir.iterdir():
+        path.unlink()
+    ranks_dir.rmdir()
+    print(table(result))
+    print("parity:", result["parity_per_rank"])
+
+
+if __name__ == "__main__":
+    main()
