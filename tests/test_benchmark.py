@@ -395,8 +395,8 @@ def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "cp.json").read_text())
     assert result["command"].endswith("--out-dir benchmarks/results --name cp")
     assert (result["ranks"], result["backend"], result["shared_gpu"]) == (2, "gloo", False)
-    for parity in result["parity_per_rank"]:
-        assert parity["max_rel_l2"] < 1e-5 and parity["parameters"] == 47
+    for rank_parity in result["parity_per_rank"]:
+        assert rank_parity["max_rel_l2"] < 1e-5 and rank_parity["parameters"] == 47
     (run,) = result["runs"]
     assert run["ok"] and run["mode"] == "exact" and len(set(run["loss_per_rank"])) == 1
     assert not (tmp_path / "cp_ranks").exists()
