@@ -15,7 +15,7 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
    collectives); relative L2 per parameter, the worst kept.
 2. Per mode and P (bf16, G = 8, R = 1024, chunk 8192): each rank's peak
    allocated memory and step time (the first call, which plans and
-   compiles, then a warm one). Rank 0 decides, by the time left, whether a
+   compiles, then a warm one, unless --no-warm). Rank 0 decides, by the time left, whether a
    run starts, and tells the others: ranks must agree, or one would wait in
    a collective the other never calls.
 
@@ -26,6 +26,7 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -45,19 +46,38 @@ from grpo.modes import Runner
 from grpo.parity import _grads_on_cpu, compare
 from grpo.results import git_commit
 
+import longstraw
+from longstraw.runtime import phase_of
+
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _step(runner: Runner, group) -> dict:
-    """One step: seconds and this process's peak allocated memory (0 on the CPU)."""
+    """One step: seconds, the seconds of each phase of the runtime's steps
+    (the rest of a first call is tracing, partitioning and compiling), and
+    this process's peak allocated memory (0 on the CPU)."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(where: str):
+        sync()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            phase = phase_of(where)
+            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - begin
+
     sync()
     start = time.perf_counter()
-    loss = runner.step(group)
+    with longstraw.around_steps(timed):
+        loss = runner.step(group)
     sync()
-    return {"seconds": time.perf_counter() - start, "loss": float(loss),
+    return {"seconds": time.perf_counter() - start, "loss": float(loss), "phases": phases,
             "peak_gb": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0}
 
 
@@ -100,8 +120,9 @@ def _worker(rank: int, args, port: int, out: str) -> None:
     clock = Clock(args.budget_s)
     result = {"rank": rank, "backend": backend, "shared_gpu": 0 < gpus < args.ranks, "runs": []}
     if args.p_parity:
+        start = time.perf_counter()
         result["parity"] = _parity(args, rank, device)
-        print(f"rank {rank} parity: {result['parity']}", flush=True)
+        print(f"rank {rank} parity ({time.perf_counter() - start:.0f} s): {result['parity']}", flush=True)
     model = build_model(args.model, args.tiny, torch.bfloat16 if gpus else torch.float32, device)
     for mode in args.modes.split(","):
         with Runner(model, args.model, f"longstraw_{mode}", context_parallel=dist.group.WORLD,
@@ -114,16 +135,21 @@ def _worker(rank: int, args, port: int, out: str) -> None:
                 group = make_group(args.G, P, args.R, model.config.vocab_size, device)
                 first = _step(runner, group)
                 release(model)
-                warm = _step(runner, group)
+                warm = _step(runner, group) if args.warm else first
                 release(model)
                 run.update(ok=True, first_seconds=first["seconds"], seconds=warm["seconds"],
-                           peak_gb=max(first["peak_gb"], warm["peak_gb"]), loss=warm["loss"])
+                           peak_gb=max(first["peak_gb"], warm["peak_gb"]), loss=warm["loss"],
+                           first_phases=first["phases"], phases=warm["phases"])
                 result["runs"].append(run)
-                print(f"rank {rank} {mode:8s} P={P:>8d} first {first['seconds']:.1f}s warm {warm['seconds']:.2f}s "
-                      f"peak {run['peak_gb']:.1f}GB", flush=True)
+                print(f"rank {rank} {mode:8s} P={P:>8d} first {first['seconds']:.1f}s {_rounded(first['phases'])} "
+                      f"warm {warm['seconds']:.2f}s {_rounded(warm['phases'])} peak {run['peak_gb']:.1f}GB", flush=True)
                 del group
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    return {phase: round(seconds, 2) for phase, seconds in phases.items()}
 
 
 def _free_port() -> int:
@@ -153,6 +179,8 @@ def main() -> None:
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--p-parity", type=int, default=32768, help="0: no parity run")
     parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size")
+    parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                        help="a second, warm step per run (--no-warm: the first call only, its time and peak)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (on the CPU without CUDA: a smoke run)")
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--reserve-s", type=float, default=90, help="no run starts with less time left than this")
