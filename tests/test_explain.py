@@ -160,6 +160,43 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
     assert len(predictions) >= 14
 
 
+# benchmarks/context_parallel_bench.py on the H200: two gloo ranks sharing the GPU, so each rank's peak
+# is measured (the allocator's, per process) while their times are not a two-GPU step's
+H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json"],
+                "hybrid": ["cp_bench_hybrid_a_h200.json", "cp_bench_hybrid_b_h200.json"]}
+
+
+@pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))
+def test_predicted_per_rank_peak_matches_the_h200_context_parallel_runs(kind):
+    """Context parallelism over 2 ranks: the plan of one rank
+    (`plan(P, ranks=2)`) predicts each rank's measured peak within 10%, in
+    both modes, from 32K to 1M positions; the one-process plan would
+    overstate the larger runs by more than that (the state halves)."""
+    meta = torch.device("meta")
+    model = build_model(kind, False, torch.bfloat16, meta)
+    model.config.use_cache = False
+    R = 1024
+    group = grpo_models.make_group(8, 4 * 8192, R, model.config.vocab_size, meta)
+    with qwen3_5.bound():
+        report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, R,
+                                   options={"prefix_chunk_size": 8192, "recompute_layers": False})
+    runs = []
+    for name in H200_CP_RUNS[kind]:
+        measured = json.loads((H200_RESULTS / name).read_text())
+        assert (measured["ranks"], measured["shared_gpu"], measured["prefix_chunk_size"]) == (2, True, 8192)
+        runs += [r for r in measured["runs"] if r["ok"]]
+    for run in runs:
+        for peak in run["peak_gb_per_rank"]:
+            plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda", ranks=2)
+            assert plan.ranks == 2
+            assert abs(plan.peak / 1e9 - peak) <= 0.1 * peak, (kind, run["mode"], run["P"], plan.table())
+    largest = max(runs, key=lambda r: r["P"])
+    one_process = report.plan(P=largest["P"], G=largest["G"], prompt_grad=largest["mode"], device="cuda", ranks=1)
+    assert one_process.peak / 1e9 > 1.1 * largest["peak_gb"]
+    assert {r["mode"] for r in runs} == ({"detached", "exact"} if kind == "dense" else {"detached"})
+    assert largest["P"] >= (1 << 19)
+
+
 # 64-layer runs of benchmarks/depth_bench.py on the H200 (LoRA, recompute_layers): exact from
 # the code that keeps attention's forward through recomputation and graphs the spans (m, o; s
 # with cuDNN's attention, whose memory the simulation models as flash's); u with the adapters
