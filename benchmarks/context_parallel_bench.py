@@ -27,30 +27,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 from grpo.measure import GiB, Clock, release, sync
 from grpo.models import build_model, make_group
 from grpo.modes import Runner
 from grpo.parity import _grads_on_cpu, compare
+from grpo.ranks import agreed, init_rank, spawn
 from grpo.results import git_commit
 
 import longstraw
 from longstraw.runtime import phase_of
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
 
 def _step(runner: Runner, group) -> dict:
     """One step: seconds, the seconds of each phase of the runtime's steps
@@ -81,13 +76,6 @@ def _step(runner: Runner, group) -> dict:
             "peak_gb": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0}
 
 
-def _agreed(rank: int, decision: bool, device: torch.device) -> bool:
-    """Rank 0's decision, on every rank."""
-    flag = torch.tensor([int(decision) if rank == 0 else 0], device=device)
-    dist.broadcast(flag, group_src=0)
-    return bool(flag)
-
-
 def _parity(args, rank: int, device: torch.device) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -106,30 +94,22 @@ def _parity(args, rank: int, device: torch.device) -> dict:
     return result
 
 
-def _worker(rank: int, args, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    device, backend = init_rank(rank, world, port)
     gpus = torch.cuda.device_count()
-    if gpus:
-        device = torch.device("cuda", rank % gpus)
-        torch.cuda.set_device(device)
-    else:  # --tiny on the CPU: a smoke run of this script
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    backend = "nccl" if gpus >= args.ranks else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks,
-                            timeout=datetime.timedelta(seconds=300), device_id=device if backend == "nccl" else None)
     clock = Clock(args.budget_s)
-    result = {"rank": rank, "backend": backend, "shared_gpu": 0 < gpus < args.ranks, "runs": []}
+    result = {"rank": rank, "backend": backend, "shared_gpu": 0 < gpus < world, "runs": []}
     if args.p_parity:
         start = time.perf_counter()
         result["parity"] = _parity(args, rank, device)
         print(f"rank {rank} parity ({time.perf_counter() - start:.0f} s): {result['parity']}", flush=True)
-    model = build_model(args.model, args.tiny, torch.bfloat16 if gpus else torch.float32, device)
+    model = build_model(args.model, args.tiny, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     for mode in args.modes.split(","):
         with Runner(model, args.model, f"longstraw_{mode}", context_parallel=dist.group.WORLD,
                     prefix_chunk_size=args.chunk) as runner:
             for P in (int(p) for p in args.P.split(",")):
                 run = {"mode": mode, "P": P, "G": args.G, "R": args.R}
-                if not _agreed(rank, clock.left() > args.reserve_s, device):
+                if not agreed(clock.left() > args.reserve_s, device):
                     result["runs"].append({**run, "ok": False, "skipped": "time"})
                     continue
                 group = make_group(args.G, P, args.R, model.config.vocab_size, device)
@@ -150,12 +130,6 @@ def _worker(rank: int, args, port: int, out: str) -> None:
 
 def _rounded(phases: dict[str, float]) -> dict[str, float]:
     return {phase: round(seconds, 2) for phase, seconds in phases.items()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def table(result: dict) -> str:
@@ -189,12 +163,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit("context_parallel_bench needs CUDA (or --tiny)")
-    os.environ.update(MULTICAST_OFF)
     name = args.name or f"cp_bench_{args.model}"
     out = Path(args.out_dir)
     ranks_dir = out / f"{name}_ranks"
     ranks_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(args, _free_port(), str(ranks_dir)), nprocs=args.ranks, join=True)
+    spawn(_worker, args.ranks, args, str(ranks_dir))
     per_rank = [torch.load(ranks_dir / f"rank{r}.pt", weights_only=False) for r in range(args.ranks)]
     runs = []
     for i, run in enumerate(per_rank[0]["runs"]):

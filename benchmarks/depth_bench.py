@@ -12,11 +12,17 @@ the floor it should sit near: weights + trainable grads + state (+ d(state)).
     python benchmarks/depth_bench.py --layers 64 --runs exact:32768:8192:memory,exact:32768:8192:profile ...
     python benchmarks/depth_bench.py --layers 64 --budget-gb 135 --runs exact:131072 ...   # the planner chooses
     python benchmarks/depth_bench.py --tiny --layers 8 --runs exact:64,detached:64   # CPU smoke run
+    python benchmarks/depth_bench.py --ranks 2 --layers 64 --runs exact:786432 --recompute-layers ...  # context parallel
 
 `:memory` lists what is live at each runtime phase's peak (a dispatch mode:
 slow, keep it to short runs), `:profile` the CUDA time per operator and
 phase. Every run records seconds per phase (prompt capture, branch
 forwards, replays, reverse pass) and MFU against 790 TFLOP/s.
+
+`--ranks W` shards the prompt state over W processes
+(`Options.context_parallel`, `grpo/ranks.py`: a GPU each where there are
+enough, NCCL): every rank runs each run, the result keeps rank 0's with
+every rank's peak (`peak_gb_per_rank`) and a floor of one rank's share.
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ import longstraw  # noqa: E402
 from grpo.flops import PEAK_FLOPS, FlopModel  # noqa: E402
 from grpo.measure import GiB, is_oom, release, sync  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
+from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
 from grpo.results import git_commit  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
+from longstraw.planner import largest_share  # noqa: E402
 from longstraw.kernels import fla_causal_conv  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
@@ -272,7 +280,10 @@ _STARTED = time.perf_counter()
 
 def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device,
             diagnose: str | None = None) -> dict:
-    run = {"layers": layers, "mode": mode, "P": P, "G": G, "R": R, "options": options, "ok": False}
+    group_of_ranks = options.get("context_parallel")
+    ranks = 1 if group_of_ranks is None else torch.distributed.get_world_size(group_of_ranks)
+    run = {"layers": layers, "mode": mode, "P": P, "G": G, "R": R, "ranks": ranks, "ok": False,
+           "options": {k: v for k, v in options.items() if k != "context_parallel"}}
     group = make_group(G, P, R, model.config.vocab_size, device)
     backend = longstraw.Backend(prompt_grad=mode, **options)
     compiled = torch.compile(grpo_loss, backend=backend)
@@ -312,8 +323,9 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["chosen"] = {"prefix_chunk_size": chosen.prefix_chunk_size, "recompute_layers": chosen.recompute_layers}
         report = ExplainReport(backend.plans[-1])
         per_position = report.state_bytes_per_position
-        run["state_gb"] = (per_position * (P - 1 + R) + report.state_fixed_bytes) / GiB
-        run["state_grad_gb"] = per_position * (P - 1) / GiB if mode == "exact" else 0.0
+        held = P - 1 + R if ranks == 1 else largest_share(P - 1, chosen.prefix_chunk_size, ranks)  # one rank's share
+        run["state_gb"] = (per_position * held + report.state_fixed_bytes) / GiB
+        run["state_grad_gb"] = per_position * (P - 1 if ranks == 1 else held) / GiB if mode == "exact" else 0.0
         run["floor_gb"] = run["weights_gb"] + run["grads_gb"] + run["state_gb"] + run["state_grad_gb"]
     del group, compiled, backend
     release(model)
@@ -347,6 +359,7 @@ def main() -> None:
     parser.add_argument("--sdpa", choices=["flash", "cudnn"], default="flash",
                         help="attention forward kernel: PyTorch's default order (flash first) or cuDNN first")
     parser.add_argument("--out", required=True, help="result JSON path")
+    parser.add_argument("--ranks", type=int, default=1, help="context parallelism over this many processes")
     args = parser.parse_args()
 
     started = time.perf_counter()
@@ -368,17 +381,54 @@ def main() -> None:
         "sdpa": args.sdpa, "float32_adapters": not args.bf16_adapters,
         "fla_causal_conv": fla_causal_conv.fla_ops() is not None, "runs": [],
     }
-    previous = signal.signal(signal.SIGTERM, _stop)
-    try:
-        run_all(args, result, device, dtype, options, started)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    if args.ranks > 1:
+        run_ranks(args, result, dtype, options)
+    else:
+        previous = signal.signal(signal.SIGTERM, _stop)
+        try:
+            run_all(args, result, device, dtype, options, started)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     print_table(result)
 
 
+def run_ranks(args: argparse.Namespace, result: dict, dtype: torch.dtype, options: dict) -> None:
+    """`run_all` on `--ranks` processes with the prompt state sharded over
+    them; `--out` gets rank 0's runs with every rank's peak, also when a
+    rank failed (the runs every rank finished)."""
+    try:
+        spawn(_rank_worker, args.ranks, args, result, dtype, options)
+    finally:
+        paths = [Path(f"{args.out}.rank{r}") for r in range(args.ranks)]
+        per_rank = [json.loads(p.read_text()) for p in paths if p.exists()]
+        if len(per_rank) == args.ranks:
+            result.update(per_rank[0])
+            result["runs"] = result["runs"][:min(len(r["runs"]) for r in per_rank)]
+            for i, run in enumerate(result["runs"]):
+                if "peak_gb" in run:
+                    run["peak_gb_per_rank"] = [r["runs"][i]["peak_gb"] for r in per_rank]
+                    run["peak_gb"] = max(run["peak_gb_per_rank"])
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        for path in paths:
+            path.unlink(missing_ok=True)
+
+
+def _rank_worker(rank: int, world: int, port: int, args: argparse.Namespace, result: dict, dtype: torch.dtype,
+                 options: dict) -> None:
+    device, backend = init_rank(rank, world, port)
+    result = {**result, "ranks": world, "backend": backend, "shared_gpu": 0 < torch.cuda.device_count() < world}
+    options = {**options, "context_parallel": torch.distributed.group.WORLD}
+    run_all(args, result, device, dtype, options, time.perf_counter(), out=f"{args.out}.rank{rank}",
+            go=lambda ok: agreed(ok, device))
+    torch.distributed.destroy_process_group()
+
+
 def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype: torch.dtype, options: dict,
-            started: float) -> None:
-    """Every run of `--runs` into `result`, written to `--out` after each; a run stopped by SIGTERM ends them."""
+            started: float, out: str | None = None, go: Callable[[bool], bool] = bool) -> None:
+    """Every run of `--runs` into `result`, written to `out` (default
+    `--out`) after each; a run stopped by SIGTERM ends them. `go` turns the
+    clock's verdict into the decision to start a run (ranks: rank 0's)."""
+    out = out or args.out
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     kernels = sdpa_kernel(order, set_priority=True) if args.sdpa == "cudnn" else contextlib.nullcontext()
     with qwen3_5.bound(), kernels:
@@ -389,7 +439,7 @@ def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype:
             chunk = [x for x in rest if x.isdigit()]
             diagnose = next((x for x in rest if x in ("memory", "profile")), None)
             conv = next((x for x in rest if x in ("auto", "torch")), options["kernels"]["causal_conv"])
-            if time.perf_counter() - started > args.budget_s:
+            if not go(time.perf_counter() - started <= args.budget_s):
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
                 continue
             run_options = {**options, "kernels": {"causal_conv": conv}}
@@ -397,8 +447,8 @@ def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype:
                 run_options["prefix_chunk_size"] = int(chunk[0])
             result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
                                           diagnose=diagnose))
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(result, indent=1))
             if result["runs"][-1].get("error", "").startswith("Stopped"):
                 break
 

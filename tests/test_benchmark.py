@@ -351,6 +351,33 @@ def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert "in the reverse pass" not in detached["steps"]
 
 
+def test_depth_bench_runs_context_parallel_on_the_cpu(tmp_path, monkeypatch):
+    """depth_bench.py --ranks 2: two gloo processes run every run with the
+    prompt state sharded; the result is rank 0's, its floor counts one
+    rank's share (chunks of 8 over 39 prompt positions: 23 on rank 0, the
+    larger; one process holds all 39), and no per-rank file is left."""
+    import json
+
+    import depth_bench
+
+    out = tmp_path / "depth.json"
+    argv = ["depth_bench.py", "--tiny", "--layers", "4", "--G", "2", "--R", "8", "--runs", "exact:40:8,detached:40:8",
+            "--ranks", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    depth_bench.main()
+    result = json.loads(out.read_text())
+    assert (result["ranks"], result["backend"], result["shared_gpu"]) == (2, "gloo", False)
+    exact, detached = result["runs"]
+    assert exact["ok"] and detached["ok"] and exact["ranks"] == detached["ranks"] == 2
+    assert "context_parallel" not in exact["options"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["depth.json"]
+    monkeypatch.setattr(sys, "argv", argv[:-4] + ["--out", str(tmp_path / "one.json")])
+    depth_bench.main()
+    one_process = json.loads((tmp_path / "one.json").read_text())["runs"][0]
+    assert one_process["ranks"] == 1
+    assert exact["state_grad_gb"] == pytest.approx(one_process["state_grad_gb"] * 23 / 39, rel=1e-12)
+
+
 def test_depth_bench_records_a_run_stopped_by_its_timeout(tmp_path, monkeypatch):
     """SIGTERM (`timeout` around a command) during a run: the run is kept
     with the phases it finished, the runs after it are not started, and
