@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from longstraw.errors import InputError
-from longstraw.kernels.attention import MATH, compute_dtype, kernel_for
+from longstraw.errors import InputError, LongStrawError
+from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
 from longstraw.state import StepContext
 
 
@@ -208,6 +208,10 @@ def assign_chunks(chunks: Sequence[tuple[int, int]], world: int) -> tuple[tuple[
 class ShardKeys(Protocol):
     """Where a sharded attention's earlier keys and values live in the state."""
 
+    @property
+    def slot(self) -> int:
+        """The state slot that names this attention (`attention_outputs_on_host` keeps its outputs under it)."""
+
     def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, Hkv, end - begin, D] at buffer indices `[begin, end)` of this rank's share."""
 
@@ -221,6 +225,10 @@ class SlotKeys:
 
     k_slot: int
     v_slot: int
+
+    @property
+    def slot(self) -> int:
+        return self.k_slot
 
     def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(shard_positions(step, slot, begin, end) for slot in (self.k_slot, self.v_slot))
@@ -255,27 +263,14 @@ class _ShardedCausalAttention(torch.autograd.Function):
     the rows after them (right padding), none for rows before `first` (left
     padding: output 0). Backward: each block's gradients from the merged
     output and log-sum-exp; the shard's dK/dV go to this rank's d(state),
-    the shard's dQ are summed over the ranks."""
+    the shard's dQ are summed over the ranks. With
+    `attention_outputs_on_host` the reverse pass reads the capture's output
+    and log-sum-exp instead (`_kept_or_merged`)."""
 
     @staticmethod
     def forward(ctx, step, q, k, v, keys, scale, first, last):
-        shard, compute = step.state.shard, compute_dtype(q)
-        begin, end = _shard_range(step, first, last)
         kernel = kernel_for(q, None)
-        empty = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-        out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device), empty
-        if begin < end:
-            shard_k, shard_v = keys.read(step, begin, end)
-            out, lse = kernel.forward(q, shard_k, shard_v, None, scale, end - begin)
-        out, lse = merge_partials(out.to(compute), lse.to(compute), shard.group)
-        own, own_lse = torch.zeros_like(out), empty.clone()
-        for rows, q_start, (start, stop) in _own_parts(step, first, last):
-            o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
-            own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
-        total = torch.logaddexp(lse, own_lse)
-        finite = torch.where(total.isneginf(), 0.0, total)  # rows before `first` see no key: output 0
-        out = out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None]
-        out = out.to(q.dtype)
+        out, total = _kept_or_merged(step, keys.slot, lambda: _merged(step, kernel, q, k, v, keys, scale, first, last))
         ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.span = step, keys, scale, kernel, (first, last)
         ctx.save_for_backward(q, k, v, out, total)
         return out
@@ -309,6 +304,55 @@ class _ShardedCausalAttention(torch.autograd.Function):
                 grad_k[..., own_start + start:own_start + start + length, :] += gk
                 grad_v[..., own_start + start:own_start + start + length, :] += gv
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _merged(
+    step: StepContext, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
+    scale: float | None, first: int, last: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ShardedCausalAttention`'s output and log-sum-exp: the shards'
+    partials merged across the ranks, then with the step's own keys."""
+    compute = compute_dtype(q)
+    begin, end = _shard_range(step, first, last)
+    empty = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+    out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device), empty
+    if begin < end:
+        shard_k, shard_v = keys.read(step, begin, end)
+        out, lse = kernel.forward(q, shard_k, shard_v, None, scale, end - begin)
+    out, lse = merge_partials(out.to(compute), lse.to(compute), step.state.shard.group)
+    own, own_lse = torch.zeros_like(out), empty.clone()
+    for rows, q_start, (start, stop) in _own_parts(step, first, last):
+        o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
+        own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
+    total = torch.logaddexp(lse, own_lse)
+    finite = torch.where(total.isneginf(), 0.0, total)  # rows before `first` see no key: output 0
+    out = out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None]
+    return out.to(q.dtype), total
+
+
+def _kept_or_merged(
+    step: StepContext, slot: int, merged: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Options.attention_outputs_on_host`: the capture keeps each prompt
+    chunk's merged output and log-sum-exp on the host, and the reverse pass
+    (which recomputes the chunk from the same inputs) reads them back
+    instead of attending over every earlier key again. Every rank keeps the
+    same entries (`HostAttentionOutputs` agrees on host memory), so every
+    rank skips the same collectives. With `verify_state` the reverse pass
+    attends anyway and compares."""
+    kept = step.state.attention_outputs
+    prompt_chunk = kept is not None and step.offset + step.length <= step.state.prefix_len
+    if prompt_chunk and step.grad_enabled and (stored := kept.get(slot, step.offset)) is not None:
+        if step.state.verify and not all(torch.equal(a, b) for a, b in zip(stored, merged())):
+            step.state.failure = step.state.failure or LongStrawError(
+                f"verify_state: the reverse pass recomputed the attention of {step.state.slots[slot].label()} over "
+                f"positions [{step.offset}, {step.offset + step.length}) with other values than the capture kept "
+                "(attention_outputs_on_host): the step is not deterministic; turn the option off")
+        return stored
+    out, lse = merged()
+    if prompt_chunk and not step.grad_enabled:
+        kept.keep(slot, step.offset, out, lse)
+    return out, lse
 
 
 def _shard_range(step: StepContext, first: int, last: int) -> tuple[int, int]:

@@ -145,9 +145,6 @@ class Options:
 
             if not (dist.is_available() and isinstance(self.context_parallel, dist.ProcessGroup)):
                 raise LongStrawError(f"context_parallel must be a torch.distributed ProcessGroup or None, got {self.context_parallel!r}")
-            if self.attention_outputs_on_host:
-                raise LongStrawError("context_parallel does not keep attention outputs on the host yet: "
-                                     "set attention_outputs_on_host=False")
         if self.on_unsupported not in ("error", "eager"):
             raise LongStrawError(f"on_unsupported must be 'error' or 'eager', got {self.on_unsupported!r}")
 

@@ -400,7 +400,8 @@ class GroupRunner:
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
-        kept = HostAttentionOutputs(device) if exact and real and self.options.attention_outputs_on_host else None
+        kept = (HostAttentionOutputs(device, self.options.context_parallel)
+                if exact and real and self.options.attention_outputs_on_host else None)
         chunks = self._chunks(group.prefix_len)
         cp = self.options.context_parallel
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,

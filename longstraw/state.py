@@ -28,6 +28,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -199,8 +200,9 @@ class HostAttentionOutputs:
     reads is the same in every chunk: it is learned from the first chunk the
     reverse pass reads, and each read starts the copy of the next."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
         self.device = device
+        self.group = group  # context parallelism: every rank keeps the same entries
         self.copier = HostCopier(device)
         self.entries: dict[tuple[int, int], Landing] = {}
         self.arriving: dict[tuple[int, int], Arrival] = {}  # the next reads' entries, on their way
@@ -212,7 +214,12 @@ class HostAttentionOutputs:
     def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         new_bytes = self.copier.host_bytes_to_take((out, lse))
         available, total = host_memory()
-        if new_bytes and available - new_bytes < HOST_RESERVE * total:
+        fits = not (new_bytes and available - new_bytes < HOST_RESERVE * total)
+        if self.group is not None:  # a rank that read an entry another recomputes would skip its collectives
+            agreed = torch.tensor([int(fits)], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+            fits = bool(agreed)
+        if not fits:
             if not self.refused:
                 log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
                             "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)

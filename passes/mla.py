@@ -497,6 +497,10 @@ class LatentKeys:
     rope_slot: int
     rank: int
 
+    @property
+    def slot(self) -> int:
+        return self.latent_slot
+
     def read(self, step: StepContext, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [flat_positions(step, slot, shard_positions(step, slot, begin, end))
                  for slot in (self.latent_slot, self.rope_slot)]

@@ -13,6 +13,7 @@ so forward and backward walk several blocks per shard.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -128,12 +129,13 @@ class StepCase:
     layerwise: bool = False  # recompute_layers and verify_state
     prompts: tuple[int, ...] = ()  # a trainer's batch of several prompts, this many completions each
     left: int = 0  # TRL's padding: the prompt left-padded by this much, completions right-padded
+    host: bool = False  # attention_outputs_on_host
 
     @property
     def name(self) -> str:
         return "-".join([self.model, self.mode, *(["layerwise"] if self.layerwise else []),
                          *([f"prompts{len(self.prompts)}"] if self.prompts else []),
-                         *([f"padded{self.left}"] if self.left else [])])
+                         *([f"padded{self.left}"] if self.left else []), *(["host"] if self.host else [])])
 
     def loss_and_inputs(self):
         from helpers.losses import grpo_loss_f64
@@ -153,7 +155,8 @@ STEP_CASES = {
         StepCase("hybrid", "detached"), StepCase("dense", "exact", layerwise=True),
         StepCase("hybrid", "exact", prompts=(2, 3)), StepCase("dense", "exact", left=11),
         StepCase("hybrid", "detached", left=19), StepCase("latent", "exact"), StepCase("latent", "detached"),
-        StepCase("sparse", "exact"), StepCase("sparse", "detached"), StepCase("window", "exact")],
+        StepCase("sparse", "exact"), StepCase("sparse", "detached"), StepCase("window", "exact"),
+        StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True)],
     3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("dense", "exact", left=11),
         StepCase("latent", "exact"), StepCase("sparse", "exact")],
 }
@@ -176,7 +179,7 @@ def _backend(case: StepCase, group=None):
     import longstraw
 
     return longstraw.Backend(prompt_grad=case.mode, prefix_chunk_size=8, recompute_layers=case.layerwise,
-                             verify_state=case.layerwise, context_parallel=group)
+                             verify_state=case.layerwise, attention_outputs_on_host=case.host, context_parallel=group)
 
 
 def _step_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -201,18 +204,30 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         allocate_grads(self)
         held.append(sum(g.numel() * g.element_size() for g in self.grads.values()))
 
+    from longstraw import context_parallel
+
+    merges = []  # the sharded attention's merges across the ranks (attention_outputs_on_host skips the reverse pass's)
+    merge_partials = context_parallel.merge_partials
+
+    def counting(*args, **kwargs):
+        merges.append(1)
+        return merge_partials(*args, **kwargs)
+
     state_module.PromptState.__init__ = recording
     state_module.PromptState.allocate_grads = recording_grads
+    context_parallel.merge_partials = counting
     res = {}
     for case in STEP_CASES[world]:
         torch._dynamo.reset()  # each case compiles the loss anew: past Dynamo's recompile limit it would run eagerly
         lengths.clear()
         held.clear()
+        merges.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
         loss, grads = compiled_loss_and_grads(compile_loss(loss_fn, backend), model, *inputs)
         res[case.name] = (loss.detach(), grads, set().union(*lengths))
+        res[case.name + " merges"] = len(merges)
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -264,7 +279,10 @@ def test_step_matches_one_process(world, tmp_path):
     prompts (two groups, each sharded; the first captured again in
     backward), and over TRL's padding (a left-padded prompt whose padding
     ends inside a chunk or a share, completions right-padded, one to a
-    single token).
+    single token). With `attention_outputs_on_host` (2 ranks), the reverse
+    pass reads the capture's merged outputs: fewer merges across the
+    ranks than the same step without (with `verify_state` it attends and
+    compares).
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
     the same ranks (its average of the ranks' equal gradients is the
     gradient) and planned for a memory budget. The planner's per-rank state
@@ -288,6 +306,10 @@ def test_step_matches_one_process(world, tmp_path):
             assert lengths <= {share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
             assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
             assert_grads_close(grads, want, STEP_TOL)
+        if case.host and not case.layerwise:  # the reverse pass read the capture's outputs: fewer merges
+            without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
+            for rank in range(world):
+                assert results[rank][case.name + " merges"] < results[rank][without.name + " merges"]
         if case == FSDP2_CASE and world == 2:
             for rank in range(world):  # FSDP2 shards the parameters; the gathered gradient is the same
                 kinds, loss, grads = results[rank]["fsdp2"]
