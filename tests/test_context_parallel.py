@@ -463,3 +463,54 @@ def test_a_share_maps_buffer_indices_to_positions_and_back():
             index, inside = shard.to_local(torch.arange(prompt + 3))
             assert inside.tolist() == [p in mine for p in range(prompt + 3)]
             assert index[inside].tolist() == list(range(len(mine)))
+
+
+def _mesh_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A 2 x 2 mesh: data parallel over "dp" (FSDP2, each replica its own
+    group of completions), context parallel over "cp" within a replica."""
+    gloo.init(rank, world, port)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import longstraw
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    replica = mesh.get_local_rank("dp")
+    case = StepCase("dense", "exact")
+    module = longstraw.LossModule(_model(case.model), grpo_loss_f64)
+    fully_shard(module, mesh=mesh["dp"])
+    backend = longstraw.Backend(prompt_grad=case.mode, prefix_chunk_size=8, recompute_layers=False,
+                                context_parallel=mesh["cp"].get_group())
+    loss = torch.compile(module, backend=backend)(*make_group(case.G, case.P, case.R, seed=replica))
+    loss.backward()
+    grads = {name.removeprefix("model."): p.grad.full_tensor() for name, p in module.named_parameters()}
+    torch.save((replica, mesh.get_local_rank("cp"), loss.detach(), grads), os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_data_parallel_by_context_parallel_mesh(tmp_path):
+    """4 gloo processes as a 2 x 2 DeviceMesh: FSDP2 over "dp" (replica r
+    runs the group of seed r), the prompt state sharded over "cp" (its
+    group from the mesh, a subgroup of the world). Every rank's loss is its
+    replica's one-process loss, and every gradient FSDP2 averaged over the
+    replicas equals the mean of the two one-process gradients: nothing is
+    reduced over "cp", and "dp" averages as in plain data parallelism."""
+    from helpers.compare import assert_grads_close
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
+
+    case = StepCase("dense", "exact")
+    results = gloo.spawn(_mesh_worker, 4, tmp_path)
+    want = []
+    for replica in range(2):
+        torch._dynamo.reset()
+        want.append(compiled_loss_and_grads(compile_loss(grpo_loss_f64, _backend(case)), _model(case.model),
+                                            *make_group(case.G, case.P, case.R, seed=replica)))
+    mean = {name: (want[0][1][name] + want[1][1][name]) / 2 for name in want[0][1]}
+    assert sorted((replica, shard) for replica, shard, _, _ in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for replica, _, loss, grads in results:
+        assert_close(loss, want[replica][0], STEP_TOL, f"replica {replica}: loss")
+        assert_grads_close(grads, mean, STEP_TOL)
