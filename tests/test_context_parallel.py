@@ -184,6 +184,9 @@ def _backend(case: StepCase, group=None):
 
 def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
+    # uninitialised memory is NaN: a buffer index or a received chunk that was never written cannot hide
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     import longstraw
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
@@ -283,6 +286,8 @@ def test_step_matches_one_process(world, tmp_path):
     pass reads the capture's merged outputs: fewer merges across the
     ranks than the same step without (with `verify_state` it attends and
     compares).
+    Every rank runs under `torch.use_deterministic_algorithms(True)` with
+    uninitialised memory filled with NaN.
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
     the same ranks (its average of the ranks' equal gradients is the
     gradient) and planned for a memory budget. The planner's per-rank state
@@ -469,6 +474,8 @@ def _mesh_worker(rank: int, world: int, port: int, out: str) -> None:
     """A 2 x 2 mesh: data parallel over "dp" (FSDP2, each replica its own
     group of completions), context parallel over "cp" within a replica."""
     gloo.init(rank, world, port)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
