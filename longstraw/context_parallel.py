@@ -270,7 +270,7 @@ class _ShardedCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step, q, k, v, keys, scale, first, last):
         kernel = kernel_for(q, None)
-        out, total = _kept_or_merged(step, keys.slot, lambda: _merged(step, kernel, q, k, v, keys, scale, first, last))
+        out, total = _kept_or_merged(step, keys.slot, q, v, lambda: _merged(step, kernel, q, k, v, keys, scale, first, last))
         ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.span = step, keys, scale, kernel, (first, last)
         ctx.save_for_backward(q, k, v, out, total)
         return out
@@ -331,18 +331,21 @@ def _merged(
 
 
 def _kept_or_merged(
-    step: StepContext, slot: int, merged: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    step: StepContext, slot: int, q: torch.Tensor, v: torch.Tensor, merged: Callable[[], tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Options.attention_outputs_on_host`: the capture keeps each prompt
-    chunk's merged output and log-sum-exp on the host, and the reverse pass
-    (which recomputes the chunk from the same inputs) reads them back
-    instead of attending over every earlier key again. Every rank keeps the
-    same entries (`HostAttentionOutputs` agrees on host memory), so every
-    rank skips the same collectives. With `verify_state` the reverse pass
-    attends anyway and compares."""
-    kept = step.state.attention_outputs
+    chunk's merged output and log-sum-exp on the host of the chunk's rank,
+    and the reverse pass (which recomputes the chunk from the same inputs)
+    broadcasts them from there instead of attending over every earlier key
+    again. Every rank knows which entries were kept (`HostAttentionOutputs.keep`),
+    so every rank skips the same collectives. With `verify_state` the
+    reverse pass attends anyway and compares."""
+    kept, shard = step.state.attention_outputs, step.state.shard
     prompt_chunk = kept is not None and step.offset + step.length <= step.state.prefix_len
-    if prompt_chunk and step.grad_enabled and (stored := kept.get(slot, step.offset)) is not None:
+    if prompt_chunk and step.grad_enabled and kept.has(slot, step.offset):
+        owner = shard.owner(step.offset)
+        stored = kept.get(slot, step.offset) if owner == shard.rank else None
+        stored = _broadcast_pair(stored, q, v, owner, shard.group)
         if step.state.verify and not all(torch.equal(a, b) for a, b in zip(stored, merged())):
             step.state.failure = step.state.failure or LongStrawError(
                 f"verify_state: the reverse pass recomputed the attention of {step.state.slots[slot].label()} over "
@@ -351,8 +354,22 @@ def _kept_or_merged(
         return stored
     out, lse = merged()
     if prompt_chunk and not step.grad_enabled:
-        kept.keep(slot, step.offset, out, lse)
+        kept.keep(slot, step.offset, out, lse, owner=shard.owner(step.offset))
     return out, lse
+
+
+def _broadcast_pair(
+    pair: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, v: torch.Tensor, owner: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kept entry (output, log-sum-exp, as `_merged` gives them for `q`
+    and `v`) from `owner` to every rank; the others receive it into new tensors."""
+    if pair is None:
+        pair = (q.new_empty(*q.shape[:-1], v.shape[-1]),
+                torch.empty(q.shape[:-1], dtype=compute_dtype(q), device=q.device))
+    for t in pair:
+        dist.broadcast(t, group_src=owner, group=group)
+    return pair
 
 
 def _shard_range(step: StepContext, first: int, last: int) -> tuple[int, int]:

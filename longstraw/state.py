@@ -198,34 +198,56 @@ class HostAttentionOutputs:
     its first read to its second held every attention layer's output for the
     chunk (1.5 GB at Qwen3.5-27B's depth and 8,192 positions). The order of
     reads is the same in every chunk: it is learned from the first chunk the
-    reverse pass reads, and each read starts the copy of the next."""
+    reverse pass reads, and each read starts the copy of the next.
+
+    Under context parallelism (`group`) the outputs are the same on every
+    rank, so only the rank that holds a chunk keeps its entries; the others
+    note that it did (`elsewhere`), and the reverse pass broadcasts them
+    from there (`context_parallel._kept_or_merged`)."""
 
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
         self.device = device
-        self.group = group  # context parallelism: every rank keeps the same entries
+        self.group = group
         self.copier = HostCopier(device)
         self.entries: dict[tuple[int, int], Landing] = {}
+        self.elsewhere: set[tuple[int, int]] = set()  # entries the chunk's rank keeps (context parallelism)
         self.arriving: dict[tuple[int, int], Arrival] = {}  # the next reads' entries, on their way
         self.order: list[int] = []  # slots in the order a reverse chunk reads them (learned)
         self.learned = False
         self.reads = 0  # in the chunk being run
         self.refused = False
 
-    def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        new_bytes = self.copier.host_bytes_to_take((out, lse))
+    def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor, owner: int = 0) -> None:
+        """Keep an entry; under context parallelism on `owner` only (the
+        chunk's rank), which tells the others whether it did: a rank that
+        read an entry where another recomputed it would skip collectives
+        the other calls."""
+        here = self.group is None or dist.get_rank(self.group) == owner
+        fits = here and self._room_for((out, lse), offset)
+        if self.group is not None:
+            flag = torch.tensor([int(fits)], device=self.device)
+            dist.broadcast(flag, group_src=owner, group=self.group)
+            fits = bool(flag)
+        if fits and here:
+            self.entries[slot, offset] = self.copier.to_host((out, lse))
+        elif fits:
+            self.elsewhere.add((slot, offset))
+
+    def _room_for(self, tensors: tuple[torch.Tensor, ...], offset: int) -> bool:
+        """Whether copying `tensors` leaves `HOST_RESERVE` of the host's memory available (warns once when not)."""
+        new_bytes = self.copier.host_bytes_to_take(tensors)
         available, total = host_memory()
-        fits = not (new_bytes and available - new_bytes < HOST_RESERVE * total)
-        if self.group is not None:  # a rank that read an entry another recomputes would skip its collectives
-            agreed = torch.tensor([int(fits)], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-            fits = bool(agreed)
-        if not fits:
+        if new_bytes and available - new_bytes < HOST_RESERVE * total:
             if not self.refused:
                 log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
                             "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)
                 self.refused = True
-            return
-        self.entries[slot, offset] = self.copier.to_host((out, lse))
+            return False
+        return True
+
+    def has(self, slot: int, offset: int) -> bool:
+        """Whether the capture kept the entry, here or on its chunk's rank."""
+        return (slot, offset) in self.entries or (slot, offset) in self.elsewhere
 
     def prefetch(self, offset: int) -> None:
         """The reverse pass starts the chunk at `offset`: start bringing its first read back."""
@@ -252,9 +274,10 @@ class HostAttentionOutputs:
             self.arriving.pop(key).wait()  # never read: its memory is reused only after the copy into it
         for key in [k for k in self.entries if k[1] == offset]:
             del self.entries[key]
+        self.elsewhere = {k for k in self.elsewhere if k[1] != offset}
 
     def close(self) -> None:
-        self.entries, self.arriving = {}, {}
+        self.entries, self.arriving, self.elsewhere = {}, {}, set()
         self.copier.close()
 
     def _start(self, offset: int) -> None:

@@ -211,26 +211,35 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
     merges = []  # the sharded attention's merges across the ranks (attention_outputs_on_host skips the reverse pass's)
     merge_partials = context_parallel.merge_partials
+    to_host = state_module.HostCopier.to_host
+    kept = []  # attention_outputs_on_host: the entries this rank copied to its host
 
     def counting(*args, **kwargs):
         merges.append(1)
         return merge_partials(*args, **kwargs)
 
+    def keeping(self, tensors):
+        kept.append(1)
+        return to_host(self, tensors)
+
     state_module.PromptState.__init__ = recording
     state_module.PromptState.allocate_grads = recording_grads
     context_parallel.merge_partials = counting
+    state_module.HostCopier.to_host = keeping
     res = {}
     for case in STEP_CASES[world]:
         torch._dynamo.reset()  # each case compiles the loss anew: past Dynamo's recompile limit it would run eagerly
         lengths.clear()
         held.clear()
         merges.clear()
+        kept.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
         loss, grads = compiled_loss_and_grads(compile_loss(loss_fn, backend), model, *inputs)
         res[case.name] = (loss.detach(), grads, set().union(*lengths))
         res[case.name + " merges"] = len(merges)
+        res[case.name + " kept"] = len(kept)
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -284,8 +293,8 @@ def test_step_matches_one_process(world, tmp_path):
     ends inside a chunk or a share, completions right-padded, one to a
     single token). With `attention_outputs_on_host` (2 ranks), the reverse
     pass reads the capture's merged outputs: fewer merges across the
-    ranks than the same step without (with `verify_state` it attends and
-    compares).
+    ranks than the same step without, each chunk's entries on its rank's
+    host only (with `verify_state` it attends and compares).
     Every rank runs under `torch.use_deterministic_algorithms(True)` with
     uninitialised memory filled with NaN.
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
@@ -315,6 +324,9 @@ def test_step_matches_one_process(world, tmp_path):
             without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
             for rank in range(world):
                 assert results[rank][case.name + " merges"] < results[rank][without.name + " merges"]
+            # each chunk's entries are kept by its rank only: rank 0 holds 3 of the 5 chunks, rank 1 the other 2
+            per_chunk = results[0][case.name + " kept"] / 3
+            assert per_chunk >= 1 and results[1][case.name + " kept"] == 2 * per_chunk
         if case == FSDP2_CASE and world == 2:
             for rank in range(world):  # FSDP2 shards the parameters; the gathered gradient is the same
                 kinds, loss, grads = results[rank]["fsdp2"]
