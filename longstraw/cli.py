@@ -1,6 +1,7 @@
 """`longstraw` on the command line.
 
     longstraw explain examples/grpo_step.py:example_group --P 1048576 --G 8 --R 2048 --budget-gb 141
+    longstraw explain examples/grpo_step.py:example_group --P 2097152 --ranks 2 --budget-gb 141
 
 `TARGET` is `path/to/script.py:FUNC` or `package.module:FUNC`; `FUNC()`
 returns `(loss_fn, args)` or `(loss_fn, args, kwargs)` with small example
@@ -52,9 +53,9 @@ def explain_command(args: argparse.Namespace) -> int:
     report = explain(loss_fn, *example_args, options=options, **example_kwargs)
     print(report.state_table())
     print()
-    print(report.plan(P=args.P, G=args.G, R=args.R, budget_gb=args.budget_gb).table())
+    print(report.plan(P=args.P, G=args.G, R=args.R, budget_gb=args.budget_gb, ranks=args.ranks).table())
     if args.html:
-        report.to_html(args.html, P=args.P, G=args.G, R=args.R, budget_gb=args.budget_gb)
+        report.to_html(args.html, P=args.P, G=args.G, R=args.R, budget_gb=args.budget_gb, ranks=args.ranks)
         print(f"\nwrote {args.html}")
     if args.dot:
         pathlib.Path(args.dot).write_text(report.to_dot())
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--budget-gb", type=float, default=None, help="device memory budget: reports the largest P that fits")
     ex.add_argument("--prompt-grad", choices=("exact", "detached"), default=None)
     ex.add_argument("--chunk", type=int, default=None, help="prefix_chunk_size")
+    ex.add_argument("--ranks", type=int, default=1, help="context parallelism: one rank's peak, the prompt state over this many")
     ex.add_argument("--html", default="longstraw_plan.html", help="HTML view to write ('' for none)")
     ex.add_argument("--dot", default=None, help="also write a Graphviz DOT file")
     args = parser.parse_args(argv)

@@ -163,7 +163,7 @@ class ExplainReport:
         return "\n".join(lines)
 
     def to_html(self, path: str, P: int | None = None, G: int | None = None, R: int | None = None,
-                budget_gb: float | None = None) -> None:
+                budget_gb: float | None = None, ranks: int | None = None) -> None:
         """One self-contained page: regions side by side, layers collapsible,
         state edges drawn over the page, details on hover; the plan table
         for P, G, R when given."""
@@ -171,7 +171,7 @@ class ExplainReport:
         for n, d in self.graph.nodes(data=True):
             nodes.append({"id": n, **{k: d[k] for k in ("region", "op", "layer", "shape", "dtype", "source", "detail")}})
         edges = [{"from": a, "to": b} for a, b, d in self.graph.edges(data=True) if d.get("state")]
-        plan = self.plan(P, G, R, budget_gb).table() if P else ""
+        plan = self.plan(P, G, R, budget_gb, ranks=ranks).table() if P else ""
         data = json.dumps({"nodes": nodes, "stateEdges": edges, "regions": [r for r in REGIONS],
                            "titles": REGION_TITLES, "colors": COLORS})
         page = _page().replace("__DATA__", data.replace("</", "<\\/"))

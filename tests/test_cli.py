@@ -38,3 +38,18 @@ def test_module_entry_point(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "predicted peak" in result.stdout
+
+
+def test_explain_plans_one_rank_of_a_context_parallel_run(capsys):
+    """`--ranks 2`: the plan is one rank's, holding the larger share of the
+    prompt state, so about twice the prompt fits the same budget."""
+    def largest(out: str) -> int:
+        return int(next(line for line in out.splitlines() if "largest P that fits" in line).split()[-1])
+
+    argv = ["explain", f"{EXAMPLE}:example_group", "--P", "1048576", "--G", "8", "--budget-gb", "1", "--html", ""]
+    assert main(argv) == 0
+    one = largest(capsys.readouterr().out)
+    assert main([*argv, "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "over 2 ranks" in out and "predicted peak per rank" in out
+    assert 1.9 * one < largest(out) < 2.1 * one
