@@ -353,6 +353,9 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
+    from longstraw.context_parallel import raise_together
+    from longstraw.errors import InputError, LongStrawError
+
     def error_of(run) -> str:
         try:
             run()
@@ -382,6 +385,11 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
                                                           context_parallel="world")),
         "nan in one share": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             poisoned, nan_prompt, responses, advantages, mask)),
+        "no failure": error_of(lambda: raise_together(None, dist.group.WORLD, torch.device("cpu"))),
+        "rank 1 fails": error_of(lambda: raise_together(
+            InputError("rank 1's check") if rank == 1 else None, dist.group.WORLD, torch.device("cpu"))),
+        "both fail": error_of(lambda: raise_together(
+            LongStrawError(f"rank {rank}'s check"), dist.group.WORLD, torch.device("cpu"))),
     }
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -395,12 +403,19 @@ def test_refusals(tmp_path):
     not a process group. A check that fails on one rank's share alone
     (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
     where raising on rank 0 alone would leave rank 1 waiting in the next
-    collective until the group's timeout."""
+    collective until the group's timeout. `raise_together` itself: no
+    error when no rank has one, else the lowest failing rank's on every
+    rank, noting which rank found it."""
     results = gloo.spawn(_refusal_worker, 2, tmp_path)
     for rank, res in enumerate(results):
         assert res["nan in one share"].startswith("InputError: the captured prompt state"), res["nan in one share"]
         assert "holds NaN or Inf" in res["nan in one share"]
         assert ("raised on rank 0 of the context-parallel group" in res["nan in one share"]) == (rank == 1)
+        # `raise_together` itself: nothing when no rank fails, else the lowest failing rank's error everywhere
+        assert res["no failure"] == "no error"
+        assert res["rank 1 fails"].startswith("InputError: rank 1's check")
+        assert ("raised on rank 1" in res["rank 1 fails"]) == (rank == 0)
+        assert res["both fail"].startswith("LongStrawError: rank 0's check")
     for res in results:
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
         assert res["other scalar"].startswith("InputError: context parallelism: "), res["other scalar"]
