@@ -97,12 +97,13 @@ class Options:
     context_parallel: Any = None
     """A `torch.distributed` process group (e.g. `dist.group.WORLD`): shard
     the prompt's per-position state (attention K/V, and its gradient in
-    exact mode) over its ranks, a contiguous share each. Every rank calls
-    the compiled loss with the same inputs and weights (checked), runs
-    every step and gets the whole gradient: none is to be reduced across
-    the group. The planner plans one rank's peak (its largest share of the
-    state). Models whose state is all full causal attention and carries
-    (`longstraw/context_parallel.py`)."""
+    exact mode) over its ranks, whole prompt chunks dealt so that
+    positions and attention work balance. Every rank calls the compiled
+    loss with the same inputs and weights (checked), runs every step and
+    gets the whole gradient: none is to be reduced across the group. The
+    planner plans one rank's peak (the largest share of the state). Every
+    built-in state kind: causal attention (padding masks over one run of
+    keys), MLA, DSA and carries (`longstraw/context_parallel.py`)."""
 
     def __post_init__(self) -> None:
         from .pass_registry import as_pass  # the passes import the runtime, which imports this module
