@@ -15,7 +15,10 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
    collectives); relative L2 per parameter, the worst kept.
 2. Per mode and P (bf16, G = 8, R = 1024, chunk 8192): each rank's peak
    allocated memory and step time (the first call, which plans and
-   compiles, then a warm one, unless --no-warm). Rank 0 decides, by the time left, whether a
+   compiles, then a warm one, unless --no-warm); with `--baseline` also
+   the same steps in one process, which every process runs alone at the
+   same time (`"ranks": 1`: with a GPU each, the one-GPU time and peak
+   measured in the same command). Rank 0 decides, by the time left, whether a
    run starts, and tells the others: ranks must agree, or one would wait in
    a collective the other never calls.
 
@@ -105,41 +108,50 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         print(f"rank {rank} parity ({time.perf_counter() - start:.0f} s): {result['parity']}", flush=True)
     model = build_model(args.model, args.tiny, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     for mode in args.modes.split(","):
-        with Runner(model, args.model, f"longstraw_{mode}", context_parallel=dist.group.WORLD,
-                    prefix_chunk_size=args.chunk) as runner:
-            for P in (int(p) for p in args.P.split(",")):
-                run = {"mode": mode, "P": P, "G": args.G, "R": args.R}
-                if not agreed(clock.left() > args.reserve_s, device):
-                    result["runs"].append({**run, "ok": False, "skipped": "time"})
-                    continue
-                group = make_group(args.G, P, args.R, model.config.vocab_size, device)
-                first = _step(runner, group)
-                release(model)
-                warm = _step(runner, group) if args.warm else first
-                release(model)
-                run.update(ok=True, first_seconds=first["seconds"], seconds=warm["seconds"],
-                           peak_gb=max(first["peak_gb"], warm["peak_gb"]), loss=warm["loss"],
-                           first_phases=first["phases"], phases=warm["phases"])
-                result["runs"].append(run)
-                print(f"rank {rank} {mode:8s} P={P:>8d} first {first['seconds']:.1f}s {_rounded(first['phases'])} "
-                      f"warm {warm['seconds']:.2f}s {_rounded(warm['phases'])} peak {run['peak_gb']:.1f}GB", flush=True)
-                del group
+        for ranks in (world, 1) if args.baseline else (world,):
+            group_of_ranks = dist.group.WORLD if ranks > 1 else None
+            with Runner(model, args.model, f"longstraw_{mode}", context_parallel=group_of_ranks,
+                        prefix_chunk_size=args.chunk) as runner:
+                for P in (int(p) for p in args.P.split(",")):
+                    run = {"mode": mode, "P": P, "G": args.G, "R": args.R, "ranks": ranks}
+                    if not agreed(clock.left() > args.reserve_s, device):
+                        result["runs"].append({**run, "ok": False, "skipped": "time"})
+                        continue
+                    result["runs"].append(_measured(run, runner, model, args))
+                    print(f"rank {rank} {mode:8s} P={P:>8d} over {ranks} rank(s): {_described(result['runs'][-1])}",
+                          flush=True)
+            dist.barrier()  # the one-process steps end on every rank before the next mode's collectives
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def _rounded(phases: dict[str, float]) -> dict[str, float]:
-    return {phase: round(seconds, 2) for phase, seconds in phases.items()}
+def _measured(run: dict, runner: Runner, model, args) -> dict:
+    """`run` with the first call's and (unless --no-warm) a warm step's times and the peak."""
+    group = make_group(args.G, run["P"], args.R, model.config.vocab_size, next(model.parameters()).device)
+    first = _step(runner, group)
+    release(model)
+    warm = _step(runner, group) if args.warm else first
+    release(model)
+    return {**run, "ok": True, "first_seconds": first["seconds"], "seconds": warm["seconds"],
+            "peak_gb": max(first["peak_gb"], warm["peak_gb"]), "loss": warm["loss"],
+            "first_phases": first["phases"], "phases": warm["phases"]}
+
+
+def _described(run: dict) -> str:
+    rounded = {phase: round(seconds, 2) for phase, seconds in run["phases"].items()}
+    return f"first {run['first_seconds']:.1f}s, warm {run['seconds']:.2f}s {rounded}, peak {run['peak_gb']:.1f}GB"
 
 
 def table(result: dict) -> str:
-    lines = ["| mode | P | peak GB per rank | first step s | warm step s |", "| --- | ---: | --- | ---: | ---: |"]
+    lines = ["| mode | P | ranks | peak GB per process | first step s | warm step s |",
+             "| --- | ---: | ---: | --- | ---: | ---: |"]
     for run in result["runs"]:
+        head = f"| {run['mode']} | {run['P']:,} | {run['ranks']} |"
         if run["ok"]:
             peaks = " / ".join(f"{p:.1f}" for p in run["peak_gb_per_rank"])
-            lines.append(f"| {run['mode']} | {run['P']:,} | {peaks} | {run['first_seconds']:.1f} | {run['seconds']:.2f} |")
+            lines.append(f"{head} {peaks} | {run['first_seconds']:.1f} | {run['seconds']:.2f} |")
         else:
-            lines.append(f"| {run['mode']} | {run['P']:,} | skipped ({run.get('skipped')}) | | |")
+            lines.append(f"{head} skipped ({run.get('skipped')}) | | |")
     return "\n".join(lines)
 
 
@@ -156,6 +168,9 @@ def main() -> None:
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="a second, warm step per run (--no-warm: the first call only, its time and peak)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (on the CPU without CUDA: a smoke run)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also each mode's steps without context parallelism, every process alone at once "
+                             "(with a GPU each: the one-GPU time, in the same command)")
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--reserve-s", type=float, default=90, help="no run starts with less time left than this")
     parser.add_argument("--out-dir", default="benchmarks/results")

@@ -416,14 +416,18 @@ def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     import context_parallel_bench
 
     argv = ["context_parallel_bench.py", "--tiny", "--ranks", "2", "--modes", "exact", "--P", "40", "--G", "2",
-            "--R", "8", "--chunk", "8", "--p-parity", "40", "--out-dir", str(tmp_path), "--name", "cp"]
+            "--R", "8", "--chunk", "8", "--p-parity", "40", "--baseline", "--no-warm", "--out-dir", str(tmp_path),
+            "--name", "cp"]
     monkeypatch.setattr(sys, "argv", argv)
     context_parallel_bench.main()
     result = json.loads((tmp_path / "cp.json").read_text())
     assert result["command"].endswith("--out-dir benchmarks/results --name cp")
+    assert "| exact | 40 | 2 |" in (tmp_path / "cp.md").read_text()
     assert (result["ranks"], result["backend"], result["shared_gpu"]) == (2, "gloo", False)
     for rank_parity in result["parity_per_rank"]:
         assert rank_parity["max_rel_l2"] < 1e-5 and rank_parity["parameters"] == 47
-    (run,) = result["runs"]
-    assert run["ok"] and run["mode"] == "exact" and len(set(run["loss_per_rank"])) == 1
+    sharded, alone = result["runs"]  # --baseline: the same step without context parallelism, in each process
+    assert (sharded["ranks"], alone["ranks"]) == (2, 1)
+    for run in (sharded, alone):
+        assert run["ok"] and run["mode"] == "exact" and len(set(run["loss_per_rank"])) == 1
     assert not (tmp_path / "cp_ranks").exists()
