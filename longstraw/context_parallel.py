@@ -324,10 +324,20 @@ def _merged(
     for rows, q_start, (start, stop) in _own_parts(step, first, last):
         o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
         own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
-    total = torch.logaddexp(lse, own_lse)
-    finite = torch.where(total.isneginf(), 0.0, total)  # rows before `first` see no key: output 0
-    out = out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None]
+    out, total = merge_with_own(out, lse, own, own_lse)
     return out.to(q.dtype), total
+
+
+def merge_with_own(
+    out: torch.Tensor, lse: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial over the shards (merged across the ranks) merged here
+    with the partial over the step's own keys, which every rank computed:
+    output and log-sum-exp of the whole row (output [..., D], lse [...]).
+    A row that sees no key at all (before a left padding's first key) gives 0."""
+    total = torch.logaddexp(lse, own_lse)
+    finite = torch.where(total.isneginf(), 0.0, total)
+    return out * torch.exp(lse - finite)[..., None] + own * torch.exp(own_lse - finite)[..., None], total
 
 
 def _kept_or_merged(

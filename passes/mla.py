@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import merge_partials, shard_positions, sharded_causal_attention
+from longstraw.context_parallel import merge_partials, merge_with_own, shard_positions, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
 from longstraw.kernels.attention import MATH, compute_dtype
@@ -347,9 +347,7 @@ class _ShardedLatentOverSelection(torch.autograd.Function):
         own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
         own_index, own_valid = (positions - step.offset).clamp(min=0), valid & (positions >= step.offset)
         own, own_lse = _selected_forward(query, own_keys, own_index, own_valid, rank, scale)
-        own, own_lse = own.transpose(0, 1), own_lse.transpose(0, 1)
-        total = torch.logaddexp(lse, own_lse)  # every query picks at least one position
-        out = out * torch.exp(lse - total)[..., None] + own * torch.exp(own_lse - total)[..., None]
+        out, total = merge_with_own(out, lse, own.transpose(0, 1), own_lse.transpose(0, 1))
         out = out[None].to(query.dtype)  # [1, H, n, r]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, total.transpose(0, 1), positions, valid)
