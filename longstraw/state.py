@@ -466,6 +466,24 @@ class StepContext:
 
     def visible(self, slot: int) -> torch.Tensor:
         """All positions up to the end of this step: `[0, offset + length)`."""
+        self._refuse_on_a_shard(slot)
+        token_dim = self.state.slots[slot].token_dim
+        return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
+
+    def accumulate_grad(self, slot: int, grad: torch.Tensor, start: int = 0) -> None:
+        """Add the gradient of positions `[start, start + len)` into d(state);
+        the part at or after this step's own positions is not state."""
+        self._refuse_on_a_shard(slot)  # a position is not a buffer index there (`accumulate_shard_grad`)
+        grads = self.state.grads
+        token_dim = self.state.slots[slot].token_dim
+        length = min(grad.shape[token_dim], self.offset - start)
+        if grads is None or length <= 0:
+            return
+        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
+
+    def _refuse_on_a_shard(self, slot: int) -> None:
+        """Reading or differentiating the state by prompt position needs every
+        earlier position on this rank, which context parallelism does not keep."""
         if self.state.shard is not None:
             raise LongStrawError(
                 f"context parallelism: {self.state.slots[slot].label()} is read by an operator that needs every "
@@ -473,18 +491,6 @@ class StepContext:
                 "passes read it through longstraw.context_parallel's sharded attention. Run this model without "
                 "context_parallel, or make the pass's step merge partials over the shards as those do."
             )
-        token_dim = self.state.slots[slot].token_dim
-        return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
-
-    def accumulate_grad(self, slot: int, grad: torch.Tensor, start: int = 0) -> None:
-        """Add the gradient of positions `[start, start + len)` into d(state);
-        the part at or after this step's own positions is not state."""
-        grads = self.state.grads
-        token_dim = self.state.slots[slot].token_dim
-        length = min(grad.shape[token_dim], self.offset - start)
-        if grads is None or length <= 0:
-            return
-        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
 
     def accumulate_shard_grad(self, slot: int, grad: torch.Tensor, local: int) -> None:
         """Context parallelism: add the gradient of this rank's share at
