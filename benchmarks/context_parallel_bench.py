@@ -29,7 +29,6 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -40,15 +39,13 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from grpo.measure import GiB, Clock, release, sync
+from grpo.measure import GiB, Clock, phase_seconds, release, sync
 from grpo.models import build_model, make_group
 from grpo.modes import Runner
 from grpo.parity import _grads_on_cpu, compare
 from grpo.ranks import agreed, init_rank, spawn
 from grpo.results import git_commit
 
-import longstraw
-from longstraw.runtime import phase_of
 
 def _step(runner: Runner, group) -> dict:
     """One step: seconds, the seconds of each phase of the runtime's steps
@@ -57,22 +54,9 @@ def _step(runner: Runner, group) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    phases: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def timed(where: str):
-        sync()
-        begin = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            phase = phase_of(where)
-            phases[phase] = phases.get(phase, 0.0) + time.perf_counter() - begin
-
     sync()
     start = time.perf_counter()
-    with longstraw.around_steps(timed):
+    with phase_seconds() as phases:
         loss = runner.step(group)
     sync()
     return {"seconds": time.perf_counter() - start, "loss": float(loss), "phases": phases,

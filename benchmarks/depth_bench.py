@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
 from grpo.flops import PEAK_FLOPS, FlopModel  # noqa: E402
-from grpo.measure import GiB, is_oom, release, sync  # noqa: E402
+from grpo.measure import GiB, is_oom, phase_seconds, release, sync  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
 from grpo.results import git_commit  # noqa: E402
@@ -131,23 +131,12 @@ class Phases:
         self._timed(CompiledGroupLoss, "_plan", "plan")
         self._timed(GroupRunner, "forward", "forward")
         self._timed(GroupRunner, "backward", "backward")
-        self.steps: dict[str, float] = {}  # seconds per runtime phase (prompt capture, branches, replays, reverse pass)
-        self._hook = each_phase(self._timed_phase)
-        self._hook.__enter__()
+        self._phases = phase_seconds()
+        self.steps = self._phases.__enter__()  # seconds per runtime phase (prompt capture, branches, replays, reverse pass)
         return self
 
-    @contextlib.contextmanager
-    def _timed_phase(self, phase: str):
-        sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            self.steps[phase] = self.steps.get(phase, 0.0) + time.perf_counter() - start
-
     def __exit__(self, *exc) -> None:
-        self._hook.__exit__(*exc)
+        self._phases.__exit__(*exc)
         for (owner, name), original in self._originals.items():
             setattr(owner, name, original)
 

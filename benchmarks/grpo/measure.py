@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 
 import longstraw
+from longstraw.runtime import phase_of
 
 from .models import Group, grpo_loss, make_group
 from .modes import Runner, eager_step
@@ -35,6 +38,27 @@ def release(model=None) -> None:
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def phase_seconds() -> Iterator[dict[str, float]]:
+    """Seconds per runtime phase (prompt capture, branches, replays, reverse
+    pass: `longstraw.runtime.phase_of`) of the steps run inside, device-synchronised."""
+    seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(where: str) -> Iterator[None]:
+        sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            phase = phase_of(where)
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    with longstraw.around_steps(timed):
+        yield seconds
 
 
 def measure(runner: Runner, group: Group, repeats: int = 1, warmup: bool = False) -> dict:
