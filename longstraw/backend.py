@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from collections import OrderedDict, deque
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -22,6 +23,7 @@ import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
+from .context_parallel import PLANNING, agree
 from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
@@ -286,25 +288,41 @@ def _sized(plan: GroupPlan, args: Sequence[Any], activations: dict[tuple, dict[i
     """The plan with `prefix_chunk_size` and `recompute_layers` decided: the
     user's where given, else the planner's choice (`longstraw.planner`) for
     `memory_budget_gb`, or on CUDA for the device's free memory, else 8192
-    without recomputation. `activations` caches the planner's simulations."""
+    without recomputation. `activations` caches the planner's simulations.
+    Under context parallelism every rank plans for the smallest budget of
+    the group (`agree`): ranks that chose other chunk sizes would run other
+    collectives."""
     opts = plan.options
-    if opts.prefix_chunk_size is not None and opts.recompute_layers is not None:
+    group = opts.context_parallel
+    planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
+    if not planned and group is None:
         return plan
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    if opts.memory_budget_gb is not None:
+    if not planned:
+        budget = None
+    elif opts.memory_budget_gb is not None:
         budget = min(int(opts.memory_budget_gb * 1e9), available_budget(device))
     else:
         budget = default_budget(device)
-    chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
-    if budget is None:
-        chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
-    else:
+    model, others = None, 0
+    if budget is not None:
         model = MemoryModel(plan, activations)
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         params = [a for p, a in zip(plan.partition.placeholders, args) if p in plan.partition.params and isinstance(a, torch.Tensor)]
         grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)
         others = max(held - model.weights - grads, 0)  # what the process holds besides the weights and their grads
+    if group is not None:
+        own = math.inf if budget is None else float(budget - others)
+        smallest = min(agree(PLANNING, plan.runner.fingerprint, opts, own, group, device))
+        if budget is not None:
+            budget = int(smallest) + others
+    if not planned:
+        return plan
+    chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
+    if budget is None:
+        chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
+    else:
         chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute,
                               ranks=context_ranks(opts))
         chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
+from longstraw.options import Options
 from longstraw.state import StepContext
 
 
@@ -430,21 +431,77 @@ def graph_fingerprint(graph: torch.fx.Graph) -> float:
     return float(zlib.crc32(str(graph).encode()))
 
 
+# what a rank is doing when it calls `agree`: the collectives of the two differ after it
+PLANNING, CALLING = 1.0, 2.0
+_UNCOMPARED = ("progress", "memory_budget_gb", "context_parallel")  # display; per rank, agreed as a minimum; the group
+
+
+def _option_fingerprints(options: Options) -> list[tuple[str, float]]:
+    """(name, CRC-32 of the value) per option that decides a rank's
+    collectives or values; passes by class, not by object."""
+    out = []
+    for field in dataclasses.fields(options):
+        if field.name in _UNCOMPARED:
+            continue
+        value = getattr(options, field.name)
+        if field.name == "passes":
+            value = [f"{type(p).__module__}.{type(p).__qualname__}" for p in value]
+        out.append((field.name, float(zlib.crc32(repr(value).encode()))))
+    return out
+
+
+def agree(
+    phase: float, fingerprint: float, options: Options, value: float, group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[float]:
+    """Every rank's `value`, after checking that every rank of `group` is at
+    the same point (`PLANNING` a step or `CALLING` one), with the same graph
+    (`graph_fingerprint`) and the same options: a rank with another chunk
+    size or mode would run other collectives than the rest, which hangs
+    them or, collectives of equal sizes matched, mixes the wrong tensors.
+    One all-gather of a header of the same size at both points, so a rank
+    planning while another calls is caught too; every rank gathers the same
+    headers and raises the same error."""
+    named = _option_fingerprints(options)
+    header = torch.tensor([phase, fingerprint, *(v for _, v in named), value], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, header, group=group)
+    rows = torch.stack(gathered).cpu()
+    for rank in range(1, len(rows)):
+        differs = (rows[rank, :-1] != rows[0, :-1]).nonzero()
+        if len(differs) == 0:
+            continue
+        where, fix = int(differs[0, 0]), "every rank must call the compiled loss the same way"
+        if where == 0:
+            doing = {PLANNING: "planning a step", CALLING: "calling a planned step"}
+            what = f"rank 0 is {doing[float(rows[0, 0])]} while rank {rank} is {doing[float(rows[rank, 0])]}"
+            fix = "every rank must call the compiled loss with the same inputs, as often (the same plan cache)"
+        elif where == 1:
+            what = f"the compiled graph differs between rank 0 and rank {rank}"
+            fix = "every rank must compile the same loss, with the same Python values"
+        else:
+            what = f"the option `{named[where - 2][0]}` differs between rank 0 and rank {rank}"
+            fix = "give every rank the same options (`memory_budget_gb` may differ: the smallest is planned for)"
+        raise InputError(f"context parallelism: {what}: {fix} (each runs every step and keeps its share of the prompt state)")
+    return rows[:, -1].tolist()
+
+
 def check_replicated(
-    values: Sequence[object], names: Sequence[str], fingerprint: float, group: dist.ProcessGroup | None
+    values: Sequence[object], names: Sequence[str], fingerprint: float, options: Options,
+    group: dist.ProcessGroup | None,
 ) -> None:
-    """Every rank of `group` must call with the same inputs and the same
-    graph: each runs the whole step, and a rank with another prompt, other
-    weights or another Python value folded into its graph (a scalar
-    argument) would mix them into the others' attention. Compared by a
-    checksum per tensor (its sum and its norm, in float64), the value of
-    each number, and the graph's `fingerprint` (`graph_fingerprint`), in
-    one all-gather per call."""
+    """Every rank of `group` must call with the same inputs, the same graph
+    and the same options: each runs the whole step, and a rank with another
+    prompt, other weights or another Python value folded into its graph (a
+    scalar argument) would mix them into the others' attention. After
+    `agree`, compared by a checksum per tensor (its sum and its norm, in
+    float64) and the value of each number, in one all-gather per call."""
     checked = [(name, _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
     checked += [(name, torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
                 if isinstance(v, (int, float, torch.SymInt, torch.SymFloat))]
-    checked.append(("the compiled graph", torch.tensor([fingerprint, 0.0], dtype=torch.float64)))
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    if len(set(agree(CALLING, fingerprint, options, float(len(checked)), group, device))) > 1:
+        raise InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss")
     sums = torch.stack([c.to(device) for _, c in checked])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
@@ -452,10 +509,9 @@ def check_replicated(
         differs = ~((other == sums) | (other.isnan() & sums.isnan())).all(-1)
         if bool(differs.any()):
             name = checked[int(differs.nonzero()[0, 0])][0]
-            what = name if name == "the compiled graph" else f"input `{name}`"
             raise InputError(
-                f"context parallelism: {what} differs between rank {dist.get_rank(group)} and rank {rank} of the "
-                "group: every rank must call the compiled loss with the same inputs, weights and Python values "
+                f"context parallelism: input `{name}` differs between rank {dist.get_rank(group)} and rank {rank} of "
+                "the group: every rank must call the compiled loss with the same inputs, weights and Python values "
                 "(each runs the whole step and keeps its share of the prompt state)"
             )
 

@@ -200,10 +200,10 @@ class GroupRunner:
         return out
 
     @functools.cached_property
-    def _replica_key(self) -> tuple[list[str], float]:
-        """What `check_replicated` compares besides the values: the inputs'
-        names and the graph's fingerprint, fixed for a plan."""
-        return [argument_name(p) for p in self.part.placeholders], graph_fingerprint(self.part.graph)
+    def fingerprint(self) -> float:
+        """The partitioned graph's (`graph_fingerprint`): what context
+        parallelism compares between ranks besides the inputs and options."""
+        return graph_fingerprint(self.part.graph)
 
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
         return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
@@ -330,7 +330,8 @@ class GroupRunner:
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         if self.options.context_parallel is not None:
-            check_replicated(inputs, *self._replica_key, self.options.context_parallel)
+            names = [argument_name(p) for p in self.part.placeholders]
+            check_replicated(inputs, names, self.fingerprint, self.options, self.options.context_parallel)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

@@ -250,6 +250,13 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         backend = longstraw.Backend(prompt_grad=case.mode, memory_budget_gb=1.0, context_parallel=dist.group.WORLD)
         res["planned"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), _model(case.model),
                                                  *make_group(case.G, case.P, case.R))
+        # budgets that differ between the ranks: alone, rank 0 would take the whole prompt as one chunk and
+        # rank 1 chunks of 128 (nothing fits its budget); together both plan for rank 1's
+        torch._dynamo.reset()
+        backend = longstraw.Backend(memory_budget_gb=[1.0, 1e-9][rank], context_parallel=dist.group.WORLD)
+        res["planned apart"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), _model("dense"),
+                                                       *make_group(*APART))
+        res["planned apart options"] = (backend.plans[-1].options.prefix_chunk_size, backend.plans[-1].options.recompute_layers)
     if world == 2:
         res["fsdp2"] = _fsdp2_step(FSDP2_CASE)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -257,6 +264,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 FSDP2_CASE = PLANNED_CASE = StepCase("dense", "exact")
+APART = (2, 300, 4)  # G, P, R of the step planned for budgets that differ between the ranks
 PLANNED = {StepCase("dense", "exact"), StepCase("dense", "detached")}  # the planner's state against the buffers
 
 
@@ -299,10 +307,14 @@ def test_step_matches_one_process(world, tmp_path):
     uninitialised memory filled with NaN.
     With 2 ranks also under FSDP2 (`fully_shard` on the loss module) over
     the same ranks (its average of the ranks' equal gradients is the
-    gradient) and planned for a memory budget. The planner's per-rank state
-    and d(state) are the bytes the rank with the largest share held."""
+    gradient) and planned for a memory budget, also for budgets that differ
+    between the ranks (each alone would choose another chunk size: every
+    rank plans for the smallest). The planner's per-rank state and d(state)
+    are the bytes the rank with the largest share held."""
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
     from helpers.reference import eager_loss_and_grads
     from longstraw.context_parallel import assign_chunks
     from longstraw.state import chunk_schedule
@@ -338,6 +350,13 @@ def test_step_matches_one_process(world, tmp_path):
                 loss, grads = results[rank]["planned"]
                 assert_close(loss, want_loss, STEP_TOL, f"planned, rank {rank}: loss")
                 assert_grads_close(grads, want, STEP_TOL)
+            apart = [results[rank]["planned apart options"] for rank in range(world)]
+            assert apart == [(128, False)] * world, apart
+            eager_loss, eager = eager_loss_and_grads(grpo_loss_f64, _model("dense"), *make_group(*APART))
+            for rank in range(world):
+                loss, grads = results[rank]["planned apart"]
+                assert_close(loss, eager_loss, 1e-6, f"planned apart, rank {rank}: loss against eager")
+                assert_grads_close(grads, eager, 1e-6)
         if case in PLANNED:  # the planner's per-rank state is what the rank with the largest share held
             predicted = {results[rank][case.name + " state"][:2] for rank in range(world)}
             assert predicted == {(world, max(results[rank][case.name + " state"][2] for rank in range(world)))}
@@ -353,7 +372,7 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from longstraw.context_parallel import raise_together
+    from longstraw.context_parallel import CALLING, PLANNING, agree, raise_together
     from longstraw.errors import InputError, LongStrawError
 
     def error_of(run) -> str:
@@ -381,6 +400,10 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             make_model("plain"), 0.5 + rank, prompt, responses, advantages, mask)),
         "window mask": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain_window_mask"), prompt, responses, advantages, mask)),
+        "other options": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**{**cp, "prefix_chunk_size": 8 + 8 * rank}))(
+            make_model("plain"), prompt, responses, advantages, mask)),
+        "planning while calling": error_of(lambda: agree(
+            PLANNING if rank == 0 else CALLING, 0.0, longstraw.Options(), 0.0, dist.group.WORLD, torch.device("cpu"))),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
                                                           context_parallel="world")),
         "nan in one share": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
@@ -398,9 +421,10 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_refusals(tmp_path):
     """Every rank refuses, with the cause: other inputs on another rank, a
     Python value that differs between ranks (folded into their graphs),
-    attention under a mask that is not causal over one run of keys (a
-    sliding window mask that no pass proved), a context_parallel that is
-    not a process group. A check that fails on one rank's share alone
+    other options (a chunk size: other collectives), a rank planning a step
+    while another calls one, attention under a mask that is not causal over
+    one run of keys (a sliding window mask that no pass proved), a
+    context_parallel that is not a process group. A check that fails on one rank's share alone
     (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
     where raising on rank 0 alone would leave rank 1 waiting in the next
     collective until the group's timeout. `raise_together` itself: no
@@ -422,6 +446,10 @@ def test_refusals(tmp_path):
         assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
+        assert res["other options"].startswith(
+            "InputError: context parallelism: the option `prefix_chunk_size` differs between rank 0 and rank 1"), res["other options"]
+        assert res["planning while calling"].startswith(
+            "InputError: context parallelism: rank 0 is planning a step while rank 1 is calling a planned step")
 
 
 def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
