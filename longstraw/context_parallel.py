@@ -488,17 +488,21 @@ def agree(
 
 def check_replicated(
     values: Sequence[object], names: Sequence[str], fingerprint: float, options: Options,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None, generators: Sequence[torch.Tensor] = (),
 ) -> None:
     """Every rank of `group` must call with the same inputs, the same graph
     and the same options: each runs the whole step, and a rank with another
     prompt, other weights or another Python value folded into its graph (a
     scalar argument) would mix them into the others' attention. After
     `agree`, compared by a checksum per tensor (its sum and its norm, in
-    float64) and the value of each number, in one all-gather per call."""
-    checked = [(name, _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
-    checked += [(name, torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
+    float64) and the value of each number, in one all-gather per call.
+    `generators`: the random number generators' states, when the loss
+    draws random numbers (dropout): ranks that draw other masks compute
+    other values where they must compute the same."""
+    checked = [(f"input `{name}`", _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
+    checked += [(f"input `{name}`", torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
                 if isinstance(v, (int, float, torch.SymInt, torch.SymFloat))]
+    checked += [(_GENERATOR, _checksum(g)) for g in generators]
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if len(set(agree(CALLING, fingerprint, options, float(len(checked)), group, device))) > 1:
         raise InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss")
@@ -508,12 +512,17 @@ def check_replicated(
     for rank, other in enumerate(gathered):
         differs = ~((other == sums) | (other.isnan() & sums.isnan())).all(-1)
         if bool(differs.any()):
-            name = checked[int(differs.nonzero()[0, 0])][0]
+            what = checked[int(differs.nonzero()[0, 0])][0]
+            fix = ("every rank must call the compiled loss with the same inputs, weights and Python values" if what != _GENERATOR
+                   else "the loss draws random numbers (dropout), and every rank must draw the same: seed the group's "
+                   "ranks alike, e.g. `torch.manual_seed(seed + data_parallel_rank)`, and draw nothing on one rank alone")
             raise InputError(
-                f"context parallelism: input `{name}` differs between rank {dist.get_rank(group)} and rank {rank} of "
-                "the group: every rank must call the compiled loss with the same inputs, weights and Python values "
-                "(each runs the whole step and keeps its share of the prompt state)"
+                f"context parallelism: {what} differs between rank {dist.get_rank(group)} and rank {rank} of the "
+                f"group: {fix} (each runs the whole step and keeps its share of the prompt state)"
             )
+
+
+_GENERATOR = "the random number generators' state"
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

@@ -331,7 +331,13 @@ class GroupRunner:
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         if self.options.context_parallel is not None:
             names = [argument_name(p) for p in self.part.placeholders]
-            check_replicated(inputs, names, self.fingerprint, self.options, self.options.context_parallel)
+            generators = []
+            if self.random:
+                probe = next(v for v in inputs if isinstance(v, torch.Tensor))
+                generators.append(torch.get_rng_state())
+                if probe.device.type == "cuda":
+                    generators.append(torch.cuda.get_rng_state(probe.device))
+            check_replicated(inputs, names, self.fingerprint, self.options, self.options.context_parallel, generators)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

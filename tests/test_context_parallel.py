@@ -369,7 +369,7 @@ def test_step_matches_one_process(world, tmp_path):
 def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
     import longstraw
-    from helpers.harness import compile_loss
+    from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
     from longstraw.context_parallel import CALLING, PLANNING, agree, raise_together
@@ -404,6 +404,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             make_model("plain"), prompt, responses, advantages, mask)),
         "planning while calling": error_of(lambda: agree(
             PLANNING if rank == 0 else CALLING, 0.0, longstraw.Options(), 0.0, dist.group.WORLD, torch.device("cpu"))),
+        "other generators": error_of(lambda: (torch.manual_seed(rank), compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
+            dropout_model(), prompt, responses, advantages, mask))),
         "not a group": error_of(lambda: longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
                                                           context_parallel="world")),
         "nan in one share": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
@@ -414,15 +416,30 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
         "both fail": error_of(lambda: raise_together(
             LongStrawError(f"rank {rank}'s check"), dist.group.WORLD, torch.device("cpu"))),
     }
+    torch._dynamo.reset()
+    torch.manual_seed(DROPOUT_SEED)  # every rank alike: the same masks
+    res["dropout"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(**cp)), dropout_model(),
+                                             prompt, responses, advantages, mask)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+DROPOUT_SEED = 5
+
+
+def dropout_model() -> torch.nn.Module:
+    from helpers.plain_transformer import make_plain
+
+    return make_plain(dropout=0.3).train()
 
 
 def test_refusals(tmp_path):
     """Every rank refuses, with the cause: other inputs on another rank, a
     Python value that differs between ranks (folded into their graphs),
     other options (a chunk size: other collectives), a rank planning a step
-    while another calls one, attention under a mask that is not causal over
+    while another calls one, random number generators in other states when
+    the loss draws random numbers (dropout: seeded alike, the step matches
+    one process's), attention under a mask that is not causal over
     one run of keys (a sliding window mask that no pass proved), a
     context_parallel that is not a process group. A check that fails on one rank's share alone
     (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
@@ -430,7 +447,18 @@ def test_refusals(tmp_path):
     collective until the group's timeout. `raise_together` itself: no
     error when no rank has one, else the lowest failing rank's on every
     rank, noting which rank found it."""
+    import longstraw
+    from helpers.compare import assert_grads_close
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group
+
     results = gloo.spawn(_refusal_worker, 2, tmp_path)
+    torch._dynamo.reset()
+    torch.manual_seed(DROPOUT_SEED)
+    backend = longstraw.Backend(prefix_chunk_size=8, recompute_layers=False)
+    want_loss, want = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), dropout_model(), *make_group(2, 30, 4))
+    assert backend.plans[-1].runner.random
     for rank, res in enumerate(results):
         assert res["nan in one share"].startswith("InputError: the captured prompt state"), res["nan in one share"]
         assert "holds NaN or Inf" in res["nan in one share"]
@@ -446,6 +474,12 @@ def test_refusals(tmp_path):
         assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
+        assert res["other generators"].startswith(
+            "InputError: context parallelism: the random number generators' state differs between rank"), res["other generators"]
+        assert "seed the group's ranks alike" in res["other generators"]
+        loss, grads = res["dropout"]  # seeded alike, the ranks draw the one-process step's masks
+        assert_close(loss, want_loss, STEP_TOL, "dropout: loss")
+        assert_grads_close(grads, want, STEP_TOL)
         assert res["other options"].startswith(
             "InputError: context parallelism: the option `prefix_chunk_size` differs between rank 0 and rank 1"), res["other options"]
         assert res["planning while calling"].startswith(
