@@ -426,6 +426,24 @@ def raise_together(error: Exception | None, group: dist.ProcessGroup | None, dev
     raise sent[0]
 
 
+def replicate_from_first(tensors: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:
+    """Give every rank the group's first rank's `tensors` (in place).
+
+    Every rank computes the whole gradient, but on a GPU not bit for bit
+    the same one: kernels that accumulate with atomics (attention's dQ,
+    embedding backward) round in another order on each rank. Weights
+    stepped with such gradients drift apart, and the next call would find
+    them different (`check_replicated`); so the ranks take the first
+    rank's gradient."""
+    for t in tensors:
+        if t is None:
+            continue
+        sent = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(sent, group_src=0, group=group)
+        if sent is not t:
+            t.copy_(sent)
+
+
 def graph_fingerprint(graph: torch.fx.Graph) -> float:
     """CRC-32 of the graph's text, which holds the Python values Dynamo folded into it (exact in float64)."""
     return float(zlib.crc32(str(graph).encode()))

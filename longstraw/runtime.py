@@ -34,7 +34,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
-from .context_parallel import PromptShard, check_replicated, graph_fingerprint, raise_together
+from .context_parallel import PromptShard, check_replicated, graph_fingerprint, raise_together, replicate_from_first
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
@@ -481,6 +481,8 @@ class GroupRunner:
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for i, leaf in zip(wanted, leaves):
             grads[i], leaf.grad = leaf.grad, None
+        if self.options.context_parallel is not None:
+            replicate_from_first(grads, self.options.context_parallel)
         return grads
 
     def _backward_group(

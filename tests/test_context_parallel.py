@@ -416,12 +416,52 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
         "both fail": error_of(lambda: raise_together(
             LongStrawError(f"rank {rank}'s check"), dist.group.WORLD, torch.device("cpu"))),
     }
+    res["drift"] = _steps_with_rank_1_rounding_apart(rank, cp, prompt, responses, advantages, mask)
     torch._dynamo.reset()
     torch.manual_seed(DROPOUT_SEED)  # every rank alike: the same masks
     res["dropout"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(**cp)), dropout_model(),
                                              prompt, responses, advantages, mask)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _steps_with_rank_1_rounding_apart(rank: int, cp: dict, *group) -> tuple[str, list[torch.Tensor]]:
+    """Two optimizer steps where rank 1's gradient is off in the last bits,
+    as a GPU's kernels that accumulate with atomics leave it: (the second
+    call's error or "no error", each rank's gradients)."""
+    import longstraw
+    from helpers.harness import compile_loss
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_model
+    from longstraw import runtime
+
+    backward_group = runtime.GroupRunner._backward_group
+
+    def rounded_apart(self, call, group_call, inputs, values, leaves, *rest):
+        backward_group(self, call, group_call, inputs, values, leaves, *rest)
+        if rank == 1:
+            for leaf in leaves:
+                if leaf.grad is not None:
+                    leaf.grad.mul_(1 + 1e-12)
+
+    torch._dynamo.reset()
+    runtime.GroupRunner._backward_group = rounded_apart
+    model = make_model("plain")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = compile_loss(grpo_loss_f64, longstraw.Backend(**cp))
+    grads: list[torch.Tensor] = []
+    try:
+        for _ in range(2):
+            optimizer.zero_grad()
+            step(model, *group).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            optimizer.step()
+        outcome = "no error"
+    except longstraw.LongStrawError as error:
+        outcome = str(error)
+    finally:
+        runtime.GroupRunner._backward_group = backward_group
+    return outcome, grads
 
 
 DROPOUT_SEED = 5
@@ -439,7 +479,9 @@ def test_refusals(tmp_path):
     other options (a chunk size: other collectives), a rank planning a step
     while another calls one, random number generators in other states when
     the loss draws random numbers (dropout: seeded alike, the step matches
-    one process's), attention under a mask that is not causal over
+    one process's), and gradients rounded apart on one rank (as a GPU's
+    atomics round) are replaced by the first rank's, so the weights stay
+    equal and the next step runs, attention under a mask that is not causal over
     one run of keys (a sliding window mask that no pass proved), a
     context_parallel that is not a process group. A check that fails on one rank's share alone
     (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
@@ -474,6 +516,9 @@ def test_refusals(tmp_path):
         assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
         assert "must be a torch.distributed ProcessGroup" in res["not a group"]
+        outcome, grads = res["drift"]  # the ranks keep the first rank's gradient, bit for bit, and so equal weights
+        assert outcome == "no error", outcome
+        assert all(torch.equal(g, h) for g, h in zip(grads, results[0]["drift"][1]))
         assert res["other generators"].startswith(
             "InputError: context parallelism: the random number generators' state differs between rank"), res["other generators"]
         assert "seed the group's ranks alike" in res["other generators"]
