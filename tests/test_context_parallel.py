@@ -157,7 +157,8 @@ STEP_CASES = {
         StepCase("hybrid", "detached", left=19), StepCase("latent", "exact"), StepCase("latent", "detached"),
         StepCase("sparse", "exact"), StepCase("sparse", "detached"), StepCase("window", "exact"),
         StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True)],
-    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("dense", "exact", left=11),
+    3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
+        StepCase("hybrid", "detached", P=29), StepCase("dense", "exact", left=11),
         StepCase("latent", "exact"), StepCase("sparse", "exact")],
 }
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
