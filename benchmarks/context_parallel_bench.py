@@ -12,7 +12,9 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
 1. Parity: float32 at `--p-parity` (several 8192-position chunks, so every
    rank holds some), exact mode: every rank's loss and gradients against the
    same step in one process, which each rank also runs alone (no
-   collectives); relative L2 per parameter, the worst kept.
+   collectives); relative L2 per parameter, the worst kept. Also whether
+   the ranks' gradients agree bit for bit, and how far apart they are with
+   the runtime's broadcast of the first rank's gradient turned off.
 2. Per mode and P (bf16, G = 8, R = 1024, chunk 8192): each rank's peak
    allocated memory and step time (the first call, which plans and
    compiles, then a warm one, unless --no-warm); with `--baseline` also
@@ -39,6 +41,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from longstraw import runtime
+
 from grpo.measure import GiB, Clock, phase_seconds, release, sync
 from grpo.models import build_model, make_group
 from grpo.modes import Runner
@@ -63,19 +67,42 @@ def _step(runner: Runner, group) -> dict:
             "peak_gb": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0}
 
 
+def _ranks_apart(grads: dict[str, torch.Tensor], device: torch.device) -> dict:
+    """How the ranks' gradients differ: per parameter [sum, norm] in
+    float64, gathered from every rank and compared with rank 0's."""
+    sums = torch.stack([torch.stack([g.sum(dtype=torch.float64), g.norm(dtype=torch.float64)]) for g in grads.values()])
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums.to(device))
+    rows = torch.stack(gathered).cpu()
+    apart = (rows != rows[:1]).any(-1).any(0)
+    norm_diff = ((rows[:, :, 1] - rows[:1, :, 1]).abs() / rows[:1, :, 1].clamp_min(1e-300)).max()
+    return {"parameters_apart": int(apart.sum()), "parameters": len(grads), "max_rel_norm_diff": float(norm_diff)}
+
+
 def _parity(args, rank: int, device: torch.device) -> dict:
+    """Also whether the ranks' gradients agree bit for bit (the runtime
+    gives every rank the first rank's), and how far apart they are with
+    that broadcast turned off (`drift_without_broadcast`): what a GPU's
+    atomics leave between two ranks' copies of the same step."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = build_model(args.model, args.tiny, torch.float32, device)
     group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
     with Runner(model, args.model, "longstraw_exact", context_parallel=dist.group.WORLD, prefix_chunk_size=args.chunk) as runner:
         sharded_loss = float(runner.step(group))
-    sharded = _grads_on_cpu(model)
+        sharded = _grads_on_cpu(model)
+        ranks_apart = _ranks_apart(sharded, device)
+        broadcast, runtime.replicate_from_first = runtime.replicate_from_first, lambda tensors, group: None
+        try:
+            runner.step(group)
+        finally:
+            runtime.replicate_from_first = broadcast
+        drift = _ranks_apart(_grads_on_cpu(model), device)
     with Runner(model, args.model, "longstraw_exact", prefix_chunk_size=args.chunk) as runner:
         alone_loss = float(runner.step(group))
     alone = _grads_on_cpu(model)
     result = {"P": args.p_parity, "dtype": "float32", "loss_rel_diff": abs(sharded_loss - alone_loss) / abs(alone_loss),
-              **compare(sharded, alone)}
+              **compare(sharded, alone), "ranks_apart": ranks_apart, "drift_without_broadcast": drift}
     del model, sharded, alone
     release()
     return result

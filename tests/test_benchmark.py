@@ -410,7 +410,7 @@ def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     """benchmarks/context_parallel_bench.py's smoke run (tiny shapes, two
     gloo processes on the CPU, chunks of 8 so both ranks hold some): the
     sharded step's gradients equal the one-process step's on every rank,
-    and every rank's run is recorded with the same loss."""
+    and each other's bit for bit, and every rank's run is recorded with the same loss."""
     import json
 
     import context_parallel_bench
@@ -426,6 +426,8 @@ def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert (result["ranks"], result["backend"], result["shared_gpu"]) == (2, "gloo", False)
     for rank_parity in result["parity_per_rank"]:
         assert rank_parity["max_rel_l2"] < 1e-5 and rank_parity["parameters"] == 47
+        assert rank_parity["ranks_apart"] == {"parameters_apart": 0, "parameters": 47, "max_rel_norm_diff": 0.0}
+        assert rank_parity["drift_without_broadcast"]["parameters"] == 47
     sharded, alone = result["runs"]  # --baseline: the same step without context parallelism, in each process
     assert (sharded["ranks"], alone["ranks"]) == (2, 1)
     for run in (sharded, alone):
