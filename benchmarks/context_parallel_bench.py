@@ -71,8 +71,9 @@ def _ranks_apart(grads: dict[str, torch.Tensor], device: torch.device) -> dict:
     """How the ranks' gradients differ: per parameter [sum, norm] in
     float64, gathered from every rank and compared with rank 0's."""
     sums = torch.stack([torch.stack([g.sum(dtype=torch.float64), g.norm(dtype=torch.float64)]) for g in grads.values()])
+    sums = sums.to(device)
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, sums.to(device))
+    dist.all_gather(gathered, sums)
     rows = torch.stack(gathered).cpu()
     apart = (rows != rows[:1]).any(-1).any(0)
     norm_diff = ((rows[:, :, 1] - rows[:1, :, 1]).abs() / rows[:1, :, 1].clamp_min(1e-300)).max()
