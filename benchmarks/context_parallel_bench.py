@@ -9,7 +9,7 @@ rank has a GPU of its own, else gloo over CUDA tensors. Ranks sharing a GPU
 measure each rank's memory exactly (the allocator's peak is per process) but
 not the time, since they run on one GPU's compute: `shared_gpu` says which.
 
-1. Parity: float32 at `--p-parity` (several 8192-position chunks, so every
+1. Parity: float32 (`--parity-dtype`) at `--p-parity` (several 8192-position chunks, so every
    rank holds some), exact mode: every rank's loss and gradients against the
    same step in one process, which each rank also runs alone (no
    collectives); relative L2 per parameter, the worst kept. Also whether
@@ -87,7 +87,8 @@ def _parity(args, rank: int, device: torch.device) -> dict:
     atomics leave between two ranks' copies of the same step."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    model = build_model(args.model, args.tiny, torch.float32, device)
+    dtype = getattr(torch, args.parity_dtype)
+    model = build_model(args.model, args.tiny, dtype, device)
     group = make_group(args.G, args.p_parity, args.R, model.config.vocab_size, device)
     with Runner(model, args.model, "longstraw_exact", context_parallel=dist.group.WORLD, prefix_chunk_size=args.chunk) as runner:
         sharded_loss = float(runner.step(group))
@@ -102,7 +103,7 @@ def _parity(args, rank: int, device: torch.device) -> dict:
     with Runner(model, args.model, "longstraw_exact", prefix_chunk_size=args.chunk) as runner:
         alone_loss = float(runner.step(group))
     alone = _grads_on_cpu(model)
-    result = {"P": args.p_parity, "dtype": "float32", "loss_rel_diff": abs(sharded_loss - alone_loss) / abs(alone_loss),
+    result = {"P": args.p_parity, "dtype": args.parity_dtype, "loss_rel_diff": abs(sharded_loss - alone_loss) / abs(alone_loss),
               **compare(sharded, alone), "ranks_apart": ranks_apart, "drift_without_broadcast": drift}
     del model, sharded, alone
     release()
@@ -176,6 +177,8 @@ def main() -> None:
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--p-parity", type=int, default=32768, help="0: no parity run")
+    parser.add_argument("--parity-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: the kernels of the measured runs (flash or cuDNN attention)")
     parser.add_argument("--chunk", type=int, default=8192, help="prefix_chunk_size")
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="a second, warm step per run (--no-warm: the first call only, its time and peak)")
