@@ -505,22 +505,24 @@ def agree(
 
 
 def check_replicated(
-    values: Sequence[object], names: Sequence[str], fingerprint: float, options: Options,
+    values: Sequence[object], names: Sequence[str], data: Sequence[bool], fingerprint: float, options: Options,
     group: dist.ProcessGroup | None, generators: Sequence[torch.Tensor] = (),
 ) -> None:
     """Every rank of `group` must call with the same inputs, the same graph
     and the same options: each runs the whole step, and a rank with another
     prompt, other weights or another Python value folded into its graph (a
     scalar argument) would mix them into the others' attention. After
-    `agree`, compared by a checksum per tensor (its sum and its norm, in
-    float64) and the value of each number, in one all-gather per call.
-    `generators`: the random number generators' states, when the loss
-    draws random numbers (dropout): ranks that draw other masks compute
-    other values where they must compute the same."""
-    checked = [(f"input `{name}`", _checksum(v.detach())) for name, v in zip(names, values) if isinstance(v, torch.Tensor)]
-    checked += [(f"input `{name}`", torch.tensor([float(v), 0.0], dtype=torch.float64)) for name, v in zip(names, values)
+    `agree`, compared by a checksum per tensor (`_checksum`; `data`: which
+    inputs are data, whose order is checked too) and the value of each
+    number, in one all-gather per call. `generators`: the random number
+    generators' states, when the loss draws random numbers (dropout): ranks
+    that draw other masks compute other values where they must compute the
+    same."""
+    tensors = [(name, v, ordered) for name, v, ordered in zip(names, values, data) if isinstance(v, torch.Tensor)]
+    checked = [(f"input `{name}`", _checksum(v.detach(), ordered)) for name, v, ordered in tensors]
+    checked += [(f"input `{name}`", torch.tensor([float(v), 0.0, 0.0], dtype=torch.float64)) for name, v in zip(names, values)
                 if isinstance(v, (int, float, torch.SymInt, torch.SymFloat))]
-    checked += [(_GENERATOR, _checksum(g)) for g in generators]
+    checked += [(_GENERATOR, _checksum(g, ordered=True)) for g in generators]
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if len(set(agree(CALLING, fingerprint, options, float(len(checked)), group, device))) > 1:
         raise InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss")
@@ -543,8 +545,20 @@ def check_replicated(
 _GENERATOR = "the random number generators' state"
 
 
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """[sum, norm] of `t`, accumulated in float64."""
+def _checksum(t: torch.Tensor, ordered: bool) -> torch.Tensor:
+    """[sum, norm, weighted sum] of `t`, accumulated in float64. Sum and
+    norm do not see order: rows of the completions shuffled on one rank,
+    or a prompt's tokens, keep both. So data (`ordered`: small beside the
+    weights) is also summed with a weight per element, the fractional
+    parts of multiples of the golden ratio, which no reordering of unequal
+    elements keeps but by coincidence; weights are loaded, not shuffled."""
     if not t.is_floating_point():
         t = t.double()  # ids and masks: small
-    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
+    weighted = torch.zeros((), dtype=torch.float64, device=t.device)
+    if ordered:
+        weights = torch.arange(t.numel(), dtype=torch.float64, device=t.device).mul_(_GOLDEN).frac_().add_(0.5)
+        weighted = torch.dot(t.reshape(-1).double(), weights)
+    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64), weighted])
+
+
+_GOLDEN = (5**0.5 - 1) / 2

@@ -337,7 +337,8 @@ class GroupRunner:
                 generators.append(torch.get_rng_state())
                 if probe.device.type == "cuda":
                     generators.append(torch.cuda.get_rng_state(probe.device))
-            check_replicated(inputs, names, self.fingerprint, self.options, self.options.context_parallel, generators)
+            data = [p not in self.part.params for p in self.part.placeholders]
+            check_replicated(inputs, names, data, self.fingerprint, self.options, self.options.context_parallel, generators)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

@@ -397,6 +397,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     res = {
         "other inputs": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             make_model("plain"), prompt, responses, advantages + rank, mask)),
+        "rows swapped": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(  # same sum and norm
+            make_model("plain"), prompt, responses.flip(0) if rank == 1 else responses, advantages, mask)),
         "other scalar": error_of(lambda: compile_loss(scaled_loss, longstraw.Backend(**cp))(
             make_model("plain"), 0.5 + rank, prompt, responses, advantages, mask)),
         "window mask": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
@@ -475,7 +477,8 @@ def dropout_model() -> torch.nn.Module:
 
 
 def test_refusals(tmp_path):
-    """Every rank refuses, with the cause: other inputs on another rank, a
+    """Every rank refuses, with the cause: other inputs on another rank
+    (also the completions' rows in another order: equal sums and norms), a
     Python value that differs between ranks (folded into their graphs),
     other options (a chunk size: other collectives), a rank planning a step
     while another calls one, random number generators in other states when
@@ -513,6 +516,7 @@ def test_refusals(tmp_path):
         assert res["both fail"].startswith("LongStrawError: rank 0's check")
     for res in results:
         assert res["other inputs"].startswith("InputError: context parallelism: input `advantages` differs between rank")
+        assert res["rows swapped"].startswith("InputError: context parallelism: input `responses` differs between rank")
         assert res["other scalar"].startswith("InputError: context parallelism: "), res["other scalar"]
         assert "differs between rank" in res["other scalar"] and "Python values" in res["other scalar"]
         assert "context parallelism: the attention over" in res["window mask"] and "a window" in res["window mask"]
