@@ -456,14 +456,15 @@ _UNCOMPARED = ("progress", "memory_budget_gb", "context_parallel")  # display; p
 
 def _option_fingerprints(options: Options) -> list[tuple[str, float]]:
     """(name, CRC-32 of the value) per option that decides a rank's
-    collectives or values; passes by class, not by object."""
+    collectives or values."""
     out = []
     for field in dataclasses.fields(options):
         if field.name in _UNCOMPARED:
             continue
         value = getattr(options, field.name)
-        if field.name == "passes":
-            value = [f"{type(p).__module__}.{type(p).__qualname__}" for p in value]
+        if field.name == "passes":  # a pass's own repr (a dataclass's fields), else its class: not its address
+            value = [f"{type(p).__module__}.{type(p).__qualname__}" if type(p).__repr__ is object.__repr__ else repr(p)
+                     for p in value]
         out.append((field.name, float(zlib.crc32(repr(value).encode()))))
     return out
 

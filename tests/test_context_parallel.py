@@ -130,12 +130,14 @@ class StepCase:
     prompts: tuple[int, ...] = ()  # a trainer's batch of several prompts, this many completions each
     left: int = 0  # TRL's padding: the prompt left-padded by this much, completions right-padded
     host: bool = False  # attention_outputs_on_host
+    reference: bool = False  # a KL term to a frozen reference model: two stages, the reference's captured first
 
     @property
     def name(self) -> str:
         return "-".join([self.model, self.mode, *(["layerwise"] if self.layerwise else []),
                          *([f"prompts{len(self.prompts)}"] if self.prompts else []),
-                         *([f"padded{self.left}"] if self.left else []), *(["host"] if self.host else [])])
+                         *([f"padded{self.left}"] if self.left else []), *(["host"] if self.host else []),
+                         *(["reference"] if self.reference else [])])
 
     def loss_and_inputs(self):
         from helpers.losses import grpo_loss_f64
@@ -145,6 +147,11 @@ class StepCase:
 
         if self.prompts:
             return batch_loss, make_batch(list(self.prompts), self.P, self.R, vocab=64)
+        if self.reference:
+            from helpers.tiny_models import make_qwen3
+            from test_specialize import kl_to_reference_loss
+
+            return kl_to_reference_loss(make_qwen3(seed=1).requires_grad_(False)), make_group(self.G, self.P, self.R, pad=True)
         if self.left:  # completions of R, R - 2 and 1 tokens
             return trl_grpo_loss, padded_group(self.G, self.P, self.R, self.left, lengths=[self.R, self.R - 2, 1])
         return grpo_loss_f64, make_group(self.G, self.P, self.R)
@@ -156,7 +163,8 @@ STEP_CASES = {
         StepCase("hybrid", "exact", prompts=(2, 3)), StepCase("dense", "exact", left=11),
         StepCase("hybrid", "detached", left=19), StepCase("latent", "exact"), StepCase("latent", "detached"),
         StepCase("sparse", "exact"), StepCase("sparse", "detached"), StepCase("window", "exact"),
-        StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True)],
+        StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True),
+        StepCase("dense", "exact", reference=True), StepCase("dense", "detached", reference=True)],
     3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
         StepCase("hybrid", "detached", P=29), StepCase("dense", "exact", left=11),
         StepCase("latent", "exact"), StepCase("sparse", "exact")],
@@ -534,6 +542,33 @@ def test_refusals(tmp_path):
             "InputError: context parallelism: the option `prefix_chunk_size` differs between rank 0 and rank 1"), res["other options"]
         assert res["planning while calling"].startswith(
             "InputError: context parallelism: rank 0 is planning a step while rank 1 is calling a planned step")
+
+
+def test_options_are_compared_by_value():
+    """What `agree` compares of the options: every option that decides
+    collectives or values, by value (two equal passes are one; a pass with
+    other settings differs), not the progress bars or the budget, which may
+    differ per rank (the smallest is planned for)."""
+    from longstraw import Options
+    from longstraw.context_parallel import _option_fingerprints
+    from longstraw.passes import ArchitecturePass
+
+    class Plain(ArchitecturePass):
+        pass
+
+    @dataclass
+    class Tuned(ArchitecturePass):
+        block: int = 64
+
+    def differing(a: Options, b: Options) -> list[str]:
+        return [name for (name, x), (_, y) in zip(_option_fingerprints(a), _option_fingerprints(b)) if x != y]
+
+    assert differing(Options(passes=(Plain(), Tuned())), Options(passes=(Plain(), Tuned()))) == []
+    assert differing(Options(passes=(Tuned(),)), Options(passes=(Tuned(block=128),))) == ["passes"]
+    assert differing(Options(prefix_chunk_size=8, recompute_layers=True), Options(prefix_chunk_size=16)) == [
+        "prefix_chunk_size", "recompute_layers"]
+    assert differing(Options(kernels={"attention": "math"}), Options()) == ["kernels"]
+    assert differing(Options(progress=True, memory_budget_gb=1.0), Options(progress=False, memory_budget_gb=2.0)) == []
 
 
 def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
