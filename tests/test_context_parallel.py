@@ -120,8 +120,9 @@ def test_sharded_attention(world, tmp_path):
 
 @dataclass(frozen=True)
 class StepCase:
-    model: str  # "dense" (Qwen3), "hybrid" (Qwen3.5: Gated DeltaNet, attention), "latent" (DeepSeek-V3: MLA, MoE),
-    # "sparse" (GLM-5: MLA, DSA with index_topk 8 < P, MoE), "window" (Mistral: a sliding window of 6, a carry)
+    model: str  # "dense" (Qwen3), "lora" (Qwen3 under peft's LoRA), "hybrid" (Qwen3.5: Gated DeltaNet,
+    # attention), "latent" (DeepSeek-V3: MLA, MoE), "sparse" (GLM-5: MLA, DSA with index_topk 8 < P, MoE),
+    # "window" (Mistral: a sliding window of 6, a carry)
     mode: str
     G: int = 3
     P: int = 37  # chunks of 8: the shares hold several chunks, the last one short
@@ -164,7 +165,8 @@ STEP_CASES = {
         StepCase("hybrid", "detached", left=19), StepCase("latent", "exact"), StepCase("latent", "detached"),
         StepCase("sparse", "exact"), StepCase("sparse", "detached"), StepCase("window", "exact"),
         StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True),
-        StepCase("dense", "exact", reference=True), StepCase("dense", "detached", reference=True)],
+        StepCase("dense", "exact", reference=True), StepCase("dense", "detached", reference=True),
+        StepCase("lora", "exact")],
     3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
         StepCase("hybrid", "detached", P=29), StepCase("dense", "exact", left=11),
         StepCase("latent", "exact"), StepCase("sparse", "exact")],
@@ -173,13 +175,13 @@ STEP_TOL = 1e-10  # against the same step in one process: only the merge's round
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from helpers.tiny_models import make_qwen3, make_qwen3_5
+    from helpers.tiny_models import make_lora_qwen3, make_qwen3, make_qwen3_5
     from test_mla import make_deepseek_v3
 
     from test_dsa import make_glm5
     from test_sliding_window import _mistral
 
-    models = {"dense": make_qwen3, "hybrid": make_qwen3_5, "latent": lambda: make_deepseek_v3(experts=True),
+    models = {"dense": make_qwen3, "lora": make_lora_qwen3, "hybrid": make_qwen3_5, "latent": lambda: make_deepseek_v3(experts=True),
               "sparse": make_glm5, "window": lambda: _mistral(window=6)}
     return models[kind]()
 
