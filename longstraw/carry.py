@@ -25,6 +25,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from .context_parallel import gather_round
 from .errors import LongStrawError
 from .state import StepContext, has_values
 
@@ -158,14 +159,16 @@ class CarryStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
-        carry = step.carry_in(slot)
-        out, new_carry = kernel.forward(carry, *inputs)
+        if step.round is not None:
+            out, new_carry = _round_forward(step, slot, kernel, inputs)
+        else:
+            out, new_carry = kernel.forward(step.carry_in(slot), *inputs)
+            step.carry_out(slot, new_carry)
         if new_carry._base is not None:
             # a view (a conv's last inputs, sliced from the whole chunk's) would keep
             # the chunk-sized storage alive as long as the step's outputs, which under
             # layer-wise recomputation is the whole reverse chunk: every layer's
             new_carry = new_carry.clone()
-        step.carry_out(slot, new_carry)
         ctx.step, ctx.slot, ctx.kernel = step, slot, kernel
         ctx.save_for_backward(*inputs)
         return out, new_carry
@@ -190,6 +193,28 @@ class CarryStep(torch.autograd.Function):
         )
         step.accumulate_carry_grad(ctx.slot, grads[0])
         return (None, None, None, *grads[1:])
+
+
+def _round_forward(
+    step: StepContext, slot: int, kernel: CarryKernel, inputs: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A carried operator in a capture round (context parallelism): the
+    round's inputs are gathered and every rank runs the operator over every
+    chunk of the round from the carry at its start, keeping each chunk's
+    carry as the capture would, and returns its own chunk's output and
+    carry. The carry passes from chunk to chunk without leaving the rank,
+    at the price of running the operator W times; what feeds it (the
+    projections around it) is computed once, by the chunk's rank."""
+    round_, group = step.round, step.state.shard.group
+    gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
+    carry = step.state.carry_at(slot, round_.start)
+    mine = None
+    for j, (offset, length) in enumerate(round_.chunks):
+        out, carry = kernel.forward(carry, *[x if g is None else g[j] for x, g in zip(inputs, gathered)])
+        StepContext(step.state, offset, length, step.grad_enabled).carry_out(slot, carry)
+        if j == round_.index:
+            mine = out, carry
+    return mine
 
 
 ShapeOnlySpans = Callable[..., list[torch.Tensor | None]]

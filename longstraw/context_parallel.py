@@ -36,7 +36,7 @@ import torch.distributed as dist
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
 from longstraw.options import Options
-from longstraw.state import StepContext
+from longstraw.state import CaptureRound, StepContext
 
 
 def sharded_attention(
@@ -305,6 +305,55 @@ class _ShardedCausalAttention(torch.autograd.Function):
                 grad_k[..., own_start + start:own_start + start + length, :] += gk
                 grad_v[..., own_start + start:own_start + start + length, :] += gv
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def gather_round(t: torch.Tensor, dim: int, round_: CaptureRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's `t` (its chunk of the round along `dim`), in position order."""
+    longest = max(n for _, n in round_.chunks)
+    if t.shape[dim] < longest:
+        pad = list(t.shape)
+        pad[dim] = longest - t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad)], dim)
+    t = t.contiguous()
+    gathered = [torch.empty_like(t) for _ in round_.chunks]
+    dist.all_gather(gathered, t, group=group)
+    return [gathered[rank].narrow(dim, 0, n) for rank, (_, n) in zip(round_.owners, round_.chunks)]
+
+
+def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
+                    scale: float | None) -> torch.Tensor:
+    """Causal attention of this rank's chunk of a capture round (no
+    autograd: the capture's). The round's queries, keys and values are
+    gathered; each rank attends every chunk's queries over its own share of
+    the positions before the round, and those partials are merged across
+    the ranks by log-sum-exp; each rank then adds its own queries' partial
+    over the round's keys before them and over its own (causal)."""
+    shard, round_ = step.state.shard, step.round
+    kernel, compute = kernel_for(q, None), compute_dtype(q)
+    queries = gather_round(q, -2, round_, shard.group)
+    round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
+    begin, end = shard.local_range(0, round_.start)
+    longest = max(n for _, n in round_.chunks)
+    outs, lses = [], []
+    for query in queries:
+        out = torch.zeros(*query.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
+        lse = torch.full(query.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        if begin < end:
+            shard_k, shard_v = keys.read(step, begin, end)
+            out, lse = (t.to(compute) for t in kernel.forward(query, shard_k, shard_v, None, scale, end - begin))
+        pad = longest - query.shape[-2]
+        outs.append(torch.nn.functional.pad(out, (0, 0, 0, pad)))
+        lses.append(torch.nn.functional.pad(lse, (0, pad), value=float("-inf")))
+    out, lse = merge_partials(torch.cat(outs), torch.cat(lses), shard.group)
+    n, mine = q.shape[-2], round_.index
+    out, lse = out[mine:mine + 1, ..., :n, :], lse[mine:mine + 1, ..., :n]
+    if mine > 0:
+        before_k, before_v = torch.cat(round_k[:mine], -2), torch.cat(round_v[:mine], -2)
+        part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
+        out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
+    own, own_lse = kernel.forward(q, k, v, None, scale, 0)
+    out, _ = merge_with_own(out, lse, own.to(compute), own_lse.to(compute))
+    return out.to(q.dtype)
 
 
 def _merged(

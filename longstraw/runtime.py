@@ -38,7 +38,7 @@ from .context_parallel import PromptShard, check_replicated, graph_fingerprint, 
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
-from .state import HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
+from .state import CaptureRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -417,7 +417,13 @@ class GroupRunner:
                             active=stage.active if len(self.stages) > 1 else None,
                             shard=None if cp is None else PromptShard.of(cp, chunks))
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
-        for offset, length in self._walk(chunks, "prompt capture"):
+        rounds, rest = ([], chunks) if cp is None else self._capture_rounds(state, chunks)
+        for round_ in rounds:
+            offset, length = round_.chunks[round_.index]
+            with _noting(f"{what} [{offset}, {offset + length}) (a capture round)"):
+                ctx = StepContext(state, offset, length, grad_enabled=False, round=round_)
+                stage.prefix.module(ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
+        for offset, length in self._walk(rest, "prompt capture"):
             if self.random and not again:
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
@@ -431,6 +437,32 @@ class GroupRunner:
             failure = self._nonfinite(state)
         self._raise(failure, device)
         return state
+
+    def _capture_rounds(
+        self, state: PromptState, chunks: Sequence[tuple[int, int]]
+    ) -> tuple[list[CaptureRound], Sequence[tuple[int, int]]]:
+        """Context parallelism's capture rounds, and the chunks after them.
+        A round is W consecutive chunks, one per rank as `assign_chunks`
+        deals them, captured at once: each rank computes its own chunk
+        (`StepContext.round`), so the per-position work divides too. Only
+        where every claimed operator's pass runs rounds (`capture_rounds`),
+        no key padding makes the attention more than causal, the loss draws
+        no random numbers (the replays restore each chunk's generator state,
+        recorded where every rank runs every chunk) and no attention output
+        is kept on the host (its owner keeps it where every rank computed
+        it); the chunks after the last whole round are captured by every rank."""
+        passes = self.part.claims.values()
+        if self.random or self.key_padding or state.attention_outputs is not None or not all(p.capture_rounds for p in passes):
+            return [], chunks
+        shard = state.shard
+        world = len(shard.chunks)
+        whole = len(chunks) // world * world
+        rounds = []
+        for first in range(0, whole, world):
+            block = tuple(chunks[first:first + world])
+            owners = tuple(shard.owner(offset) for offset, _ in block)
+            rounds.append(CaptureRound(block, owners, owners.index(shard.rank)))
+        return rounds, chunks[whole:]
 
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
         """Raise a check's failure; under context parallelism on every rank

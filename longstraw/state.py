@@ -423,15 +423,33 @@ def host_memory() -> tuple[int, int]:
     return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureRound:
+    """Under context parallelism, prompt chunks the ranks capture at once,
+    one each: `chunks` (offset, length) in position order, one run of
+    positions; `owners` the rank of each; `index` this rank's."""
+
+    chunks: tuple[tuple[int, int], ...]
+    owners: tuple[int, ...]
+    index: int
+
+    @property
+    def start(self) -> int:
+        """The round's first position."""
+        return self.chunks[0][0]
+
+
 @dataclasses.dataclass
 class StepContext:
     """What a step graph needs besides tensors: where its positions start,
-    how many there are, and the state it reads and writes."""
+    how many there are, and the state it reads and writes; under context
+    parallelism's capture rounds, the `round` it is one chunk of."""
 
     state: PromptState
     offset: int
     length: int
     grad_enabled: bool
+    round: CaptureRound | None = None
 
     # sequence slots
 

@@ -19,7 +19,7 @@ import operator
 import torch
 from torch import fx
 
-from longstraw.context_parallel import SlotKeys, sharded_causal_attention
+from longstraw.context_parallel import SlotKeys, raise_together, round_attention, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.mask import MaskBlock, key_padding_of, reads_input
@@ -35,6 +35,7 @@ from .sparse_index import claims_selection
 
 class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
+    capture_rounds = True
 
     def claims(self, node: fx.Node) -> bool:
         # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved
@@ -201,23 +202,33 @@ def attention_step(
     key block at a time. Hq is a multiple of Hkv whether or not the
     graph asked for `enable_gqa` (without it the two are equal)."""
     del enable_gqa
-    first = 0
+    first, masked = 0, mask is not None
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
+    if ctx.round is not None:
+        # a capture round: every rank attends its own chunk, and a positions-only mask can be causal
+        # over one rank's chunk and not another's, so the ranks decide together
+        if masked:
+            raise_together(None if mask is None else _not_one_run(ctx, k_slot), ctx.state.shard.group, q.device)
+        return round_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale)
     if ctx.state.shard is not None:
         keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()
         if keys is None:
-            raise LongStrawError(
-                f"context parallelism: the attention over {ctx.state.slots[k_slot].label()} has a mask that is not "
-                "causal attention over one run of keys (a window, a padding mask with holes); a sharded prompt runs "
-                "that form only. Run this batch without context_parallel."
-            )
+            raise _not_one_run(ctx, k_slot)
         return sharded_causal_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale, *keys)
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
         return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span)
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
+
+
+def _not_one_run(ctx: StepContext, k_slot: int) -> LongStrawError:
+    return LongStrawError(
+        f"context parallelism: the attention over {ctx.state.slots[k_slot].label()} has a mask that is not causal "
+        "attention over one run of keys (a window, a padding mask with holes); a sharded prompt runs that form "
+        "only. Run this batch without context_parallel."
+    )
 
 
 def _attention_over_span(

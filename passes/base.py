@@ -73,6 +73,10 @@ class ArchitecturePass:
     """
 
     name = "pass"
+    capture_rounds = False
+    """Whether this pass's steps run context parallelism's capture rounds
+    (`StepContext.round`: the ranks capture one chunk each at once); a
+    plan with any other pass captures every chunk on every rank."""
 
     def claims(self, node: fx.Node) -> bool:
         """Whether this pass handles `node` (an operator mixing positions)."""
@@ -132,7 +136,8 @@ class ArchitecturePass:
 class CarryPass(ArchitecturePass):
     """An operator whose past is a fixed-size state carried between
     position ranges: `op(*args) -> out` (or `(out, final_state)` when
-    `returns_state`), causal along its sequence axis.
+    `returns_state`), causal along its sequence axis. In a capture round
+    `CarryStep` runs it over the whole round on every rank.
 
     Subclasses set `op` (the `OpOverload` claimed) and `sequence` (argument
     index and dimension of the positions; `batch_dim` of the same argument
@@ -153,6 +158,7 @@ class CarryPass(ArchitecturePass):
     sequence: tuple[int, int] = (0, 1)
     batch_dim: int = 0
     returns_state: bool = False
+    capture_rounds = True
 
     def claims(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target is self.op

@@ -233,6 +233,17 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         kept.append(1)
         return to_host(self, tensors)
 
+    from longstraw import runtime
+
+    rounds = []  # per capture: (capture rounds, chunks every rank captured after them)
+    capture_rounds = runtime.GroupRunner._capture_rounds
+
+    def counting_rounds(self, state, chunks):
+        found, rest = capture_rounds(self, state, chunks)
+        rounds.append((len(found), len(rest)))
+        return found, rest
+
+    runtime.GroupRunner._capture_rounds = counting_rounds
     state_module.PromptState.__init__ = recording
     state_module.PromptState.allocate_grads = recording_grads
     context_parallel.merge_partials = counting
@@ -244,6 +255,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         held.clear()
         merges.clear()
         kept.clear()
+        rounds.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
@@ -251,6 +263,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         res[case.name] = (loss.detach(), grads, set().union(*lengths))
         res[case.name + " merges"] = len(merges)
         res[case.name + " kept"] = len(kept)
+        res[case.name + " rounds"] = set(rounds)
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -275,6 +288,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 FSDP2_CASE = PLANNED_CASE = StepCase("dense", "exact")
+ROUND_MODELS = {"dense", "lora", "hybrid", "window"}  # causal attention and carries: captured in rounds
 APART = (2, 300, 4)  # G, P, R of the step planned for budgets that differ between the ranks
 PLANNED = {StepCase("dense", "exact"), StepCase("dense", "detached")}  # the planner's state against the buffers
 
@@ -343,6 +357,13 @@ def test_step_matches_one_process(world, tmp_path):
             assert lengths <= {share[rank]}, f"{case.name}, rank {rank}: buffers of {lengths} positions"
             assert_close(loss, want_loss, STEP_TOL, f"{case.name}, rank {rank}: loss")
             assert_grads_close(grads, want, STEP_TOL)
+        # capture rounds (each rank computes one chunk of W at once) where every pass runs them and no padding
+        # makes attention more than causal; the chunks after the last whole round run on every rank
+        chunks = len(chunk_schedule(captured, 8))
+        whole = (chunks // world, chunks % world)
+        expected = whole if case.model in ROUND_MODELS and not (case.left or case.host) else (0, chunks)
+        for rank in range(world):
+            assert results[rank][case.name + " rounds"] == {expected}, (case.name, results[rank][case.name + " rounds"])
         if case.host and not case.layerwise:  # the reverse pass read the capture's outputs: fewer merges
             without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
             for rank in range(world):
