@@ -72,7 +72,9 @@ def test_hybrid_parity_with_short_spans(mode, monkeypatch):
 
 
 class _OneStep:
-    """The two StepContext methods `CarryStep.forward` calls."""
+    """What `CarryStep.forward` reads of a StepContext outside a capture round."""
+
+    round = None
 
     def __init__(self, carry: torch.Tensor) -> None:
         self.carry, self.kept = carry, None
