@@ -21,6 +21,12 @@ computed on every rank alike. So what autograd sees is the same on every
 rank and every rank ends with the whole gradient: none is reduced across
 the group. In exact mode d(state) is sharded like the state; the reverse
 pass broadcasts each prompt chunk's d(state) from its owner.
+
+The capture (no autograd) runs in rounds instead where it can
+(`GroupRunner._capture_rounds`): W consecutive chunks, one per rank, at
+once, each rank computing only its own (`round_attention`; carried
+operators run over the whole round on every rank, so carries stay
+replicated), which divides its per-position work too.
 """
 
 from __future__ import annotations

@@ -418,8 +418,7 @@ class GroupRunner:
                             shard=None if cp is None else PromptShard.of(cp, chunks))
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
         rounds, rest = ([], chunks) if cp is None else self._capture_rounds(state, chunks)
-        for round_ in rounds:
-            offset, length = round_.chunks[round_.index]
+        for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "prompt capture")):
             with _noting(f"{what} [{offset}, {offset + length}) (a capture round)"):
                 ctx = StepContext(state, offset, length, grad_enabled=False, round=round_)
                 stage.prefix.module(ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
