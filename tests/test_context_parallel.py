@@ -454,6 +454,9 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
             LongStrawError(f"rank {rank}'s check"), dist.group.WORLD, torch.device("cpu"))),
     }
     res["drift"] = _steps_with_rank_1_rounding_apart(rank, cp, prompt, responses, advantages, mask)
+    torch._dynamo.reset()  # an explicit causal mask: each capture round's ranks agree it is causal, and attend
+    res["explicit mask"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(**cp)),
+                                                   make_model("plain_explicit_mask"), prompt, responses, advantages, mask)
     torch._dynamo.reset()
     torch.manual_seed(DROPOUT_SEED)  # every rank alike: the same masks
     res["dropout"] = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(**cp)), dropout_model(),
@@ -519,7 +522,8 @@ def test_refusals(tmp_path):
     the loss draws random numbers (dropout: seeded alike, the step matches
     one process's), and gradients rounded apart on one rank (as a GPU's
     atomics round) are replaced by the first rank's, so the weights stay
-    equal and the next step runs, attention under a mask that is not causal over
+    equal and the next step runs, and an explicit causal mask runs in
+    capture rounds (the ranks agree it is causal) as in one process, attention under a mask that is not causal over
     one run of keys (a sliding window mask that no pass proved), a
     context_parallel that is not a process group. A check that fails on one rank's share alone
     (`check_finite`: NaN in rank 0's last chunk only) raises on every rank,
@@ -531,7 +535,7 @@ def test_refusals(tmp_path):
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
-    from helpers.tiny_models import make_group
+    from helpers.tiny_models import make_group, make_model
 
     results = gloo.spawn(_refusal_worker, 2, tmp_path)
     torch._dynamo.reset()
@@ -539,6 +543,9 @@ def test_refusals(tmp_path):
     backend = longstraw.Backend(prefix_chunk_size=8, recompute_layers=False)
     want_loss, want = compiled_loss_and_grads(compile_loss(grpo_loss_f64, backend), dropout_model(), *make_group(2, 30, 4))
     assert backend.plans[-1].runner.random
+    torch._dynamo.reset()
+    explicit = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8, recompute_layers=False)),
+                                       make_model("plain_explicit_mask"), *make_group(2, 30, 4))
     for rank, res in enumerate(results):
         assert res["nan in one share"].startswith("InputError: the captured prompt state"), res["nan in one share"]
         assert "holds NaN or Inf" in res["nan in one share"]
@@ -561,6 +568,8 @@ def test_refusals(tmp_path):
         assert res["other generators"].startswith(
             "InputError: context parallelism: the random number generators' state differs between rank"), res["other generators"]
         assert "seed the group's ranks alike" in res["other generators"]
+        assert_close(res["explicit mask"][0], explicit[0], STEP_TOL, "explicit mask: loss")
+        assert_grads_close(res["explicit mask"][1], explicit[1], STEP_TOL)
         loss, grads = res["dropout"]  # seeded alike, the ranks draw the one-process step's masks
         assert_close(loss, want_loss, STEP_TOL, "dropout: loss")
         assert_grads_close(grads, want, STEP_TOL)
