@@ -327,23 +327,27 @@ def gather_round(t: torch.Tensor, dim: int, round_: CaptureRound, group: dist.Pr
 
 
 def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
-                    scale: float | None) -> torch.Tensor:
-    """Causal attention of this rank's chunk of a capture round (no
-    autograd: the capture's). The round's queries, keys and values are
-    gathered; each rank attends every chunk's queries over its own share of
-    the positions before the round, and those partials are merged across
-    the ranks by log-sum-exp; each rank then adds its own queries' partial
-    over the round's keys before them and over its own (causal)."""
+                    scale: float | None, first: int, last: int) -> torch.Tensor:
+    """Causal attention of this rank's chunk of a capture round over the
+    keys `[first, last)` alone (`sharded_causal_attention`'s; no autograd:
+    the capture's). The round's queries, keys, values and key intervals
+    are gathered; each rank attends every chunk's queries over its own
+    share of the positions before the round, and those partials are merged
+    across the ranks by log-sum-exp; each rank then adds its own queries'
+    partial over the round's keys before them and over its own (causal)."""
     shard, round_ = step.state.shard, step.round
     kernel, compute = kernel_for(q, None), compute_dtype(q)
     queries = gather_round(q, -2, round_, shard.group)
     round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
-    begin, end = shard.local_range(0, round_.start)
+    span = torch.tensor([first, last], device=q.device)
+    spans = [torch.empty_like(span) for _ in round_.chunks]
+    dist.all_gather(spans, span, group=shard.group)
     longest = max(n for _, n in round_.chunks)
     outs, lses = [], []
-    for query in queries:
+    for query, rank in zip(queries, round_.owners):
         out = torch.zeros(*query.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        begin, end = shard.local_range(int(spans[rank][0]), min(int(spans[rank][1]), round_.start))
         if begin < end:
             shard_k, shard_v = keys.read(step, begin, end)
             out, lse = (t.to(compute) for t in kernel.forward(query, shard_k, shard_v, None, scale, end - begin))
@@ -353,12 +357,16 @@ def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torc
     out, lse = merge_partials(torch.cat(outs), torch.cat(lses), shard.group)
     n, mine = q.shape[-2], round_.index
     out, lse = out[mine:mine + 1, ..., :n, :], lse[mine:mine + 1, ..., :n]
-    if mine > 0:
-        before_k, before_v = torch.cat(round_k[:mine], -2), torch.cat(round_v[:mine], -2)
+    skip = max(first - round_.start, 0)  # the round's keys before this chunk that the interval leaves out
+    if step.offset - round_.start > skip:
+        before_k, before_v = (torch.cat(t[:mine], -2)[..., skip:, :] for t in (round_k, round_v))
         part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
         out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
-    own, own_lse = kernel.forward(q, k, v, None, scale, 0)
-    out, _ = merge_with_own(out, lse, own.to(compute), own_lse.to(compute))
+    own, own_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
+    for rows, q_start, (start, stop) in _own_parts(step, first, last):
+        o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
+        own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
+    out, _ = merge_with_own(out, lse, own, own_lse)
     return out.to(q.dtype)
 
 

@@ -445,13 +445,13 @@ class GroupRunner:
         deals them, captured at once: each rank computes its own chunk
         (`StepContext.round`), so the per-position work divides too. Only
         where every claimed operator's pass runs rounds (`capture_rounds`),
-        no key padding makes the attention more than causal, the loss draws
-        no random numbers (the replays restore each chunk's generator state,
-        recorded where every rank runs every chunk) and no attention output
-        is kept on the host (its owner keeps it where every rank computed
-        it); the chunks after the last whole round are captured by every rank."""
+        the loss draws no random numbers (the replays restore each chunk's
+        generator state, recorded where every rank runs every chunk) and no
+        attention output is kept on the host (its owner keeps it where
+        every rank computed it); the chunks after the last whole round are
+        captured by every rank."""
         passes = self.part.claims.values()
-        if self.random or self.key_padding or state.attention_outputs is not None or not all(p.capture_rounds for p in passes):
+        if self.random or state.attention_outputs is not None or not all(p.capture_rounds for p in passes):
             return [], chunks
         shard = state.shard
         world = len(shard.chunks)

@@ -206,11 +206,12 @@ def attention_step(
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
     if ctx.round is not None:
-        # a capture round: every rank attends its own chunk, and a positions-only mask can be causal
-        # over one rank's chunk and not another's, so the ranks decide together
+        # a capture round: every rank attends its own chunk, and a mask can be one run of keys over one
+        # rank's chunk and not over another's, so the ranks decide together
+        keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()
         if masked:
-            raise_together(None if mask is None else _not_one_run(ctx, k_slot), ctx.state.shard.group, q.device)
-        return round_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale)
+            raise_together(None if keys is not None else _not_one_run(ctx, k_slot), ctx.state.shard.group, q.device)
+        return round_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale, *keys)
     if ctx.state.shard is not None:
         keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()
         if keys is None:
