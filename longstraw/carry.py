@@ -211,7 +211,7 @@ def _round_forward(
     mine = None
     for j, (offset, length) in enumerate(round_.chunks):
         out, carry = kernel.forward(carry, *[x if g is None else g[j] for x, g in zip(inputs, gathered)])
-        StepContext(step.state, offset, length, step.grad_enabled).carry_out(slot, carry)
+        step.state.keep_carry(slot, offset + length, carry)  # what `carry_out` keeps in a capture
         if j == round_.index:
             mine = out, carry
     return mine

@@ -315,10 +315,9 @@ class _ShardedCausalAttention(torch.autograd.Function):
 
 def gather_round(t: torch.Tensor, dim: int, round_: CaptureRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's `t` (its chunk of the round along `dim`), in position order."""
-    longest = max(n for _, n in round_.chunks)
-    if t.shape[dim] < longest:
+    if t.shape[dim] < round_.longest:
         pad = list(t.shape)
-        pad[dim] = longest - t.shape[dim]
+        pad[dim] = round_.longest - t.shape[dim]
         t = torch.cat([t, t.new_zeros(pad)], dim)
     t = t.contiguous()
     gathered = [torch.empty_like(t) for _ in round_.chunks]
@@ -342,16 +341,11 @@ def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torc
     span = torch.tensor([first, last], device=q.device)
     spans = [torch.empty_like(span) for _ in round_.chunks]
     dist.all_gather(spans, span, group=shard.group)
-    longest = max(n for _, n in round_.chunks)
     outs, lses = [], []
     for query, rank in zip(queries, round_.owners):
-        out = torch.zeros(*query.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
-        lse = torch.full(query.shape[:-1], float("-inf"), dtype=compute, device=q.device)
         begin, end = shard.local_range(int(spans[rank][0]), min(int(spans[rank][1]), round_.start))
-        if begin < end:
-            shard_k, shard_v = keys.read(step, begin, end)
-            out, lse = (t.to(compute) for t in kernel.forward(query, shard_k, shard_v, None, scale, end - begin))
-        pad = longest - query.shape[-2]
+        out, lse = _partial_over_share(step, kernel, query, v, keys, scale, begin, end)
+        pad = round_.longest - query.shape[-2]
         outs.append(torch.nn.functional.pad(out, (0, 0, 0, pad)))
         lses.append(torch.nn.functional.pad(lse, (0, pad), value=float("-inf")))
     out, lse = merge_partials(torch.cat(outs), torch.cat(lses), shard.group)
@@ -362,11 +356,7 @@ def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torc
         before_k, before_v = (torch.cat(t[:mine], -2)[..., skip:, :] for t in (round_k, round_v))
         part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
         out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
-    own, own_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
-    for rows, q_start, (start, stop) in _own_parts(step, first, last):
-        o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
-        own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
-    out, _ = merge_with_own(out, lse, own, own_lse)
+    out, _ = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
     return out.to(q.dtype)
 
 
@@ -376,20 +366,40 @@ def _merged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_ShardedCausalAttention`'s output and log-sum-exp: the shards'
     partials merged across the ranks, then with the step's own keys."""
+    out, lse = _partial_over_share(step, kernel, q, v, keys, scale, *_shard_range(step, first, last))
+    out, lse = merge_partials(out, lse, step.state.shard.group)
+    out, total = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
+    return out.to(q.dtype), total
+
+
+def _partial_over_share(
+    step: StepContext, kernel: AttentionKernel, q: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
+    scale: float | None, begin: int, end: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and log-sum-exp (compute dtype) of `q` over this rank's
+    buffer indices `[begin, end)`, all before the queries; an empty range
+    gives 0 and -inf, weight 0 in a merge."""
     compute = compute_dtype(q)
-    begin, end = _shard_range(step, first, last)
-    empty = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
-    out, lse = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device), empty
-    if begin < end:
-        shard_k, shard_v = keys.read(step, begin, end)
-        out, lse = kernel.forward(q, shard_k, shard_v, None, scale, end - begin)
-    out, lse = merge_partials(out.to(compute), lse.to(compute), step.state.shard.group)
-    own, own_lse = torch.zeros_like(out), empty.clone()
+    if begin >= end:
+        return (torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device),
+                torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device))
+    shard_k, shard_v = keys.read(step, begin, end)
+    return tuple(t.to(compute) for t in kernel.forward(q, shard_k, shard_v, None, scale, end - begin))
+
+
+def _own_partial(
+    step: StepContext, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float | None, first: int, last: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and log-sum-exp (compute dtype) of the step's queries over its
+    own keys in `[first, last)` (`_own_parts`); rows that see none give 0 and -inf."""
+    compute = compute_dtype(q)
+    own = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=compute, device=q.device)
+    own_lse = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
     for rows, q_start, (start, stop) in _own_parts(step, first, last):
         o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
         own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
-    out, total = merge_with_own(out, lse, own, own_lse)
-    return out.to(q.dtype), total
+    return own, own_lse
 
 
 def merge_with_own(

@@ -205,6 +205,13 @@ class GroupRunner:
         parallelism compares between ranks besides the inputs and options."""
         return graph_fingerprint(self.part.graph)
 
+    @functools.cached_property
+    def _replica_inputs(self) -> tuple[list[str], list[bool]]:
+        """What `check_replicated` needs of the inputs besides their values,
+        fixed for a plan: their names, and which are data (not parameters)."""
+        return ([argument_name(p) for p in self.part.placeholders],
+                [p not in self.part.params for p in self.part.placeholders])
+
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
         return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
 
@@ -330,15 +337,14 @@ class GroupRunner:
     @torch.no_grad()
     def forward(self, inputs: Sequence[Any], backward: bool = True) -> tuple[list[torch.Tensor], CallState]:
         if self.options.context_parallel is not None:
-            names = [argument_name(p) for p in self.part.placeholders]
             generators = []
             if self.random:
                 probe = next(v for v in inputs if isinstance(v, torch.Tensor))
                 generators.append(torch.get_rng_state())
                 if probe.device.type == "cuda":
                     generators.append(torch.cuda.get_rng_state(probe.device))
-            data = [p not in self.part.params for p in self.part.placeholders]
-            check_replicated(inputs, names, data, self.fingerprint, self.options, self.options.context_parallel, generators)
+            check_replicated(inputs, *self._replica_inputs, self.fingerprint, self.options, self.options.context_parallel,
+                             generators)
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.groups(values)
         self.check_shared_values(values, groups)

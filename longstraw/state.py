@@ -438,6 +438,11 @@ class CaptureRound:
         """The round's first position."""
         return self.chunks[0][0]
 
+    @property
+    def longest(self) -> int:
+        """The longest chunk's length: what the round's gathers pad to."""
+        return max(n for _, n in self.chunks)
+
 
 @dataclasses.dataclass
 class StepContext:
