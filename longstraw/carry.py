@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Callable, Hashable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .context_parallel import gather_round
 from .errors import LongStrawError
@@ -160,7 +161,7 @@ class CarryStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
         if step.round is not None:
-            out, new_carry = _round_forward(step, slot, kernel, inputs)
+            out, new_carry, ctx.round_saved = _round_forward(step, slot, kernel, inputs)
         else:
             out, new_carry = kernel.forward(step.carry_in(slot), *inputs)
             step.carry_out(slot, new_carry)
@@ -178,8 +179,9 @@ class CarryStep(torch.autograd.Function):
         step: StepContext = ctx.step
         kernel: CarryKernel = ctx.kernel
         inputs = ctx.saved_tensors
-        carry = step.carry_in(ctx.slot)
-        wanted = [step.state.carry_grads is not None and step.offset > 0] + list(ctx.needs_input_grad[3:])
+        start = step.offset if step.round is None else step.round.start
+        carry = step.state.carry_at(ctx.slot, start) if step.round is not None else step.carry_in(ctx.slot)
+        wanted = [step.state.carry_grads is not None and start > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
         span_grads, span = recompute_grads, None
         if _SHAPE_ONLY_SPANS and not has_values(carry) and kernel.graph_key is not None:
@@ -188,33 +190,70 @@ class CarryStep(torch.autograd.Function):
             span_grads, span = _direct_grads(kernel.grads), kernel.span
         elif graphs is not None and kernel.graph_key is not None and has_values(carry):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
-        grads = _spanwise_grads(
-            kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
-        )
+        if step.round is not None:
+            grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, *ctx.round_saved)
+        else:
+            grads = _spanwise_grads(
+                kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
+            )
         step.accumulate_carry_grad(ctx.slot, grads[0])
         return (None, None, None, *grads[1:])
 
 
 def _round_forward(
     step: StepContext, slot: int, kernel: CarryKernel, inputs: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A carried operator in a capture round (context parallelism): the
-    round's inputs are gathered and every rank runs the operator over every
-    chunk of the round from the carry at its start, keeping each chunk's
-    carry as the capture would, and returns its own chunk's output and
-    carry. The carry passes from chunk to chunk without leaving the rank,
-    at the price of running the operator W times; what feeds it (the
-    projections around it) is computed once, by the chunk's rank."""
+) -> tuple[torch.Tensor, torch.Tensor, tuple[list[torch.Tensor], list[list[torch.Tensor] | None]] | None]:
+    """A carried operator in a round (context parallelism): the round's
+    inputs are gathered and every rank runs the operator over every chunk
+    of the round from the carry at its start, keeping each chunk's carry
+    as the capture would, and returns its own chunk's output and carry.
+    The carry passes from chunk to chunk without leaving the rank, at the
+    price of running the operator W times; what feeds it (the projections
+    around it) is computed once, by the chunk's rank. Under autograd (the
+    reverse pass) also what `_round_grads` needs: the carry at each chunk's
+    start and the gathered inputs."""
     round_, group = step.round, step.state.shard.group
     gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
-    carry = step.state.carry_at(slot, round_.start)
+    carries = [step.state.carry_at(slot, round_.start)]
     mine = None
     for j, (offset, length) in enumerate(round_.chunks):
-        out, carry = kernel.forward(carry, *[x if g is None else g[j] for x, g in zip(inputs, gathered)])
-        step.state.keep_carry(slot, offset + length, carry)  # what `carry_out` keeps in a capture
+        out, carry = kernel.forward(carries[-1], *[x if g is None else g[j] for x, g in zip(inputs, gathered)])
+        if not step.grad_enabled:
+            step.state.keep_carry(slot, offset + length, carry)  # what `carry_out` keeps in a capture
+        carries.append(carry)
         if j == round_.index:
             mine = out, carry
-    return mine
+    return *mine, (carries[:-1], gathered) if step.grad_enabled else None
+
+
+def _round_grads(
+    step: StepContext, kernel: CarryKernel, inputs: Sequence[torch.Tensor], grad_out: torch.Tensor,
+    grad_carry: torch.Tensor, wanted: list[bool], span_grads: Callable[..., list[torch.Tensor | None]],
+    span: int | None, carries: list[torch.Tensor], gathered: list[list[torch.Tensor] | None],
+) -> list[torch.Tensor | None]:
+    """`_spanwise_grads` of this rank's chunk of a round: the output and
+    carry gradients of every chunk are gathered, and every rank walks the
+    round's chunks last to first as the forward ran them, passing the
+    carry's gradient back through each; it keeps its own chunk's input
+    gradients (a weight's too: the other chunks' parts are theirs, summed
+    over the ranks with the parameters) and returns the gradient of the
+    carry at the round's start, the same on every rank."""
+    round_, group = step.round, step.state.shard.group
+    outs = gather_round(grad_out, kernel.token_dims[0], round_, group)
+    ends = [torch.empty_like(grad_carry) for _ in round_.chunks]
+    dist.all_gather(ends, grad_carry.contiguous(), group=group)
+    d_carry, mine = None, [None] * len(inputs)
+    for j in reversed(range(len(round_.chunks))):
+        end = ends[round_.owners[j]] if d_carry is None else ends[round_.owners[j]] + d_carry
+        want = [j > 0 or wanted[0], *(w and j == round_.index for w in wanted[1:])]
+        if not any(want):
+            continue
+        chunk = [x if g is None else g[j] for x, g in zip(inputs, gathered)]
+        got = _spanwise_grads(kernel.forward, kernel.token_dims, carries[j], chunk, outs[j], end, want, span_grads, span)
+        d_carry = got[0]
+        if j == round_.index:
+            mine = got[1:]
+    return [d_carry if wanted[0] else None, *mine]
 
 
 ShapeOnlySpans = Callable[..., list[torch.Tensor | None]]

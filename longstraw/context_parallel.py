@@ -31,9 +31,10 @@ replicated), which divides its per-position work too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
 from longstraw.options import Options
-from longstraw.state import CaptureRound, StepContext
+from longstraw.state import ChunkRound, StepContext
 
 
 def sharded_attention(
@@ -299,21 +300,11 @@ class _ShardedCausalAttention(torch.autograd.Function):
                 ctx.keys.accumulate(step, gk, gv, begin + start)
         dist.all_reduce(grad_q, group=step.state.shard.group)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for rows, q_start, (own_start, own_end) in _own_parts(step, first, last):
-            part = [t[..., rows, :].contiguous() for t in (q, grad_out, out)]
-            part_lse = lse[..., rows].contiguous()
-            own_k, own_v = k[..., own_start:own_end, :], v[..., own_start:own_end, :]
-            blocks = kernel.blocks(part[0], 0) if q_start == 0 else kernel.earlier_blocks(part[0], q_start)
-            for start, length in blocks:
-                gq, gk, gv = kernel.backward(part[1], part[0], own_k.narrow(-2, start, length),
-                                             own_v.narrow(-2, start, length), part[2], part_lse, None, scale, q_start, start)
-                grad_q[..., rows, :] += gq
-                grad_k[..., own_start + start:own_start + start + length, :] += gk
-                grad_v[..., own_start + start:own_start + start + length, :] += gv
+        _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, first, last, grad_q, grad_k, grad_v)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
-def gather_round(t: torch.Tensor, dim: int, round_: CaptureRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def gather_round(t: torch.Tensor, dim: int, round_: ChunkRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's `t` (its chunk of the round along `dim`), in position order."""
     if t.shape[dim] < round_.longest:
         pad = list(t.shape)
@@ -327,23 +318,91 @@ def gather_round(t: torch.Tensor, dim: int, round_: CaptureRound, group: dist.Pr
 
 def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
                     scale: float | None, first: int, last: int) -> torch.Tensor:
-    """Causal attention of this rank's chunk of a capture round over the
-    keys `[first, last)` alone (`sharded_causal_attention`'s; no autograd:
-    the capture's). The round's queries, keys, values and key intervals
-    are gathered; each rank attends every chunk's queries over its own
-    share of the positions before the round, and those partials are merged
-    across the ranks by log-sum-exp; each rank then adds its own queries'
-    partial over the round's keys before them and over its own (causal)."""
+    """Causal attention of this rank's chunk of a round (the capture's, or
+    the reverse pass's under autograd) over the keys `[first, last)` alone
+    (`sharded_causal_attention`'s). The round's queries, keys, values and
+    key intervals are gathered; each rank attends every chunk's queries
+    over its own share of the positions before the round, and those
+    partials are merged across the ranks by log-sum-exp; each rank then
+    adds its own queries' partial over the round's keys before them and
+    over its own (causal). Backward (`_RoundAttention`): the keys stay,
+    the queries travel."""
+    return _RoundAttention.apply(step, q, k, v, keys, scale, first, last)
+
+
+class _RoundAttention(torch.autograd.Function):
+    """Forward: `_round_merged`. Backward: the round's queries, output
+    gradients, outputs and log-sum-exps are gathered, and each rank
+    differentiates every chunk's queries against the keys it holds: its
+    share before the round (dK/dV into its d(state)) and its own chunk
+    (those of the later chunks of the round, and its own queries causally;
+    dK/dV to its chunk's keys). The partial dQs of every chunk are summed
+    over the ranks, and each keeps its own chunk's."""
+
+    @staticmethod
+    def forward(ctx, step, q, k, v, keys, scale, first, last):
+        kernel = kernel_for(q, None)
+        round_, group = step.round, step.state.shard.group
+        span = torch.tensor([first, last], device=q.device)
+        spans = [torch.empty_like(span) for _ in round_.chunks]
+        dist.all_gather(spans, span, group=group)
+        spans = [(int(spans[rank][0]), int(spans[rank][1])) for rank in round_.owners]  # per chunk, in position order
+        out, lse = _round_merged(step, kernel, q, k, v, keys, scale, spans)
+        ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.spans = step, keys, scale, kernel, spans
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step, kernel, scale, keys = ctx.step, ctx.kernel, ctx.scale, ctx.keys
+        q, k, v, out, lse = ctx.saved_tensors
+        shard, round_ = step.state.shard, step.round
+        mine, (offset, _) = round_.index, round_.chunks[round_.index]
+        grad_out = grad_out.contiguous()
+        d, dv = q.shape[-1], v.shape[-1]
+        rows = gather_round(torch.cat([q, grad_out, out], -1), -2, round_, shard.group)  # per chunk: [q | dO | out]
+        lses = gather_round(lse, -1, round_, shard.group)
+        grad_qs = torch.zeros(len(round_.chunks), *q.shape[:-2], round_.longest, d, dtype=compute_dtype(q), device=q.device)
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        for i, ((first, last), row, row_lse) in enumerate(zip(ctx.spans, rows, lses)):
+            qi, gi, oi = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + dv), (d + dv, d + 2 * dv)))
+            grad_qi = grad_qs[i].narrow(-2, 0, qi.shape[-2])
+            begin, end = shard.local_range(first, min(last, round_.start))
+            if begin < end:  # this rank's share before the round
+                share_k, share_v = keys.read(step, begin, end)
+                for start, length in kernel.earlier_blocks(qi, end - begin):
+                    gq, gk, gv = kernel.backward(gi, qi, share_k.narrow(-2, start, length), share_v.narrow(-2, start, length),
+                                                 oi, row_lse, None, scale, end - begin, start)
+                    grad_qi += gq
+                    keys.accumulate(step, gk, gv, begin + start)
+            skip = min(max(first - offset, 0), k.shape[-2])  # this rank's keys a left padding leaves out
+            if i > mine and skip < k.shape[-2]:  # a later chunk of the round: all of this rank's keys are before it
+                seen_k, seen_v = k[..., skip:, :], v[..., skip:, :]
+                for start, length in kernel.earlier_blocks(qi, seen_k.shape[-2]):
+                    gq, gk, gv = kernel.backward(gi, qi, seen_k.narrow(-2, start, length), seen_v.narrow(-2, start, length),
+                                                 oi, row_lse, None, scale, seen_k.shape[-2], start)
+                    grad_qi += gq
+                    grad_k.narrow(-2, skip + start, length).add_(gk)
+                    grad_v.narrow(-2, skip + start, length).add_(gv)
+        _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, *ctx.spans[mine], grad_qs[mine].narrow(-2, 0, q.shape[-2]),
+                      grad_k, grad_v)
+        dist.all_reduce(grad_qs, group=shard.group)
+        return None, grad_qs[mine].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
+
+
+def _round_merged(
+    step: StepContext, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
+    scale: float | None, spans: Sequence[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_RoundAttention`'s output (q's dtype) and log-sum-exp (compute
+    dtype), `spans` the key interval of each chunk of the round."""
     shard, round_ = step.state.shard, step.round
-    kernel, compute = kernel_for(q, None), compute_dtype(q)
+    compute = compute_dtype(q)
     queries = gather_round(q, -2, round_, shard.group)
     round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
-    span = torch.tensor([first, last], device=q.device)
-    spans = [torch.empty_like(span) for _ in round_.chunks]
-    dist.all_gather(spans, span, group=shard.group)
     outs, lses = [], []
-    for query, rank in zip(queries, round_.owners):
-        begin, end = shard.local_range(int(spans[rank][0]), min(int(spans[rank][1]), round_.start))
+    for query, (first, last) in zip(queries, spans):
+        begin, end = shard.local_range(first, min(last, round_.start))
         out, lse = _partial_over_share(step, kernel, query, v, keys, scale, begin, end)
         pad = round_.longest - query.shape[-2]
         outs.append(torch.nn.functional.pad(out, (0, 0, 0, pad)))
@@ -351,13 +410,14 @@ def round_attention(step: StepContext, q: torch.Tensor, k: torch.Tensor, v: torc
     out, lse = merge_partials(torch.cat(outs), torch.cat(lses), shard.group)
     n, mine = q.shape[-2], round_.index
     out, lse = out[mine:mine + 1, ..., :n, :], lse[mine:mine + 1, ..., :n]
+    first, last = spans[mine]
     skip = max(first - round_.start, 0)  # the round's keys before this chunk that the interval leaves out
     if step.offset - round_.start > skip:
         before_k, before_v = (torch.cat(t[:mine], -2)[..., skip:, :] for t in (round_k, round_v))
         part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
         out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
-    out, _ = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
-    return out.to(q.dtype)
+    out, total = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
+    return out.to(q.dtype), total
 
 
 def _merged(
@@ -400,6 +460,27 @@ def _own_partial(
         o, s = kernel.forward(q[..., rows, :], k[..., start:stop, :], v[..., start:stop, :], None, scale, q_start)
         own[..., rows, :], own_lse[..., rows] = o.to(compute), s.to(compute)
     return own, own_lse
+
+
+def _own_backward(
+    step: StepContext, kernel: AttentionKernel, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float | None, first: int, last: int,
+    grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
+) -> None:
+    """Add the gradients of the step's queries over its own keys in
+    `[first, last)` (`_own_parts`) into `grad_q`, `grad_k`, `grad_v`, from
+    the whole row's output and log-sum-exp."""
+    for rows, q_start, (own_start, own_end) in _own_parts(step, first, last):
+        part = [t[..., rows, :].contiguous() for t in (q, grad_out, out)]
+        part_lse = lse[..., rows].contiguous()
+        own_k, own_v = k[..., own_start:own_end, :], v[..., own_start:own_end, :]
+        blocks = kernel.blocks(part[0], 0) if q_start == 0 else kernel.earlier_blocks(part[0], q_start)
+        for start, length in blocks:
+            gq, gk, gv = kernel.backward(part[1], part[0], own_k.narrow(-2, start, length),
+                                         own_v.narrow(-2, start, length), part[2], part_lse, None, scale, q_start, start)
+            grad_q[..., rows, :] += gq
+            grad_k[..., own_start + start:own_start + start + length, :] += gk
+            grad_v[..., own_start + start:own_start + start + length, :] += gv
 
 
 def merge_with_own(
@@ -497,6 +578,33 @@ def raise_together(error: Exception | None, group: dist.ProcessGroup | None, dev
     if rank != source:
         sent[0].add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
     raise sent[0]
+
+
+@contextlib.contextmanager
+def summed_over_ranks(leaves: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Gradients that each rank computes a part of inside this block (the
+    reverse pass's rounds: each rank differentiates its own chunk) are
+    summed over the group at its end; what the leaves' `.grad` held before
+    it (the branches, every chunk every rank replays: the same on every
+    rank) is counted once, the first rank's. The other ranks drop it on
+    entry rather than keep a second copy of every gradient: each parameter
+    gradient is reduced exactly once."""
+    if not leaves:
+        yield
+        return
+    if dist.get_rank(group) != 0:
+        for leaf in leaves:
+            leaf.grad = None
+    yield
+    held = torch.tensor([leaf.grad is not None for leaf in leaves], dtype=torch.int32, device=leaves[0].device)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    for leaf, some in zip(leaves, held.tolist()):
+        if not some:
+            continue
+        grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+        sent = grad if grad.is_contiguous() else grad.contiguous()
+        dist.all_reduce(sent, group=group)
+        leaf.grad = sent
 
 
 def replicate_from_first(tensors: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:

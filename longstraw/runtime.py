@@ -34,11 +34,13 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
-from .context_parallel import PromptShard, check_replicated, graph_fingerprint, raise_together, replicate_from_first
+from .context_parallel import (
+    PromptShard, check_replicated, graph_fingerprint, raise_together, replicate_from_first, summed_over_ranks,
+)
 from .partition import Partition
 from .recompute import LayerwiseStep
 from .stages import Stage
-from .state import CaptureRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
+from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -423,7 +425,7 @@ class GroupRunner:
                             active=stage.active if len(self.stages) > 1 else None,
                             shard=None if cp is None else PromptShard.of(cp, chunks))
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
-        rounds, rest = ([], chunks) if cp is None else self._capture_rounds(state, chunks)
+        rounds, rest = ([], chunks) if cp is None else self._rounds(state, chunks)
         for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "prompt capture")):
             with _noting(f"{what} [{offset}, {offset + length}) (a capture round)"):
                 ctx = StepContext(state, offset, length, grad_enabled=False, round=round_)
@@ -443,21 +445,21 @@ class GroupRunner:
         self._raise(failure, device)
         return state
 
-    def _capture_rounds(
+    def _rounds(
         self, state: PromptState, chunks: Sequence[tuple[int, int]]
-    ) -> tuple[list[CaptureRound], Sequence[tuple[int, int]]]:
-        """Context parallelism's capture rounds, and the chunks after them.
-        A round is W consecutive chunks, one per rank as `assign_chunks`
-        deals them, captured at once: each rank computes its own chunk
-        (`StepContext.round`), so the per-position work divides too. Only
-        where every claimed operator's pass runs rounds (`capture_rounds`),
-        the loss draws no random numbers (the replays restore each chunk's
-        generator state, recorded where every rank runs every chunk) and no
-        attention output is kept on the host (its owner keeps it where
-        every rank computed it); the chunks after the last whole round are
-        captured by every rank."""
+    ) -> tuple[list[ChunkRound], Sequence[tuple[int, int]]]:
+        """Context parallelism's rounds, and the chunks after them. A round
+        is W consecutive chunks, one per rank as `assign_chunks` deals
+        them, run at once by the capture and the reverse pass: each rank
+        computes its own chunk (`StepContext.round`), so the per-position
+        work divides too. Only where every claimed operator's pass runs
+        rounds (`runs_rounds`), the loss draws no random numbers (the
+        replays restore each chunk's generator state, recorded where every
+        rank runs every chunk) and no attention output is kept on the host
+        (its owner keeps it where every rank computed it); the chunks after
+        the last whole round run on every rank."""
         passes = self.part.claims.values()
-        if self.random or state.attention_outputs is not None or not all(p.capture_rounds for p in passes):
+        if self.random or state.attention_outputs is not None or not all(p.runs_rounds for p in passes):
             return [], chunks
         shard = state.shard
         world = len(shard.chunks)
@@ -466,7 +468,7 @@ class GroupRunner:
         for first in range(0, whole, world):
             block = tuple(chunks[first:first + world])
             owners = tuple(shard.owner(offset) for offset, _ in block)
-            rounds.append(CaptureRound(block, owners, owners.index(shard.rank)))
+            rounds.append(ChunkRound(block, owners, owners.index(shard.rank)))
         return rounds, chunks[whole:]
 
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
@@ -554,7 +556,9 @@ class GroupRunner:
                     ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len, group_call.handed[row]))
                 self._accumulate(leaves, outs, slices)
         if exact:
-            for offset, length in self._walk(self._chunks(prefix_len)[::-1], "reverse pass"):
+            chunks = self._chunks(prefix_len)
+            rounds, rest = ([], chunks) if state.shard is None else self._rounds(state, chunks)
+            for offset, length in self._walk(rest[::-1], "reverse pass"):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
                 if state.attention_outputs is not None:
                     state.attention_outputs.prefetch(offset)
@@ -566,9 +570,30 @@ class GroupRunner:
                     self._accumulate(leaves, outs, seeds)
                 if state.attention_outputs is not None:
                     state.attention_outputs.drop(offset)
+            if rounds:
+                self._reverse_rounds(state, rounds[::-1], group_call, inputs, values, leaves)
         self._raise(state.failure, call.device)
         state.release()
         group_call.state = None
+
+    def _reverse_rounds(
+        self, state: PromptState, rounds: Sequence[ChunkRound], group_call: GroupCall, inputs: list[Any],
+        values: dict, leaves: list[torch.Tensor],
+    ) -> None:
+        """Context parallelism's reverse pass by rounds, last to first: each
+        rank recomputes and differentiates only its own chunk of a round
+        (`StepContext.round`: the attention's and carries' backward meet in
+        collectives), seeded by its own d(state). The parameter gradients
+        are then each rank's part, summed over the group once at the end
+        (`summed_over_ranks`)."""
+        stage, row = self.stages[-1], group_call.group.rows[0]
+        with summed_over_ranks(leaves, state.shard.group):
+            for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "reverse pass")):
+                where = f"in the reverse pass over prompt chunk [{offset}, {offset + length}) (a round)"
+                with self._replaying(group_call, ("chunk", offset), where):
+                    ctx = StepContext(state, offset, length, grad_enabled=True, round=round_)
+                    outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, row, offset, length))
+                    self._accumulate(leaves, outs, [state.round_seed(slot, round_) for slot in stage.slots])
 
     @contextlib.contextmanager
     def _replaying(self, call: GroupCall, key: tuple[str, int], where: str) -> Iterator[None]:

@@ -155,12 +155,27 @@ class PromptState:
         produced. A carry's gradient is handed over once: the reverse pass
         reaches each chunk once, and keeping them all would grow with P.
         Under context parallelism every rank replays the chunk: its owner
-        broadcasts the chunk's d(state)."""
+        broadcasts the chunk's d(state) (in a round only the owner replays
+        it: `round_seed`)."""
         if slot.kind == SlotKind.CARRY:
             return self.carry_grads[slot.index].pop(offset + length, None)
         if self.shard is None:
             return self.grads[slot.index].narrow(slot.token_dim, offset, length)
         return self.shard.broadcast_chunk(self.grads[slot.index], slot.token_dim, offset, length)
+
+    def round_seed(self, slot: StateSlot, round_: ChunkRound) -> torch.Tensor | None:
+        """`seed` for this rank's chunk of a reverse-pass round: its d(state)
+        is its own; the carry's gradient at the round's end (every rank has
+        it) seeds the last chunk's carry, and zeros the others' (theirs
+        pass on inside the round, `carry._round_grads`): a seed on one rank
+        and none on another would run the carried operator's backward, and
+        its collectives, on one rank alone (a last layer's carry that
+        nothing in the step reads)."""
+        offset, length = round_.chunks[round_.index]
+        if slot.kind == SlotKind.CARRY:
+            last = self.carry_grads[slot.index].pop(round_.chunks[-1][0] + round_.chunks[-1][1], None)
+            return last if last is None or round_.index == len(round_.chunks) - 1 else torch.zeros_like(last)
+        return self.grads[slot.index].narrow(slot.token_dim, self.shard.held_before(offset), length)
 
     def unwritten(self) -> StateSlot | None:
         """`Options.verify_state`: a slot with a prompt position the capture never wrote."""
@@ -424,10 +439,11 @@ def host_memory() -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class CaptureRound:
-    """Under context parallelism, prompt chunks the ranks capture at once,
-    one each: `chunks` (offset, length) in position order, one run of
-    positions; `owners` the rank of each; `index` this rank's."""
+class ChunkRound:
+    """Under context parallelism, prompt chunks the ranks run at once, one
+    each, in the capture and in the reverse pass: `chunks` (offset,
+    length) in position order, one run of positions; `owners` the rank of
+    each; `index` this rank's."""
 
     chunks: tuple[tuple[int, int], ...]
     owners: tuple[int, ...]
@@ -454,7 +470,7 @@ class StepContext:
     offset: int
     length: int
     grad_enabled: bool
-    round: CaptureRound | None = None
+    round: ChunkRound | None = None
 
     # sequence slots
 
@@ -538,14 +554,16 @@ class StepContext:
             self.state.keep_carry(slot, end, value)
 
     def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
-        """Add the gradient of the carry this step started from. Kept as a
-        copy, like the carry: it is often a slice of the gradient of a
-        chunk-sized tensor (a conv tail's, of `cat([tail, x])`)."""
+        """Add the gradient of the carry this step started from (in a round,
+        the round's: `carry._round_grads`). Kept as a copy, like the carry:
+        it is often a slice of the gradient of a chunk-sized tensor (a conv
+        tail's, of `cat([tail, x])`)."""
         grads = self.state.carry_grads
-        if grads is None or grad is None or self.offset == 0:
+        start = self.offset if self.round is None else self.round.start
+        if grads is None or grad is None or start == 0:
             return
         at = grads[slot]
-        at[self.offset] = grad.clone() if self.offset not in at else at[self.offset] + grad
+        at[start] = grad.clone() if start not in at else at[start] + grad
 
 
 def boundaries_on_host(device: torch.device) -> bool:

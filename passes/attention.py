@@ -35,7 +35,7 @@ from .sparse_index import claims_selection
 
 class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
-    capture_rounds = True
+    runs_rounds = True
 
     def claims(self, node: fx.Node) -> bool:
         # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved

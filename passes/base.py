@@ -73,10 +73,12 @@ class ArchitecturePass:
     """
 
     name = "pass"
-    capture_rounds = False
-    """Whether this pass's steps run context parallelism's capture rounds
-    (`StepContext.round`: the ranks capture one chunk each at once); a
-    plan with any other pass captures every chunk on every rank."""
+    runs_rounds = False
+    """Whether this pass's steps run context parallelism's rounds
+    (`StepContext.round`: the ranks capture, and in the reverse pass
+    recompute and differentiate, one chunk each at once, meeting in
+    collectives); a plan with any other pass runs every chunk on every
+    rank."""
 
     def claims(self, node: fx.Node) -> bool:
         """Whether this pass handles `node` (an operator mixing positions)."""
@@ -158,7 +160,7 @@ class CarryPass(ArchitecturePass):
     sequence: tuple[int, int] = (0, 1)
     batch_dim: int = 0
     returns_state: bool = False
-    capture_rounds = True
+    runs_rounds = True
 
     def claims(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target is self.op

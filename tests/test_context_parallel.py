@@ -239,14 +239,24 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     from longstraw import runtime
 
     rounds = []  # per capture: (capture rounds, chunks every rank captured after them)
-    capture_rounds = runtime.GroupRunner._capture_rounds
+    capture_rounds = runtime.GroupRunner._rounds
 
     def counting_rounds(self, state, chunks):
         found, rest = capture_rounds(self, state, chunks)
         rounds.append((len(found), len(rest)))
         return found, rest
 
-    runtime.GroupRunner._capture_rounds = counting_rounds
+    runtime.GroupRunner._rounds = counting_rounds
+    round_steps = []  # (under autograd, offset) of each step run as this rank's chunk of a round
+    step_context = runtime.StepContext
+
+    def recording_steps(*args, **kwargs):
+        ctx = step_context(*args, **kwargs)
+        if ctx.round is not None:
+            round_steps.append((ctx.grad_enabled, ctx.offset))
+        return ctx
+
+    runtime.StepContext = recording_steps
     state_module.PromptState.__init__ = recording
     state_module.PromptState.allocate_grads = recording_grads
     context_parallel.merge_partials = counting
@@ -259,6 +269,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         merges.clear()
         kept.clear()
         rounds.clear()
+        round_steps.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
@@ -267,6 +278,8 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         res[case.name + " merges"] = len(merges)
         res[case.name + " kept"] = len(kept)
         res[case.name + " rounds"] = set(rounds)
+        res[case.name + " round steps"] = tuple({offset for grad, offset in round_steps if grad == reverse}
+                                                for reverse in (False, True))
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -367,6 +380,10 @@ def test_step_matches_one_process(world, tmp_path):
         expected = whole if case.model in ROUND_MODELS and not case.host else (0, chunks)
         for rank in range(world):
             assert results[rank][case.name + " rounds"] == {expected}, (case.name, results[rank][case.name + " rounds"])
+            # exact mode's reverse pass runs the same rounds: each rank recomputes and differentiates its own chunks
+            captured, reversed_ = results[rank][case.name + " round steps"]
+            assert len(captured) == expected[0], (case.name, captured)
+            assert reversed_ == (captured if case.mode == "exact" else set()), (case.name, rank, captured, reversed_)
         if case.host and not case.layerwise:  # the reverse pass read the capture's outputs: fewer merges
             without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
             for rank in range(world):
