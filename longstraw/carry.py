@@ -161,7 +161,7 @@ class CarryStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
         if step.round is not None:
-            out, new_carry, ctx.round_saved = _round_forward(step, slot, kernel, inputs)
+            out, new_carry, ctx.round_carries = _round_forward(step, slot, kernel, inputs)
         else:
             out, new_carry = kernel.forward(step.carry_in(slot), *inputs)
             step.carry_out(slot, new_carry)
@@ -191,7 +191,7 @@ class CarryStep(torch.autograd.Function):
         elif graphs is not None and kernel.graph_key is not None and has_values(carry):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
         if step.round is not None:
-            grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, *ctx.round_saved)
+            grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, ctx.round_carries)
         else:
             grads = _spanwise_grads(
                 kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
@@ -202,7 +202,7 @@ class CarryStep(torch.autograd.Function):
 
 def _round_forward(
     step: StepContext, slot: int, kernel: CarryKernel, inputs: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, tuple[list[torch.Tensor], list[list[torch.Tensor] | None]] | None]:
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
     """A carried operator in a round (context parallelism): the round's
     inputs are gathered and every rank runs the operator over every chunk
     of the round from the carry at its start, keeping each chunk's carry
@@ -210,8 +210,7 @@ def _round_forward(
     The carry passes from chunk to chunk without leaving the rank, at the
     price of running the operator W times; what feeds it (the projections
     around it) is computed once, by the chunk's rank. Under autograd (the
-    reverse pass) also what `_round_grads` needs: the carry at each chunk's
-    start and the gathered inputs."""
+    reverse pass) also the carry at each chunk's start, for `_round_grads`."""
     round_, group = step.round, step.state.shard.group
     gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
     carries = [step.state.carry_at(slot, round_.start)]
@@ -223,15 +222,17 @@ def _round_forward(
         carries.append(carry)
         if j == round_.index:
             mine = out, carry
-    return *mine, (carries[:-1], gathered) if step.grad_enabled else None
+    return *mine, carries[:-1] if step.grad_enabled else None
 
 
 def _round_grads(
     step: StepContext, kernel: CarryKernel, inputs: Sequence[torch.Tensor], grad_out: torch.Tensor,
     grad_carry: torch.Tensor, wanted: list[bool], span_grads: Callable[..., list[torch.Tensor | None]],
-    span: int | None, carries: list[torch.Tensor], gathered: list[list[torch.Tensor] | None],
+    span: int | None, carries: list[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    """`_spanwise_grads` of this rank's chunk of a round: the output and
+    """`_spanwise_grads` of this rank's chunk of a round: the inputs (again:
+    kept from the forward, W chunks' inputs of every carried layer would
+    stay through the whole chunk's backward), the output gradients and the
     carry gradients of every chunk are gathered, and every rank walks the
     round's chunks last to first as the forward ran them, passing the
     carry's gradient back through each; it keeps its own chunk's input
@@ -239,6 +240,7 @@ def _round_grads(
     over the ranks with the parameters) and returns the gradient of the
     carry at the round's start, the same on every rank."""
     round_, group = step.round, step.state.shard.group
+    gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
     outs = gather_round(grad_out, kernel.token_dims[0], round_, group)
     ends = [torch.empty_like(grad_carry) for _ in round_.chunks]
     dist.all_gather(ends, grad_carry.contiguous(), group=group)
