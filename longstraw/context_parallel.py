@@ -11,22 +11,20 @@ those of the whole row, so each rank's backward over its own keys gives the
 exact dK/dV of its shard (kept local) and its part of dQ (summed over the
 ranks, since q is replicated).
 
-The runtime (`Options.context_parallel`) runs every step on every rank of
-the group, on the same inputs: rank r keeps only its share of the prompt
-positions in the sequence slots' buffers (`PromptShard`), and each causal
-attention step (`sharded_causal_attention`) merges the partials over the
-shards of the positions before the step with its own causal keys, which
-every rank computed. Carries (recurrent state, convolution tails) are
-computed on every rank alike. So what autograd sees is the same on every
-rank and every rank ends with the whole gradient: none is reduced across
-the group. In exact mode d(state) is sharded like the state; the reverse
-pass broadcasts each prompt chunk's d(state) from its owner.
-
-The capture (no autograd) runs in rounds instead where it can
-(`GroupRunner._capture_rounds`): W consecutive chunks, one per rank, at
-once, each rank computing only its own (`round_attention`; carried
+The runtime (`Options.context_parallel`) keeps on rank r only its share of
+the prompt positions in the sequence slots' buffers (`PromptShard`). The
+capture and exact mode's reverse pass run in rounds where they can
+(`GroupRunner._rounds`): W consecutive chunks, one per rank, at once,
+each rank computing only its own (`round_attention`: partials over the
+shares merged by log-sum-exp, the queries travelling in backward; carried
 operators run over the whole round on every rank, so carries stay
-replicated), which divides its per-position work too.
+replicated), and the rounds' parameter gradients, each rank's part, are
+summed over the group once (`summed_over_ranks`). The branches, and the
+chunks outside rounds, run on every rank on the same inputs
+(`sharded_causal_attention` merges the partials over the shards of the
+positions before the step with its own causal keys); their gradients are
+the same on every rank and counted once. In exact mode d(state) is
+sharded like the state.
 """
 
 from __future__ import annotations
@@ -347,7 +345,7 @@ class _RoundAttention(torch.autograd.Function):
         spans = [torch.empty_like(span) for _ in round_.chunks]
         dist.all_gather(spans, span, group=group)
         spans = [(int(spans[rank][0]), int(spans[rank][1])) for rank in round_.owners]  # per chunk, in position order
-        out, lse = _round_merged(step, kernel, q, k, v, keys, scale, spans)
+        out, lse = _kept_in_round(step, keys.slot, lambda: _round_merged(step, kernel, q, k, v, keys, scale, spans))
         ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.spans = step, keys, scale, kernel, spans
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -511,16 +509,47 @@ def _kept_or_merged(
         owner = shard.owner(step.offset)
         stored = kept.get(slot, step.offset) if owner == shard.rank else None
         stored = _broadcast_pair(stored, q, v, owner, shard.group)
-        if step.state.verify and not all(torch.equal(a, b) for a, b in zip(stored, merged())):
-            step.state.failure = step.state.failure or LongStrawError(
-                f"verify_state: the reverse pass recomputed the attention of {step.state.slots[slot].label()} over "
-                f"positions [{step.offset}, {step.offset + step.length}) with other values than the capture kept "
-                "(attention_outputs_on_host): the step is not deterministic; turn the option off")
+        _verify_kept(step, slot, stored, merged)
         return stored
     out, lse = merged()
     if prompt_chunk and not step.grad_enabled:
         kept.keep(slot, step.offset, out, lse, owner=shard.owner(step.offset))
     return out, lse
+
+
+def _kept_in_round(
+    step: StepContext, slot: int, merged: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_kept_or_merged` for a round: each rank keeps its own chunk's
+    entry on its host, where the whole round's fit
+    (`HostAttentionOutputs.keep_round`), and reads it back in the reverse
+    pass, which then skips the attention's forward and its collectives on
+    every rank of the round alike. The round recomputes a chunk's partials
+    in the capture's order, so `verify_state` compares bit for bit."""
+    kept = step.state.attention_outputs
+    if kept is None:
+        return merged()
+    if step.grad_enabled and kept.has(slot, step.offset):
+        stored = kept.get(slot, step.offset)
+        _verify_kept(step, slot, stored, merged)
+        return stored
+    out, lse = merged()
+    if not step.grad_enabled:
+        kept.keep_round(slot, step.offset, out, lse)
+    return out, lse
+
+
+def _verify_kept(
+    step: StepContext, slot: int, stored: tuple[torch.Tensor, torch.Tensor],
+    merged: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """`Options.verify_state`: attend anyway and compare with the kept entry;
+    a difference is kept on the state and raised on every rank together."""
+    if step.state.verify and not all(torch.equal(a, b) for a, b in zip(stored, merged())):
+        step.state.failure = step.state.failure or LongStrawError(
+            f"verify_state: the reverse pass recomputed the attention of {step.state.slots[slot].label()} over "
+            f"positions [{step.offset}, {step.offset + step.length}) with other values than the capture kept "
+            "(attention_outputs_on_host): the step is not deterministic; turn the option off")
 
 
 def _broadcast_pair(

@@ -453,13 +453,12 @@ class GroupRunner:
         them, run at once by the capture and the reverse pass: each rank
         computes its own chunk (`StepContext.round`), so the per-position
         work divides too. Only where every claimed operator's pass runs
-        rounds (`runs_rounds`), the loss draws no random numbers (the
+        rounds (`runs_rounds`) and the loss draws no random numbers (the
         replays restore each chunk's generator state, recorded where every
-        rank runs every chunk) and no attention output is kept on the host
-        (its owner keeps it where every rank computed it); the chunks after
-        the last whole round run on every rank."""
+        rank runs every chunk); the chunks after the last whole round run
+        on every rank."""
         passes = self.part.claims.values()
-        if self.random or state.attention_outputs is not None or not all(p.runs_rounds for p in passes):
+        if self.random or not all(p.runs_rounds for p in passes):
             return [], chunks
         shard = state.shard
         world = len(shard.chunks)
@@ -590,10 +589,14 @@ class GroupRunner:
         with summed_over_ranks(leaves, state.shard.group):
             for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "reverse pass")):
                 where = f"in the reverse pass over prompt chunk [{offset}, {offset + length}) (a round)"
+                if state.attention_outputs is not None:
+                    state.attention_outputs.prefetch(offset)
                 with self._replaying(group_call, ("chunk", offset), where):
                     ctx = StepContext(state, offset, length, grad_enabled=True, round=round_)
                     outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, row, offset, length))
                     self._accumulate(leaves, outs, [state.round_seed(slot, round_) for slot in stage.slots])
+                if state.attention_outputs is not None:
+                    state.attention_outputs.drop(offset)
 
     @contextlib.contextmanager
     def _replaying(self, call: GroupCall, key: tuple[str, int], where: str) -> Iterator[None]:

@@ -218,7 +218,8 @@ class HostAttentionOutputs:
     Under context parallelism (`group`) the outputs are the same on every
     rank, so only the rank that holds a chunk keeps its entries; the others
     note that it did (`elsewhere`), and the reverse pass broadcasts them
-    from there (`context_parallel._kept_or_merged`)."""
+    from there (`context_parallel._kept_or_merged`). In a round only the
+    chunk's rank computes them, keeps them (`keep_round`) and reads them."""
 
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
         self.device = device
@@ -247,6 +248,15 @@ class HostAttentionOutputs:
             self.entries[slot, offset] = self.copier.to_host((out, lse))
         elif fits:
             self.elsewhere.add((slot, offset))
+
+    def keep_round(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Keep this rank's entry of a round (context parallelism), where
+        every rank of the round has room for its own: all or none, so that
+        the reverse pass's round reads them, or attends, on every rank alike."""
+        flag = torch.tensor([int(self._room_for((out, lse), offset))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if bool(flag):
+            self.entries[slot, offset] = self.copier.to_host((out, lse))
 
     def _room_for(self, tensors: tuple[torch.Tensor, ...], offset: int) -> bool:
         """Whether copying `tensors` leaves `HOST_RESERVE` of the host's memory available (warns once when not)."""

@@ -377,7 +377,7 @@ def test_step_matches_one_process(world, tmp_path):
         # the chunks after the last whole round run on every rank
         chunks = len(chunk_schedule(captured, 8))
         whole = (chunks // world, chunks % world)
-        expected = whole if case.model in ROUND_MODELS and not case.host else (0, chunks)
+        expected = whole if case.model in ROUND_MODELS else (0, chunks)
         for rank in range(world):
             assert results[rank][case.name + " rounds"] == {expected}, (case.name, results[rank][case.name + " rounds"])
             # exact mode's reverse pass runs the same rounds: each rank recomputes and differentiates its own chunks

@@ -165,7 +165,7 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json", "cp_bench_dense_d_h200.json", "cp_bench_dense_f_h200.json",
                           "cp_bench_dense_g_h200.json"],
                 "hybrid": ["cp_bench_hybrid_a_h200.json", "cp_bench_hybrid_b_h200.json", "cp_bench_hybrid_c_h200.json",
-                           "cp_bench_hybrid_d_h200.json"]}
+                           "cp_bench_hybrid_e_h200.json"]}
 
 
 @pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))
@@ -191,7 +191,6 @@ def test_predicted_per_rank_peak_matches_the_h200_context_parallel_runs(kind):
         for peak in run["peak_gb_per_rank"]:
             plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda", ranks=2)
             assert plan.ranks == 2
-            print(kind, run["mode"], run["P"], "measured", peak, "planned", plan.peak / 1e9)
             assert abs(plan.peak / 1e9 - peak) <= 0.1 * peak, (kind, run["mode"], run["P"], plan.table())
     largest = max(runs, key=lambda r: r["P"])
     one_process = report.plan(P=largest["P"], G=largest["G"], prompt_grad=largest["mode"], device="cuda", ranks=1)
