@@ -1,5 +1,5 @@
 """Context parallelism (issue 18): the prompt's per-position state sharded
-over ranks, everything else replicated.
+over ranks, and the work over its positions divided among them.
 
 `sharded_attention` is the building block: attention of replicated
 queries over keys and values sharded across ranks. Each rank computes the
