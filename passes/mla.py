@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import merge_partials, merge_with_own, shard_positions, sharded_causal_attention
+from longstraw.context_parallel import (
+    merge_partials, merge_with_own, round_attention, shard_positions, sharded_causal_attention,
+)
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
 from longstraw.kernels.attention import MATH, compute_dtype
@@ -226,6 +228,7 @@ class LatentAttentionPass(ArchitecturePass):
     """SDPA proved to be MLA; the latent and the rope key are the state."""
 
     name = "latent_attention"
+    runs_rounds = True  # `round_attention` over `LatentKeys`, the own keys `[latent | rope key]`
 
     def claims(self, node: fx.Node) -> bool:
         return mla_of(node) is not None
@@ -575,7 +578,8 @@ def absorbed_attention(
         n = query.shape[-2]
         own = torch.cat([latent.reshape(1, 1, n, rank), rope_key.reshape(1, 1, n, -1)], -1)
         keys = LatentKeys(latent_slot, rope_slot, rank)
-        out = sharded_causal_attention(ctx, query, own, own[..., :rank], keys, scale, 0, ctx.offset + n)
+        sharded = round_attention if ctx.round is not None else sharded_causal_attention  # a round: this rank's chunk
+        out = sharded(ctx, query, own, own[..., :rank], keys, scale, 0, ctx.offset + n)
     elif selected is None:
         out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
     elif ctx.state.shard is not None:
