@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import (
-    merge_partials, merge_with_own, round_attention, shard_positions, sharded_causal_attention,
+    gather_round, merge_partials, merge_with_own, round_attention, shard_positions, sharded_causal_attention,
 )
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
@@ -376,6 +376,92 @@ class _ShardedLatentOverSelection(torch.autograd.Function):
         return None, grad_q.transpose(0, 1)[None].to(query.dtype), grad_latent, grad_rope, None, None, None, None, None
 
 
+class _RoundLatentOverSelection(torch.autograd.Function):
+    """`_ShardedLatentOverSelection` for this rank's chunk of a round. The
+    keys a rank holds are its share before the round and its own chunk
+    (`_held_keys`), and every pick of the round's queries is in exactly one
+    rank's: the round's queries and picks are gathered, each rank attends
+    every chunk's queries over the picks it holds, and the W partials are
+    merged across the ranks, each keeping its chunk's. Backward the same way
+    round: the queries, output gradients, outputs and log-sum-exps are
+    gathered, each rank differentiates every chunk's picks among its keys
+    (the share's into d(state), its chunk's to its latent and rope key)
+    and the partial dQs are summed, each keeping its chunk's."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float,
+                positions, valid):
+        rank, n, round_ = latent.shape[-1], query.shape[-2], step.round
+        group = step.state.shard.group
+        keys = _held_keys(step, (latent_slot, rope_slot), rank, latent, rope_key)
+        picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
+        outs, lses = [], []
+        for q, chosen in zip(gather_round(query, -2, round_, group), picks):
+            out, lse = _selected_forward(q, keys, *_held_picks(step, chosen, keys.shape[0] - n), rank, scale)
+            outs.append(_pad_rows(out.transpose(0, 1), round_.longest, 0.0))  # [H, longest, r]
+            lses.append(_pad_rows(lse.transpose(0, 1), round_.longest, float("-inf")))
+        out, lse = merge_partials(torch.stack(outs), torch.stack(lses), group)
+        mine = round_.index
+        out, lse = out[mine, :, :n][None].to(query.dtype), lse[mine, :, :n].transpose(0, 1)  # [1, H, n, r], [n, H]
+        ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
+        ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step: StepContext = ctx.step
+        query, latent, rope_key, out, lse, positions, valid = ctx.saved_tensors
+        rank, n, round_, compute = latent.shape[-1], query.shape[-2], step.round, compute_dtype(query)
+        group = step.state.shard.group
+        keys = _held_keys(step, ctx.slots, rank, latent, rope_key)
+        picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
+        d, r = query.shape[-1], out.shape[-1]
+        rows = gather_round(torch.cat([query, grad_out.to(query.dtype), out], -1), -2, round_, group)
+        lses = gather_round(lse, 0, round_, group)
+        grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)
+        grad_qs = torch.zeros(len(round_.chunks), round_.longest, query.shape[1], d, dtype=compute, device=query.device)
+        for j, (row, row_lse, chosen) in enumerate(zip(rows, lses, picks)):
+            q, g, o = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + r), (d + r, d + 2 * r)))
+            index, held = _held_picks(step, chosen, keys.shape[0] - n)
+            grad_qs[j, :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse, grad_keys)
+        dist.all_reduce(grad_qs, group=group)
+        share = keys.shape[0] - n
+        if share > 0:  # this rank's positions before the round: their d(state)
+            LatentKeys(*ctx.slots, rank).accumulate(step, grad_keys[:share].to(keys.dtype)[None, None], None, 0)
+        grad_own = grad_keys[share:].to(latent.dtype)
+        grad_latent, grad_rope = grad_own[:, :rank].reshape(latent.shape), grad_own[:, rank:].reshape(rope_key.shape)
+        grad_q = grad_qs[round_.index, :n].transpose(0, 1)[None].to(query.dtype)
+        return None, grad_q, grad_latent, grad_rope, None, None, None, None, None
+
+
+def _held_keys(
+    step: StepContext, slots: tuple[int, int], rank: int, latent: torch.Tensor, rope_key: torch.Tensor
+) -> torch.Tensor:
+    """[m + n, r + dr]: this rank's keys `[latent | rope key]` in its share
+    before the round (m), then its own chunk's (n, under autograd)."""
+    share = LatentKeys(*slots, rank).read(step, 0, step.state.shard.held_before(step.round.start))[0][0, 0]
+    n = latent.reshape(-1, rank).shape[0]
+    return torch.cat([share, torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1).to(share.dtype)])
+
+
+def _held_picks(step: StepContext, picks: torch.Tensor, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into `_held_keys` of the picks (positions [n, k], -1: none)
+    this rank holds, and which those are."""
+    shard, round_ = step.state.shard, step.round
+    offset, length = round_.chunks[round_.index]
+    local, in_share = shard.to_local(picks.clamp(min=0))
+    in_share = in_share & (picks >= 0) & (picks < round_.start)
+    in_own = (picks >= offset) & (picks < offset + length)
+    return torch.where(in_share, local, torch.where(in_own, share + picks - offset, 0)), in_share | in_own
+
+
+def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """`t` [H, n, ...] padded with `fill` to `rows` positions (a round's shorter chunk, for its merge)."""
+    if t.shape[1] == rows:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], rows - t.shape[1], *t.shape[2:]), fill)], 1)
+
+
 def _shard_picks(
     step: StepContext, slots: tuple[int, int], rank: int, positions: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -582,6 +668,8 @@ def absorbed_attention(
         out = sharded(ctx, query, own, own[..., :rank], keys, scale, 0, ctx.offset + n)
     elif selected is None:
         out = _LatentOverState.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale)
+    elif ctx.round is not None:
+        out = _RoundLatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)
     elif ctx.state.shard is not None:
         out = _ShardedLatentOverSelection.apply(ctx, query, latent, rope_key, latent_slot, rope_slot, scale, *selected)
     else:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import shard_positions
+from longstraw.context_parallel import gather_round, shard_positions
 from longstraw.mask import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext, has_values
@@ -221,6 +221,7 @@ class SparseLatentAttentionPass(ArchitecturePass):
     """SDPA with a top-k selection mask: proved DSA over MLA, or refused."""
 
     name = "sparse_latent_attention"
+    runs_rounds = True  # `_round_topk`, then `mla._RoundLatentOverSelection`
 
     def claims(self, node: fx.Node) -> bool:
         return claims_selection(node)
@@ -297,6 +298,8 @@ def select_topk(
     o, n = ctx.offset, ctx.length
     heads = query.shape[-2]
     query, weights, own = query.reshape(n, heads, -1), weights.reshape(n, heads), own_keys.reshape(n, -1)
+    if ctx.round is not None:
+        return _round_topk(ctx, query, weights, own, index_slot, scale, k)
     if ctx.state.shard is not None:
         return _sharded_topk(ctx, query, weights, own, index_slot, scale, k)
     earlier = flat_positions(ctx, index_slot, ctx.visible(index_slot)).narrow(0, 0, o)  # [o, D]
@@ -354,6 +357,40 @@ def _sharded_topk(
     picked = torch.cat([*(p for _, p in gathered), own_positions + ctx.offset], -1)
     order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
     return _selection(scores.gather(-1, order), picked.gather(-1, order), k)
+
+
+def _round_topk(
+    ctx: StepContext, query: torch.Tensor, weights: torch.Tensor, own: torch.Tensor, index_slot: int, scale: float,
+    k: int,
+) -> Selection:
+    """`_sharded_topk` for this rank's chunk of a round: the round's index
+    queries and keys are gathered; each rank takes every chunk's k + 1 best
+    among its share of the index keys before the round, gathered in rank
+    order; this rank adds its own queries' k + 1 best among the round's
+    keys before its chunk and its own (causal), and the stable sort merges
+    them as in `_sharded_topk`."""
+    shard, round_ = ctx.state.shard, ctx.round
+    local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(round_.start)))
+    queries, weights_of, keys = (gather_round(t, 0, round_, shard.group) for t in (query, weights, own))
+    shares = [_padded(*_best(q, w, local, own[:0], scale, k), k + 1) for q, w in zip(queries, weights_of)]
+    best = torch.stack([_rows(b, round_.longest, -math.inf) for b, _ in shares])  # [W chunks, longest, k + 1]
+    positions = torch.stack([_rows(shard.to_global(p), round_.longest, 0) for _, p in shares])
+    ranks = dist.get_world_size(shard.group)
+    gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(ranks)]
+    dist.all_gather([b for b, _ in gathered], best, group=shard.group)
+    dist.all_gather([p for _, p in gathered], positions, group=shard.group)
+    mine, n = round_.index, query.shape[0]
+    before = torch.cat([own[:0], *keys[:mine]])  # the round's index keys before this chunk
+    round_best, round_positions = _best(query, weights, before, own, scale, k)
+    scores = torch.cat([*(b[mine, :n] for b, _ in gathered), round_best], -1)
+    picked = torch.cat([*(p[mine, :n] for _, p in gathered), round_positions + round_.start], -1)
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
+    return _selection(scores.gather(-1, order), picked.gather(-1, order), k)
+
+
+def _rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """`t` [n, ...] padded with `fill` to `rows` rows (a round's shorter chunk, for its gathers)."""
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)]) if t.shape[0] < rows else t
 
 
 def _padded(best: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

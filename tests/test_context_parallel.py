@@ -304,7 +304,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 FSDP2_CASE = PLANNED_CASE = StepCase("dense", "exact")
-ROUND_MODELS = {"dense", "lora", "hybrid", "window", "latent"}  # causal attention, MLA and carries: run in rounds
+ROUND_MODELS = {"dense", "lora", "hybrid", "window", "latent", "sparse"}  # every pass: run in rounds
 APART = (2, 300, 4)  # G, P, R of the step planned for budgets that differ between the ranks
 PLANNED = {StepCase("dense", "exact"), StepCase("dense", "detached")}  # the planner's state against the buffers
 
