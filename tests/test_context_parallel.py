@@ -168,6 +168,8 @@ STEP_CASES = {
         StepCase("dense", "exact", host=True), StepCase("dense", "exact", layerwise=True, host=True),
         StepCase("dense", "exact", reference=True), StepCase("dense", "detached", reference=True),
         StepCase("lora", "exact"),
+        # the full-depth configuration: layer-wise recomputation and attention outputs on the host, in rounds
+        StepCase("hybrid", "exact", layerwise=True, host=True),
         # chunks of 8, 8, 8 and 5: the second round's are of unequal lengths (padded in its gathers)
         StepCase("dense", "exact", P=30), StepCase("hybrid", "detached", P=30)],
     3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
@@ -238,11 +240,11 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from longstraw import runtime
 
-    rounds = []  # per capture: (capture rounds, chunks every rank captured after them)
-    capture_rounds = runtime.GroupRunner._rounds
+    rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
+    plan_rounds = runtime.GroupRunner._rounds
 
     def counting_rounds(self, state, chunks):
-        found, rest = capture_rounds(self, state, chunks)
+        found, rest = plan_rounds(self, state, chunks)
         rounds.append((len(found), len(rest)))
         return found, rest
 
