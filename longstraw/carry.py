@@ -179,8 +179,10 @@ class CarryStep(torch.autograd.Function):
         step: StepContext = ctx.step
         kernel: CarryKernel = ctx.kernel
         inputs = ctx.saved_tensors
-        start = step.offset if step.round is None else step.round.start
-        carry = step.state.carry_at(ctx.slot, start) if step.round is not None else step.carry_in(ctx.slot)
+        if step.round is not None:  # the carry the round started from (`_round_grads`)
+            start, carry = step.round.start, ctx.round_carries[0]
+        else:
+            start, carry = step.offset, step.carry_in(ctx.slot)
         wanted = [step.state.carry_grads is not None and start > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
         span_grads, span = recompute_grads, None
