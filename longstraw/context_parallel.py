@@ -110,15 +110,48 @@ def merge_partials(
     """The ranks' partials (out [B, Hq, n, D], lse [B, Hq, n]) merged by
     log-sum-exp: weights exp(lse_r - max_r lse_r), shifted by the maximum so
     that none overflows; an empty shard's lse is -inf, weight 0."""
+    top, sums = _weighted(out, lse, group)
+    dist.all_reduce(sums, group=group)
+    return _normalised(sums, top)
+
+
+def merge_scattered(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_partials` of a round's partials: out [W, ..., D] and lse
+    [W, ...] hold this rank's partial for every rank's queries, in rank
+    order, and each rank gets its own merged [1, ..., D] and [1, ...]. The
+    largest log-sum-exp by an all-reduce (no D), the weighted sums by a
+    reduce-scatter: over NCCL 1/W of an all-reduce's data."""
+    top, sums = _weighted(out, lse, group)
+    mine = sums.new_empty(1, *sums.shape[1:])
+    dist.reduce_scatter_tensor(mine, sums, group=group)
+    rank = dist.get_rank(group)
+    return _normalised(mine, top[rank:rank + 1])
+
+
+def _weighted(
+    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest log-sum-exp over the ranks, and this rank's partial
+    weighted by it: [out * w, w] as one tensor, so one collective sums both."""
     top = lse.clone()
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     top = torch.where(top.isneginf(), 0.0, top)  # rows no rank has a key for
     weight = torch.exp(lse - top)
-    sums = torch.cat([out * weight[..., None], weight[..., None]], dim=-1)  # one all-reduce for both sums
-    dist.all_reduce(sums, group=group)
+    return top, torch.cat([out * weight[..., None], weight[..., None]], dim=-1)
+
+
+def _normalised(sums: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged output and log-sum-exp from the summed [out * w, w]."""
     total, norm = sums[..., :-1], sums[..., -1]
-    merged = total / torch.where(norm > 0, norm, 1.0)[..., None]
-    return merged, top + torch.log(norm)
+    return total / torch.where(norm > 0, norm, 1.0)[..., None], top + torch.log(norm)
+
+
+def by_rank(per_chunk: Sequence[torch.Tensor], round_: ChunkRound) -> torch.Tensor:
+    """A round's per-chunk tensors (position order) stacked in the order of
+    their chunks' ranks, for `merge_scattered` and a reduce-scatter."""
+    return torch.stack([per_chunk[round_.owners.index(rank)] for rank in range(len(round_.owners))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,11 +393,12 @@ class _RoundAttention(torch.autograd.Function):
         d, dv = q.shape[-1], v.shape[-1]
         rows = gather_round(torch.cat([q, grad_out, out], -1), -2, round_, shard.group)  # per chunk: [q | dO | out]
         lses = gather_round(lse, -1, round_, shard.group)
+        # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
         grad_qs = torch.zeros(len(round_.chunks), *q.shape[:-2], round_.longest, d, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         for i, ((first, last), row, row_lse) in enumerate(zip(ctx.spans, rows, lses)):
             qi, gi, oi = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + dv), (d + dv, d + 2 * dv)))
-            grad_qi = grad_qs[i].narrow(-2, 0, qi.shape[-2])
+            grad_qi = grad_qs[round_.owners[i]].narrow(-2, 0, qi.shape[-2])
             begin, end = shard.local_range(first, min(last, round_.start))
             if begin < end:  # this rank's share before the round
                 share_k, share_v = keys.read(step, begin, end)
@@ -382,10 +416,11 @@ class _RoundAttention(torch.autograd.Function):
                     grad_qi += gq
                     grad_k.narrow(-2, skip + start, length).add_(gk)
                     grad_v.narrow(-2, skip + start, length).add_(gv)
-        _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, *ctx.spans[mine], grad_qs[mine].narrow(-2, 0, q.shape[-2]),
-                      grad_k, grad_v)
-        dist.all_reduce(grad_qs, group=shard.group)
-        return None, grad_qs[mine].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
+        _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, *ctx.spans[mine],
+                      grad_qs[shard.rank].narrow(-2, 0, q.shape[-2]), grad_k, grad_v)
+        grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
+        dist.reduce_scatter_tensor(grad_q, grad_qs, group=shard.group)
+        return None, grad_q[0].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
 def _round_merged(
@@ -403,11 +438,11 @@ def _round_merged(
         begin, end = shard.local_range(first, min(last, round_.start))
         out, lse = _partial_over_share(step, kernel, query, v, keys, scale, begin, end)
         pad = round_.longest - query.shape[-2]
-        outs.append(torch.nn.functional.pad(out, (0, 0, 0, pad)))
-        lses.append(torch.nn.functional.pad(lse, (0, pad), value=float("-inf")))
-    out, lse = merge_partials(torch.cat(outs), torch.cat(lses), shard.group)
+        outs.append(torch.nn.functional.pad(out[0], (0, 0, 0, pad)))
+        lses.append(torch.nn.functional.pad(lse[0], (0, pad), value=float("-inf")))
+    out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), shard.group)
     n, mine = q.shape[-2], round_.index
-    out, lse = out[mine:mine + 1, ..., :n, :], lse[mine:mine + 1, ..., :n]
+    out, lse = out[..., :n, :], lse[..., :n]
     first, last = spans[mine]
     skip = max(first - round_.start, 0)  # the round's keys before this chunk that the interval leaves out
     if step.offset - round_.start > skip:

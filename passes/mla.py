@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import (
-    gather_round, merge_partials, merge_with_own, round_attention, shard_positions, sharded_causal_attention,
+    by_rank, gather_round, merge_partials, merge_scattered, merge_with_own, round_attention, shard_positions,
+    sharded_causal_attention,
 )
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
@@ -400,9 +401,8 @@ class _RoundLatentOverSelection(torch.autograd.Function):
             out, lse = _selected_forward(q, keys, *_held_picks(step, chosen, keys.shape[0] - n), rank, scale)
             outs.append(_pad_rows(out.transpose(0, 1), round_.longest, 0.0))  # [H, longest, r]
             lses.append(_pad_rows(lse.transpose(0, 1), round_.longest, float("-inf")))
-        out, lse = merge_partials(torch.stack(outs), torch.stack(lses), group)
-        mine = round_.index
-        out, lse = out[mine, :, :n][None].to(query.dtype), lse[mine, :, :n].transpose(0, 1)  # [1, H, n, r], [n, H]
+        out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), group)
+        out, lse = out[:, :, :n].to(query.dtype), lse[0, :, :n].transpose(0, 1)  # [1, H, n, r], [n, H]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
         return out
@@ -419,18 +419,21 @@ class _RoundLatentOverSelection(torch.autograd.Function):
         rows = gather_round(torch.cat([query, grad_out.to(query.dtype), out], -1), -2, round_, group)
         lses = gather_round(lse, 0, round_, group)
         grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)
+        # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
         grad_qs = torch.zeros(len(round_.chunks), round_.longest, query.shape[1], d, dtype=compute, device=query.device)
         for j, (row, row_lse, chosen) in enumerate(zip(rows, lses, picks)):
             q, g, o = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + r), (d + r, d + 2 * r)))
             index, held = _held_picks(step, chosen, keys.shape[0] - n)
-            grad_qs[j, :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse, grad_keys)
-        dist.all_reduce(grad_qs, group=group)
+            grad_qs[round_.owners[j], :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse,
+                                                                           grad_keys)
+        grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
+        dist.reduce_scatter_tensor(grad_q, grad_qs, group=group)
         share = keys.shape[0] - n
         if share > 0:  # this rank's positions before the round: their d(state)
             LatentKeys(*ctx.slots, rank).accumulate(step, grad_keys[:share].to(keys.dtype)[None, None], None, 0)
         grad_own = grad_keys[share:].to(latent.dtype)
         grad_latent, grad_rope = grad_own[:, :rank].reshape(latent.shape), grad_own[:, rank:].reshape(rope_key.shape)
-        grad_q = grad_qs[round_.index, :n].transpose(0, 1)[None].to(query.dtype)
+        grad_q = grad_q[0, :n].transpose(0, 1)[None].to(query.dtype)
         return None, grad_q, grad_latent, grad_rope, None, None, None, None, None
 
 
