@@ -335,13 +335,20 @@ class _ShardedCausalAttention(torch.autograd.Function):
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
+def padded_to(t: torch.Tensor, dim: int, length: int, fill: float = 0.0) -> torch.Tensor:
+    """`t` padded with `fill` along `dim` to `length` (a round's shorter
+    chunk for its gathers and merges, a short list of candidates)."""
+    missing = length - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, t.new_full(shape, fill)], dim)
+
+
 def gather_round(t: torch.Tensor, dim: int, round_: ChunkRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's `t` (its chunk of the round along `dim`), in position order."""
-    if t.shape[dim] < round_.longest:
-        pad = list(t.shape)
-        pad[dim] = round_.longest - t.shape[dim]
-        t = torch.cat([t, t.new_zeros(pad)], dim)
-    t = t.contiguous()
+    t = padded_to(t, dim, round_.longest).contiguous()
     gathered = [torch.empty_like(t) for _ in round_.chunks]
     dist.all_gather(gathered, t, group=group)
     return [gathered[rank].narrow(dim, 0, n) for rank, (_, n) in zip(round_.owners, round_.chunks)]
@@ -390,14 +397,13 @@ class _RoundAttention(torch.autograd.Function):
         shard, round_ = step.state.shard, step.round
         mine, (offset, _) = round_.index, round_.chunks[round_.index]
         grad_out = grad_out.contiguous()
-        d, dv = q.shape[-1], v.shape[-1]
-        rows = gather_round(torch.cat([q, grad_out, out], -1), -2, round_, shard.group)  # per chunk: [q | dO | out]
+        d = q.shape[-1]
         lses = gather_round(lse, -1, round_, shard.group)
         # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
         grad_qs = torch.zeros(len(round_.chunks), *q.shape[:-2], round_.longest, d, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        for i, ((first, last), row, row_lse) in enumerate(zip(ctx.spans, rows, lses)):
-            qi, gi, oi = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + dv), (d + dv, d + 2 * dv)))
+        rows = gathered_rows(q, grad_out, out, round_, shard.group)
+        for i, ((first, last), (qi, gi, oi), row_lse) in enumerate(zip(ctx.spans, rows, lses)):
             grad_qi = grad_qs[round_.owners[i]].narrow(-2, 0, qi.shape[-2])
             begin, end = shard.local_range(first, min(last, round_.start))
             if begin < end:  # this rank's share before the round
@@ -423,6 +429,18 @@ class _RoundAttention(torch.autograd.Function):
         return None, grad_q[0].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
+def gathered_rows(
+    q: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor, round_: ChunkRound, group: dist.ProcessGroup | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every chunk's queries, output gradients and outputs ([..., n, D],
+    positions at -2) of a round, in one all-gather: what a round's backward
+    needs where the keys are. Each chunk's are made contiguous as it is
+    reached."""
+    d, dv = q.shape[-1], out.shape[-1]
+    for row in gather_round(torch.cat([q, grad_out.to(q.dtype), out], -1), -2, round_, group):
+        yield tuple(row[..., a:b].contiguous() for a, b in ((0, d), (d, d + dv), (d + dv, d + 2 * dv)))
+
+
 def _round_merged(
     step: StepContext, kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: ShardKeys,
     scale: float | None, spans: Sequence[tuple[int, int]],
@@ -437,9 +455,8 @@ def _round_merged(
     for query, (first, last) in zip(queries, spans):
         begin, end = shard.local_range(first, min(last, round_.start))
         out, lse = _partial_over_share(step, kernel, query, v, keys, scale, begin, end)
-        pad = round_.longest - query.shape[-2]
-        outs.append(torch.nn.functional.pad(out[0], (0, 0, 0, pad)))
-        lses.append(torch.nn.functional.pad(lse[0], (0, pad), value=float("-inf")))
+        outs.append(padded_to(out[0], -2, round_.longest))
+        lses.append(padded_to(lse[0], -1, round_.longest, float("-inf")))
     out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), shard.group)
     n, mine = q.shape[-2], round_.index
     out, lse = out[..., :n, :], lse[..., :n]

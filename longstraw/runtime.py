@@ -558,17 +558,7 @@ class GroupRunner:
             chunks = self._chunks(prefix_len)
             rounds, rest = ([], chunks) if state.shard is None else self._rounds(state, chunks)
             for offset, length in self._walk(rest[::-1], "reverse pass"):
-                where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})"
-                if state.attention_outputs is not None:
-                    state.attention_outputs.prefetch(offset)
-                with self._replaying(group_call, ("chunk", offset), where):
-                    ctx = StepContext(state, offset, length, grad_enabled=True)
-                    outs = self.replay_module("prefix")(
-                        ctx, *self._step_inputs(self.prefix, inputs, values, group.rows[0], offset, length))
-                    seeds = [state.seed(slot, offset, length) for slot in stage.slots]
-                    self._accumulate(leaves, outs, seeds)
-                if state.attention_outputs is not None:
-                    state.attention_outputs.drop(offset)
+                self._reverse_step(state, group_call, inputs, values, leaves, offset, length)
             if rounds:
                 self._reverse_rounds(state, rounds[::-1], group_call, inputs, values, leaves)
         self._raise(state.failure, call.device)
@@ -585,18 +575,29 @@ class GroupRunner:
         collectives), seeded by its own d(state). The parameter gradients
         are then each rank's part, summed over the group once at the end
         (`summed_over_ranks`)."""
-        stage, row = self.stages[-1], group_call.group.rows[0]
         with summed_over_ranks(leaves, state.shard.group):
             for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "reverse pass")):
-                where = f"in the reverse pass over prompt chunk [{offset}, {offset + length}) (a round)"
-                if state.attention_outputs is not None:
-                    state.attention_outputs.prefetch(offset)
-                with self._replaying(group_call, ("chunk", offset), where):
-                    ctx = StepContext(state, offset, length, grad_enabled=True, round=round_)
-                    outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, row, offset, length))
-                    self._accumulate(leaves, outs, [state.round_seed(slot, round_) for slot in stage.slots])
-                if state.attention_outputs is not None:
-                    state.attention_outputs.drop(offset)
+                self._reverse_step(state, group_call, inputs, values, leaves, offset, length, round_)
+
+    def _reverse_step(
+        self, state: PromptState, group_call: GroupCall, inputs: list[Any], values: dict, leaves: list[torch.Tensor],
+        offset: int, length: int, round_: ChunkRound | None = None,
+    ) -> None:
+        """Recompute prompt chunk `[offset, offset+length)` under autograd and
+        differentiate it with its d(state); in a `round_`, this rank's chunk of it."""
+        slots = self.stages[-1].slots
+        where = f"in the reverse pass over prompt chunk [{offset}, {offset + length})" + (" (a round)" if round_ else "")
+        if state.attention_outputs is not None:
+            state.attention_outputs.prefetch(offset)
+        with self._replaying(group_call, ("chunk", offset), where):
+            ctx = StepContext(state, offset, length, grad_enabled=True, round=round_)
+            row = group_call.group.rows[0]
+            outs = self.replay_module("prefix")(ctx, *self._step_inputs(self.prefix, inputs, values, row, offset, length))
+            seeds = ([state.seed(slot, offset, length) for slot in slots] if round_ is None
+                     else [state.round_seed(slot, round_) for slot in slots])
+            self._accumulate(leaves, outs, seeds)
+        if state.attention_outputs is not None:
+            state.attention_outputs.drop(offset)
 
     @contextlib.contextmanager
     def _replaying(self, call: GroupCall, key: tuple[str, int], where: str) -> Iterator[None]:

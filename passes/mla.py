@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import (
-    by_rank, gather_round, merge_partials, merge_scattered, merge_with_own, round_attention, shard_positions,
-    sharded_causal_attention,
+    by_rank, gather_round, gathered_rows, merge_partials, merge_scattered, merge_with_own, padded_to, round_attention,
+    shard_positions, sharded_causal_attention,
 )
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
@@ -399,8 +399,8 @@ class _RoundLatentOverSelection(torch.autograd.Function):
         outs, lses = [], []
         for q, chosen in zip(gather_round(query, -2, round_, group), picks):
             out, lse = _selected_forward(q, keys, *_held_picks(step, chosen, keys.shape[0] - n), rank, scale)
-            outs.append(_pad_rows(out.transpose(0, 1), round_.longest, 0.0))  # [H, longest, r]
-            lses.append(_pad_rows(lse.transpose(0, 1), round_.longest, float("-inf")))
+            outs.append(padded_to(out.transpose(0, 1), 1, round_.longest))  # [H, longest, r]
+            lses.append(padded_to(lse.transpose(0, 1), 1, round_.longest, float("-inf")))
         out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), group)
         out, lse = out[:, :, :n].to(query.dtype), lse[0, :, :n].transpose(0, 1)  # [1, H, n, r], [n, H]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
@@ -415,14 +415,13 @@ class _RoundLatentOverSelection(torch.autograd.Function):
         group = step.state.shard.group
         keys = _held_keys(step, ctx.slots, rank, latent, rope_key)
         picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
-        d, r = query.shape[-1], out.shape[-1]
-        rows = gather_round(torch.cat([query, grad_out.to(query.dtype), out], -1), -2, round_, group)
         lses = gather_round(lse, 0, round_, group)
         grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)
         # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
-        grad_qs = torch.zeros(len(round_.chunks), round_.longest, query.shape[1], d, dtype=compute, device=query.device)
-        for j, (row, row_lse, chosen) in enumerate(zip(rows, lses, picks)):
-            q, g, o = (row[..., a:b].contiguous() for a, b in ((0, d), (d, d + r), (d + r, d + 2 * r)))
+        grad_qs = torch.zeros(len(round_.chunks), round_.longest, query.shape[1], query.shape[-1], dtype=compute,
+                              device=query.device)
+        rows = gathered_rows(query, grad_out, out, round_, group)
+        for j, ((q, g, o), row_lse, chosen) in enumerate(zip(rows, lses, picks)):
             index, held = _held_picks(step, chosen, keys.shape[0] - n)
             grad_qs[round_.owners[j], :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse,
                                                                            grad_keys)
@@ -456,13 +455,6 @@ def _held_picks(step: StepContext, picks: torch.Tensor, share: int) -> tuple[tor
     in_share = in_share & (picks >= 0) & (picks < round_.start)
     in_own = (picks >= offset) & (picks < offset + length)
     return torch.where(in_share, local, torch.where(in_own, share + picks - offset, 0)), in_share | in_own
-
-
-def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
-    """`t` [H, n, ...] padded with `fill` to `rows` positions (a round's shorter chunk, for its merge)."""
-    if t.shape[1] == rows:
-        return t
-    return torch.cat([t, t.new_full((t.shape[0], rows - t.shape[1], *t.shape[2:]), fill)], 1)
 
 
 def _shard_picks(

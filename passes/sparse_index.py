@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import gather_round, shard_positions
+from longstraw.context_parallel import gather_round, padded_to, shard_positions
 from longstraw.mask import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext, has_values
@@ -355,8 +355,7 @@ def _sharded_topk(
     own_best, own_positions = _best(query, weights, own[:0], own, scale, k)  # causal among the step's own keys
     scores = torch.cat([*(b for b, _ in gathered), own_best], -1)
     picked = torch.cat([*(p for _, p in gathered), own_positions + ctx.offset], -1)
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
-    return _selection(scores.gather(-1, order), picked.gather(-1, order), k)
+    return _merged_selection(scores, picked, k)
 
 
 def _round_topk(
@@ -373,8 +372,8 @@ def _round_topk(
     local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(round_.start)))
     queries, weights_of, keys = (gather_round(t, 0, round_, shard.group) for t in (query, weights, own))
     shares = [_padded(*_best(q, w, local, own[:0], scale, k), k + 1) for q, w in zip(queries, weights_of)]
-    best = torch.stack([_rows(b, round_.longest, -math.inf) for b, _ in shares])  # [W chunks, longest, k + 1]
-    positions = torch.stack([_rows(shard.to_global(p), round_.longest, 0) for _, p in shares])
+    best = torch.stack([padded_to(b, 0, round_.longest, -math.inf) for b, _ in shares])  # [W chunks, longest, k + 1]
+    positions = torch.stack([padded_to(shard.to_global(p), 0, round_.longest) for _, p in shares])
     ranks = dist.get_world_size(shard.group)
     gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(ranks)]
     dist.all_gather([b for b, _ in gathered], best, group=shard.group)
@@ -384,22 +383,20 @@ def _round_topk(
     round_best, round_positions = _best(query, weights, before, own, scale, k)
     scores = torch.cat([*(b[mine, :n] for b, _ in gathered), round_best], -1)
     picked = torch.cat([*(p[mine, :n] for _, p in gathered), round_positions + round_.start], -1)
+    return _merged_selection(scores, picked, k)
+
+
+def _merged_selection(scores: torch.Tensor, picked: torch.Tensor, k: int) -> Selection:
+    """The k best of candidates gathered from several places (scores and
+    positions [n, c]), by a stable sort: among equal scores the earlier
+    candidate wins, as in `tiled_topk`."""
     order = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k + 1]
     return _selection(scores.gather(-1, order), picked.gather(-1, order), k)
 
 
-def _rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
-    """`t` [n, ...] padded with `fill` to `rows` rows (a round's shorter chunk, for its gathers)."""
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)]) if t.shape[0] < rows else t
-
-
 def _padded(best: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(best, positions) widened to `width` columns with -inf scores (not keys), for the all-gather."""
-    missing = width - best.shape[1]
-    if missing == 0:
-        return best, positions
-    return (torch.cat([best, best.new_full((best.shape[0], missing), -math.inf)], -1),
-            torch.cat([positions, positions.new_zeros(positions.shape[0], missing)], -1))
+    return padded_to(best, 1, width, -math.inf), padded_to(positions, 1, width)
 
 
 def _tiled_rows(
