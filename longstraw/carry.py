@@ -160,7 +160,7 @@ class CarryStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
-        if step.round is not None:
+        if step.prompt_round is not None:
             out, new_carry, ctx.round_carries = _round_forward(step, slot, kernel, inputs)
         else:
             out, new_carry = kernel.forward(step.carry_in(slot), *inputs)
@@ -179,7 +179,7 @@ class CarryStep(torch.autograd.Function):
         step: StepContext = ctx.step
         kernel: CarryKernel = ctx.kernel
         inputs = ctx.saved_tensors
-        if step.round is not None:  # the carry the round started from (`_round_grads`)
+        if step.prompt_round is not None:  # the carry the round started from (`_round_grads`)
             start, carry = step.round.start, ctx.round_carries[0]
         else:
             start, carry = step.offset, step.carry_in(ctx.slot)
@@ -192,7 +192,7 @@ class CarryStep(torch.autograd.Function):
             span_grads, span = _direct_grads(kernel.grads), kernel.span
         elif graphs is not None and kernel.graph_key is not None and has_values(carry):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
-        if step.round is not None:
+        if step.prompt_round is not None:
             grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, ctx.round_carries)
         else:
             grads = _spanwise_grads(

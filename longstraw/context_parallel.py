@@ -41,7 +41,7 @@ import torch.distributed as dist
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
 from longstraw.options import Options
-from longstraw.state import ChunkRound, StepContext
+from longstraw.state import ChunkRound, PromptState, StepContext
 
 
 def sharded_attention(
@@ -414,7 +414,7 @@ class _RoundAttention(torch.autograd.Function):
                     grad_qi += gq
                     keys.accumulate(step, gk, gv, begin + start)
             skip = min(max(first - offset, 0), k.shape[-2])  # this rank's keys a left padding leaves out
-            if i > mine and skip < k.shape[-2]:  # a later chunk of the round: all of this rank's keys are before it
+            if i != mine and round_.sees(i) and skip < k.shape[-2]:  # a later chunk: all this rank's keys are before it
                 seen_k, seen_v = k[..., skip:, :], v[..., skip:, :]
                 for start, length in kernel.earlier_blocks(qi, seen_k.shape[-2]):
                     gq, gk, gv = kernel.backward(gi, qi, seen_k.narrow(-2, start, length), seen_v.narrow(-2, start, length),
@@ -450,7 +450,6 @@ def _round_merged(
     shard, round_ = step.state.shard, step.round
     compute = compute_dtype(q)
     queries = gather_round(q, -2, round_, shard.group)
-    round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
     outs, lses = [], []
     for query, (first, last) in zip(queries, spans):
         begin, end = shard.local_range(first, min(last, round_.start))
@@ -462,10 +461,12 @@ def _round_merged(
     out, lse = out[..., :n, :], lse[..., :n]
     first, last = spans[mine]
     skip = max(first - round_.start, 0)  # the round's keys before this chunk that the interval leaves out
-    if step.offset - round_.start > skip:
-        before_k, before_v = (torch.cat(t[:mine], -2)[..., skip:, :] for t in (round_k, round_v))
-        part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
-        out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
+    if not round_.branches:  # the round's chunks before this one (gathered on every rank: a collective)
+        round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
+        if step.offset - round_.start > skip:
+            before_k, before_v = (torch.cat(t[:round_.before], -2)[..., skip:, :] for t in (round_k, round_v))
+            part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
+            out, lse = merge_with_own(out, lse, part.to(compute), part_lse.to(compute))
     out, total = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
     return out.to(q.dtype), total
 
@@ -579,7 +580,7 @@ def _kept_in_round(
     every rank of the round alike. The round recomputes a chunk's partials
     in the capture's order, so `verify_state` compares bit for bit."""
     kept = step.state.attention_outputs
-    if kept is None:
+    if kept is None or step.round.branches:  # only prompt chunks keep theirs
         return merged()
     if step.grad_enabled and kept.has(slot, step.offset):
         stored = kept.get(slot, step.offset)
@@ -677,15 +678,53 @@ def summed_over_ranks(leaves: Sequence[torch.Tensor], group: dist.ProcessGroup |
         for leaf in leaves:
             leaf.grad = None
     yield
-    held = torch.tensor([leaf.grad is not None for leaf in leaves], dtype=torch.int32, device=leaves[0].device)
+    for leaf, grad in zip(leaves, _summed([leaf.grad for leaf in leaves], leaves, group)):
+        leaf.grad = grad
+
+
+def summed_carry_grads(state: PromptState, position: int) -> None:
+    """The gradients of the carries at `position` (the prompt's end), where
+    each rank's branches added their part (branch rounds), summed over the
+    ranks; the reverse pass starts from them on every rank."""
+    grads = state.carry_grads
+    slots = sorted(grads)
+    summed = _summed([grads[i].get(position) for i in slots], [state.carry_at(i, position) for i in slots],
+                     state.shard.group)
+    for i, grad in zip(slots, summed):
+        if grad is not None:
+            grads[i][position] = grad
+
+
+def _summed(
+    tensors: Sequence[torch.Tensor | None], likes: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+) -> list[torch.Tensor | None]:
+    """Each of `tensors` summed over the ranks (one all-reduce each), zeros
+    for a rank that has none (None where no rank has one), so every rank
+    calls the same collectives."""
+    if not likes:
+        return []
+    held = torch.tensor([t is not None for t in tensors], dtype=torch.int32, device=likes[0].device)
     dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
-    for leaf, some in zip(leaves, held.tolist()):
+    out: list[torch.Tensor | None] = []
+    for t, like, some in zip(tensors, likes, held.tolist()):
         if not some:
+            out.append(None)
             continue
-        grad = torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
-        sent = grad if grad.is_contiguous() else grad.contiguous()
+        sent = torch.zeros_like(like) if t is None else t if t.is_contiguous() else t.contiguous()
         dist.all_reduce(sent, group=group)
-        leaf.grad = sent
+        out.append(sent)
+    return out
+
+
+def all_gathered(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> list[list[torch.Tensor]]:
+    """Every rank's `tensors` (the same shapes on every rank), per rank in rank order."""
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(dist.get_world_size(group))]
+    for t in tensors:
+        gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in per_rank]
+        dist.all_gather(gathered, t.contiguous(), group=group)
+        for mine, got in zip(per_rank, gathered):
+            mine.append(got)
+    return per_rank
 
 
 def replicate_from_first(tensors: Sequence[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:

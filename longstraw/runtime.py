@@ -35,7 +35,8 @@ from .nodes import ancestors, is_random
 from .options import Options
 from .carry import SpanGraphs
 from .context_parallel import (
-    PromptShard, check_replicated, graph_fingerprint, raise_together, replicate_from_first, summed_over_ranks,
+    PromptShard, all_gathered, check_replicated, graph_fingerprint, raise_together, replicate_from_first,
+    summed_carry_grads, summed_over_ranks,
 )
 from .partition import Partition
 from .recompute import LayerwiseStep
@@ -78,6 +79,23 @@ class Group:
 
     rows: tuple[int, ...]
     prefix_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchTurn:
+    """One branch step this rank runs: `row`. Under context parallelism's
+    branch rounds (`round`) the ranks run `seats`, one row each, at once;
+    a rank with no seat in a last, partial round runs the first seat's row
+    again as a shadow (outputs dropped, gradient zero), to meet the others
+    in the round's collectives. Elsewhere every rank runs every row."""
+
+    row: int
+    seats: tuple[int, ...]
+    round: ChunkRound | None = None
+
+    @property
+    def shadow(self) -> bool:
+        return self.round is not None and self.round.index >= len(self.seats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,15 +393,17 @@ class GroupRunner:
             branch_len = end - group.prefix_len
             for stage in self.stages:
                 state = self._capture(inputs, values, group, end, backward, rng, device, real, stage)
-                for row in group.rows:
+                for turn in self._branch_turns(state, group, branch_len):
+                    row = turn.row
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     with _noting(f"running branch {row} of {part.group_size}"):
-                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False)
+                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round)
                         inputs_of_row = self._step_inputs(
                             stage.branch, inputs, values, row, group.prefix_len, branch_len, handed[row])
                         outs = stage.branch.module(ctx, *inputs_of_row)
-                    per_row.setdefault(row, {}).update(zip(stage.outputs, outs))
+                    for seat, got in _seated(turn, outs[:len(stage.outputs)], state):
+                        per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
                 if stage is not self.stages[-1] or i < len(groups) - 1:
                     state.release()
@@ -445,6 +465,15 @@ class GroupRunner:
         self._raise(failure, device)
         return state
 
+    @functools.cached_property
+    def runs_rounds(self) -> bool:
+        """Whether context parallelism divides the steps among the ranks in
+        rounds (`_rounds`, `_branch_turns`): where every claimed operator's
+        pass runs them (`runs_rounds`) and the loss draws no random numbers
+        (the replays restore each step's generator state, recorded where
+        every rank runs every step)."""
+        return not self.random and all(p.runs_rounds for p in self.part.claims.values())
+
     def _rounds(
         self, state: PromptState, chunks: Sequence[tuple[int, int]]
     ) -> tuple[list[ChunkRound], Sequence[tuple[int, int]]]:
@@ -452,13 +481,9 @@ class GroupRunner:
         is W consecutive chunks, one per rank as `assign_chunks` deals
         them, run at once by the capture and the reverse pass: each rank
         computes its own chunk (`StepContext.round`), so the per-position
-        work divides too. Only where every claimed operator's pass runs
-        rounds (`runs_rounds`) and the loss draws no random numbers (the
-        replays restore each chunk's generator state, recorded where every
-        rank runs every chunk); the chunks after the last whole round run
-        on every rank."""
-        passes = self.part.claims.values()
-        if self.random or not all(p.runs_rounds for p in passes):
+        work divides too. The chunks after the last whole round run on
+        every rank."""
+        if not self.runs_rounds:
             return [], chunks
         shard = state.shard
         world = len(shard.chunks)
@@ -469,6 +494,25 @@ class GroupRunner:
             owners = tuple(shard.owner(offset) for offset, _ in block)
             rounds.append(ChunkRound(block, owners, owners.index(shard.rank)))
         return rounds, chunks[whole:]
+
+    def _branch_turns(self, state: PromptState, group: Group, branch_len: int) -> list[BranchTurn]:
+        """The group's branch steps this rank runs. Under context parallelism
+        (where rounds apply) the rows are dealt in rounds of W, one per rank,
+        each rank running its own (`StepContext.round`, `branches`: its
+        queries travel to the ranks holding the prompt's keys and back, as
+        in a prompt round, and nothing else is exchanged, since a branch
+        reads no other branch), so the branches' per-position work divides;
+        elsewhere every rank runs every row."""
+        shard = state.shard
+        if shard is None or not self.runs_rounds:
+            return [BranchTurn(row, (row,)) for row in group.rows]
+        world, span = len(shard.chunks), (group.prefix_len, branch_len)
+        turns = []
+        for first in range(0, len(group.rows), world):
+            seats = group.rows[first:first + world]
+            round_ = ChunkRound((span,) * world, tuple(range(world)), shard.rank, branches=True)
+            turns.append(BranchTurn(seats[shard.rank] if shard.rank < len(seats) else seats[0], seats, round_))
+        return turns
 
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
         """Raise a check's failure; under context parallelism on every rank
@@ -544,23 +588,36 @@ class GroupRunner:
         if exact:
             state.allocate_grads()
         branch_len = call.end - prefix_len
-        for row in group.rows:
+        turns = self._branch_turns(state, group, branch_len)
+        parts = RankParts(leaves, None if state.shard is None else state.shard.group)
+        if turns[0].round is not None:
+            parts.divided()
+        for turn in turns:
+            row = turn.row
             slices = [
                 None if grad_outputs[i] is None else grad_outputs[i].narrow(part.batch_dim(part.branch_outputs[i]), row, 1)
                 for i in stage.outputs
             ]
+            if turn.shadow:
+                slices = [None if s is None else torch.zeros_like(s) for s in slices]
             with self._replaying(group_call, ("branch", row), f"replaying branch {row} of {part.group_size}"):
-                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True)
+                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round)
                 outs = self.replay_module("branch")(
                     ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len, group_call.handed[row]))
                 self._accumulate(leaves, outs, slices)
+        if exact and turns[0].round is not None:
+            summed_carry_grads(state, prefix_len)
         if exact:
             chunks = self._chunks(prefix_len)
             rounds, rest = ([], chunks) if state.shard is None else self._rounds(state, chunks)
+            if rest:
+                parts.replicated()
             for offset, length in self._walk(rest[::-1], "reverse pass"):
                 self._reverse_step(state, group_call, inputs, values, leaves, offset, length)
             if rounds:
+                parts.divided()
                 self._reverse_rounds(state, rounds[::-1], group_call, inputs, values, leaves)
+        parts.replicated()
         self._raise(state.failure, call.device)
         state.release()
         group_call.state = None
@@ -573,11 +630,9 @@ class GroupRunner:
         rank recomputes and differentiates only its own chunk of a round
         (`StepContext.round`: the attention's and carries' backward meet in
         collectives), seeded by its own d(state). The parameter gradients
-        are then each rank's part, summed over the group once at the end
-        (`summed_over_ranks`)."""
-        with summed_over_ranks(leaves, state.shard.group):
-            for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "reverse pass")):
-                self._reverse_step(state, group_call, inputs, values, leaves, offset, length, round_)
+        are then each rank's part (`RankParts`)."""
+        for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "reverse pass")):
+            self._reverse_step(state, group_call, inputs, values, leaves, offset, length, round_)
 
     def _reverse_step(
         self, state: PromptState, group_call: GroupCall, inputs: list[Any], values: dict, leaves: list[torch.Tensor],
@@ -616,6 +671,30 @@ class GroupRunner:
             torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs], inputs=leaves)
 
 
+class RankParts:
+    """Context parallelism's runs of steps whose parameter gradients each
+    rank computes a part of (rounds of branches or of prompt chunks), each
+    run summed over the ranks once (`summed_over_ranks`); between runs,
+    steps every rank runs alike (the chunks after the last prompt round).
+    Consecutive divided steps share one sum. Without a group: nothing."""
+
+    def __init__(self, leaves: list[torch.Tensor], group: Any) -> None:
+        self.leaves, self.group = leaves, group
+        self.open: contextlib.AbstractContextManager | None = None
+
+    def divided(self) -> None:
+        """The steps from here on give each rank its own part."""
+        if self.group is not None and self.open is None:
+            self.open = summed_over_ranks(self.leaves, self.group)
+            self.open.__enter__()
+
+    def replicated(self) -> None:
+        """The steps from here on run alike on every rank: sum the parts so far."""
+        if self.open is not None:
+            done, self.open = self.open, None
+            done.__exit__(None, None, None)
+
+
 _AROUND_STEPS: list[Callable[[str], contextlib.AbstractContextManager]] = []
 
 
@@ -650,6 +729,14 @@ def _noting(where: str) -> Iterator[None]:
         except Exception as err:
             err.add_note(f"longstraw: raised {where}")
             raise
+
+
+def _seated(turn: BranchTurn, outs: Sequence[torch.Tensor], state: PromptState) -> list[tuple[int, Sequence[torch.Tensor]]]:
+    """(row, outputs) of the branch step just run: this rank's, or in a
+    branch round every seat's, gathered (a shadow's are dropped)."""
+    if turn.round is None:
+        return [(turn.row, outs)]
+    return list(zip(turn.seats, all_gathered(outs, state.shard.group)))
 
 
 def _inputs_named(node: fx.Node) -> str:

@@ -450,14 +450,28 @@ def host_memory() -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRound:
-    """Under context parallelism, prompt chunks the ranks run at once, one
-    each, in the capture and in the reverse pass: `chunks` (offset,
-    length) in position order, one run of positions; `owners` the rank of
-    each; `index` this rank's."""
+    """Under context parallelism, steps the ranks run at once, one each,
+    meeting in collectives: prompt chunks in the capture and the reverse
+    pass, `chunks` (offset, length) in position order, one run of
+    positions; or (`branches`) the group's branches, each rank its own row
+    over the same positions (every chunk `(s, R)`), none reading another's
+    keys. `owners` the rank of each chunk; `index` this rank's."""
 
     chunks: tuple[tuple[int, int], ...]
     owners: tuple[int, ...]
     index: int
+    branches: bool = False
+
+    @property
+    def before(self) -> int:
+        """How many of the round's chunks this rank's queries see whole:
+        those before its own in a prompt round, none among branches."""
+        return 0 if self.branches else self.index
+
+    def sees(self, j: int) -> bool:
+        """Whether chunk `j`'s queries see this rank's own keys: its own
+        chunk, and in a prompt round the later chunks."""
+        return j == self.index or (not self.branches and j > self.index)
 
     @property
     def start(self) -> int:
@@ -474,7 +488,7 @@ class ChunkRound:
 class StepContext:
     """What a step graph needs besides tensors: where its positions start,
     how many there are, and the state it reads and writes; under context
-    parallelism's capture rounds, the `round` it is one chunk of."""
+    parallelism's rounds, the `round` it is one step of."""
 
     state: PromptState
     offset: int
@@ -551,6 +565,13 @@ class StepContext:
 
     # carry slots
 
+    @property
+    def prompt_round(self) -> ChunkRound | None:
+        """`round` where it is one of prompt chunks (whose carried operators
+        pass the carry from chunk to chunk); None among branches, which
+        each start from the prompt's carry."""
+        return self.round if self.round is not None and not self.round.branches else None
+
     def carry_in(self, slot: int) -> torch.Tensor:
         """The carry at the start of this step (the prompt's, for a branch)."""
         return self.state.carry_at(slot, min(self.offset, self.state.prefix_len))
@@ -569,7 +590,7 @@ class StepContext:
         it is often a slice of the gradient of a chunk-sized tensor (a conv
         tail's, of `cat([tail, x])`)."""
         grads = self.state.carry_grads
-        start = self.offset if self.round is None else self.round.start
+        start = self.offset if self.prompt_round is None else self.round.start
         if grads is None or grad is None or start == 0:
             return
         at = grads[slot]

@@ -397,8 +397,8 @@ class _RoundLatentOverSelection(torch.autograd.Function):
         keys = _held_keys(step, (latent_slot, rope_slot), rank, latent, rope_key)
         picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
         outs, lses = [], []
-        for q, chosen in zip(gather_round(query, -2, round_, group), picks):
-            out, lse = _selected_forward(q, keys, *_held_picks(step, chosen, keys.shape[0] - n), rank, scale)
+        for j, (q, chosen) in enumerate(zip(gather_round(query, -2, round_, group), picks)):
+            out, lse = _selected_forward(q, keys, *_held_picks(step, j, chosen, keys.shape[0] - n), rank, scale)
             outs.append(padded_to(out.transpose(0, 1), 1, round_.longest))  # [H, longest, r]
             lses.append(padded_to(lse.transpose(0, 1), 1, round_.longest, float("-inf")))
         out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), group)
@@ -422,7 +422,7 @@ class _RoundLatentOverSelection(torch.autograd.Function):
                               device=query.device)
         rows = gathered_rows(query, grad_out, out, round_, group)
         for j, ((q, g, o), row_lse, chosen) in enumerate(zip(rows, lses, picks)):
-            index, held = _held_picks(step, chosen, keys.shape[0] - n)
+            index, held = _held_picks(step, j, chosen, keys.shape[0] - n)
             grad_qs[round_.owners[j], :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse,
                                                                            grad_keys)
         grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
@@ -446,14 +446,15 @@ def _held_keys(
     return torch.cat([share, torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1).to(share.dtype)])
 
 
-def _held_picks(step: StepContext, picks: torch.Tensor, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _held_picks(step: StepContext, j: int, picks: torch.Tensor, share: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices into `_held_keys` of the picks (positions [n, k], -1: none)
-    this rank holds, and which those are."""
+    of the round's chunk `j` that this rank holds, and which those are (a
+    branch's picks among its own positions are its own rank's)."""
     shard, round_ = step.state.shard, step.round
     offset, length = round_.chunks[round_.index]
     local, in_share = shard.to_local(picks.clamp(min=0))
     in_share = in_share & (picks >= 0) & (picks < round_.start)
-    in_own = (picks >= offset) & (picks < offset + length)
+    in_own = (picks >= offset) & (picks < offset + length) & round_.sees(j)
     return torch.where(in_share, local, torch.where(in_own, share + picks - offset, 0)), in_share | in_own
 
 

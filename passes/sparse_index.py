@@ -362,15 +362,16 @@ def _round_topk(
     ctx: StepContext, query: torch.Tensor, weights: torch.Tensor, own: torch.Tensor, index_slot: int, scale: float,
     k: int,
 ) -> Selection:
-    """`_sharded_topk` for this rank's chunk of a round: the round's index
+    """`_sharded_topk` for this rank's step of a round: the round's index
     queries and keys are gathered; each rank takes every chunk's k + 1 best
     among its share of the index keys before the round, gathered in rank
     order; this rank adds its own queries' k + 1 best among the round's
-    keys before its chunk and its own (causal), and the stable sort merges
-    them as in `_sharded_topk`."""
+    keys before its chunk (none among branches, whose keys are not
+    gathered) and its own (causal), and the stable sort merges them as in
+    `_sharded_topk`."""
     shard, round_ = ctx.state.shard, ctx.round
     local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(round_.start)))
-    queries, weights_of, keys = (gather_round(t, 0, round_, shard.group) for t in (query, weights, own))
+    queries, weights_of = (gather_round(t, 0, round_, shard.group) for t in (query, weights))
     shares = [_padded(*_best(q, w, local, own[:0], scale, k), k + 1) for q, w in zip(queries, weights_of)]
     best = torch.stack([padded_to(b, 0, round_.longest, -math.inf) for b, _ in shares])  # [W chunks, longest, k + 1]
     positions = torch.stack([padded_to(shard.to_global(p), 0, round_.longest) for _, p in shares])
@@ -379,7 +380,8 @@ def _round_topk(
     dist.all_gather([b for b, _ in gathered], best, group=shard.group)
     dist.all_gather([p for _, p in gathered], positions, group=shard.group)
     mine, n = round_.index, query.shape[0]
-    before = torch.cat([own[:0], *keys[:mine]])  # the round's index keys before this chunk
+    keys = [] if round_.branches else gather_round(own, 0, round_, shard.group)
+    before = torch.cat([own[:0], *keys[:round_.before]])  # the round's index keys before this chunk
     round_best, round_positions = _best(query, weights, before, own, scale, k)
     scores = torch.cat([*(b[mine, :n] for b, _ in gathered), round_best], -1)
     picked = torch.cat([*(p[mine, :n] for _, p in gathered), round_positions + round_.start], -1)

@@ -132,17 +132,19 @@ class StepCase:
     left: int = 0  # TRL's padding: the prompt left-padded by this much, completions right-padded
     host: bool = False  # attention_outputs_on_host
     reference: bool = False  # a KL term to a frozen reference model: two stages, the reference's captured first
+    coupled: bool = False  # a tail that mixes the rows' log-probs non-linearly: each branch's output, in its row
 
     @property
     def name(self) -> str:
-        return "-".join([self.model, self.mode, *([f"P{self.P}"] if self.P != 37 else []),
+        return "-".join([self.model, self.mode, *([f"G{self.G}"] if self.G != 3 else []),
+                         *([f"P{self.P}"] if self.P != 37 else []),
                          *(["layerwise"] if self.layerwise else []),
                          *([f"prompts{len(self.prompts)}"] if self.prompts else []),
                          *([f"padded{self.left}"] if self.left else []), *(["host"] if self.host else []),
-                         *(["reference"] if self.reference else [])])
+                         *(["reference"] if self.reference else []), *(["coupled"] if self.coupled else [])])
 
     def loss_and_inputs(self):
-        from helpers.losses import grpo_loss_f64
+        from helpers.losses import coupled_loss, grpo_loss_f64
         from helpers.tiny_models import make_group
         from test_batches import batch_loss, make_batch
         from test_padding import padded_group, trl_grpo_loss
@@ -156,7 +158,7 @@ class StepCase:
             return kl_to_reference_loss(make_qwen3(seed=1).requires_grad_(False)), make_group(self.G, self.P, self.R, pad=True)
         if self.left:  # completions of R, R - 2 and 1 tokens
             return trl_grpo_loss, padded_group(self.G, self.P, self.R, self.left, lengths=[self.R, self.R - 2, 1])
-        return grpo_loss_f64, make_group(self.G, self.P, self.R)
+        return coupled_loss if self.coupled else grpo_loss_f64, make_group(self.G, self.P, self.R)
 
 
 STEP_CASES = {
@@ -171,10 +173,14 @@ STEP_CASES = {
         # the full-depth configuration: layer-wise recomputation and attention outputs on the host, in rounds
         StepCase("hybrid", "exact", layerwise=True, host=True),
         # chunks of 8, 8, 8 and 5: the second round's are of unequal lengths (padded in its gathers)
-        StepCase("dense", "exact", P=30), StepCase("hybrid", "detached", P=30)],
+        StepCase("dense", "exact", P=30), StepCase("hybrid", "detached", P=30),
+        # each branch's outputs, gathered, in its own row: a tail that tells the rows apart
+        StepCase("dense", "exact", coupled=True), StepCase("hybrid", "detached", coupled=True)],
     3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
         StepCase("hybrid", "detached", P=29), StepCase("dense", "exact", left=11),
-        StepCase("latent", "exact"), StepCase("sparse", "exact")],
+        StepCase("latent", "exact"), StepCase("sparse", "exact"),
+        # four rows over three ranks: two shadows in the second round of branches
+        StepCase("sparse", "exact", G=4, coupled=True), StepCase("hybrid", "exact", G=4, coupled=True)],
 }
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
 
@@ -252,10 +258,14 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     round_steps = []  # (under autograd, offset) of each step run as this rank's chunk of a round
     step_context = runtime.StepContext
 
+    branch_steps = []  # under autograd or not, of each branch step run as this rank's seat of a round
+
     def recording_steps(*args, **kwargs):
         ctx = step_context(*args, **kwargs)
-        if ctx.round is not None:
+        if ctx.prompt_round is not None:
             round_steps.append((ctx.grad_enabled, ctx.offset))
+        elif ctx.round is not None:
+            branch_steps.append(ctx.grad_enabled)
         return ctx
 
     runtime.StepContext = recording_steps
@@ -272,6 +282,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         kept.clear()
         rounds.clear()
         round_steps.clear()
+        branch_steps.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
@@ -282,6 +293,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         res[case.name + " rounds"] = set(rounds)
         res[case.name + " round steps"] = tuple({offset for grad, offset in round_steps if grad == reverse}
                                                 for reverse in (False, True))
+        res[case.name + " branch steps"] = (branch_steps.count(False), branch_steps.count(True))
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -386,6 +398,11 @@ def test_step_matches_one_process(world, tmp_path):
             captured, reversed_ = results[rank][case.name + " round steps"]
             assert len(captured) == expected[0], (case.name, captured)
             assert reversed_ == (captured if case.mode == "exact" else set()), (case.name, rank, captured, reversed_)
+            # the branches are dealt in rounds of `world` rows, one per rank (a shadow where a last round is short),
+            # in the forward (every stage's) and the replay
+            rounds_of_rows = sum(-(-rows // world) for rows in case.prompts or (case.G,))
+            stages = 2 if case.reference else 1
+            assert results[rank][case.name + " branch steps"] == (stages * rounds_of_rows, rounds_of_rows), case.name
         if case.host and not case.layerwise:  # the reverse pass read the capture's outputs: fewer merges
             without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
             for rank in range(world):
