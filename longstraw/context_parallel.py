@@ -19,12 +19,13 @@ each rank computing only its own (`round_attention`: partials over the
 shares merged by log-sum-exp, the queries travelling in backward; carried
 operators run over the whole round on every rank, so carries stay
 replicated), and the rounds' parameter gradients, each rank's part, are
-summed over the group once (`summed_over_ranks`). The branches, and the
-chunks outside rounds, run on every rank on the same inputs
-(`sharded_causal_attention` merges the partials over the shards of the
-positions before the step with its own causal keys); their gradients are
-the same on every rank and counted once. In exact mode d(state) is
-sharded like the state.
+summed over the group once (`summed_over_ranks`). The branches run in
+rounds too, each rank one row of W (`GroupRunner._branch_turns`: the same
+`round_attention`, no branch reading another's keys). The chunks outside
+rounds run on every rank on the same inputs (`sharded_causal_attention`
+merges the partials over the shards of the positions before the step
+with its own causal keys); their gradients are the same on every rank and
+counted once. In exact mode d(state) is sharded like the state.
 """
 
 from __future__ import annotations
@@ -125,9 +126,16 @@ def merge_scattered(
     reduce-scatter: over NCCL 1/W of an all-reduce's data."""
     top, sums = _weighted(out, lse, group)
     mine = sums.new_empty(1, *sums.shape[1:])
-    dist.reduce_scatter_tensor(mine, sums, group=group)
+    reduce_scatter(mine, sums, group)
     rank = dist.get_rank(group)
     return _normalised(mine, top[rank:rank + 1])
+
+
+def reduce_scatter(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Sum `stacked` [W, ...] over the ranks; rank r receives row r in
+    `output` [1, ...]. `reduce_scatter_single` where this PyTorch has it
+    (2.13 deprecates `reduce_scatter_tensor`, warning on every call)."""
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, stacked, group=group)
 
 
 def _weighted(
@@ -425,7 +433,7 @@ class _RoundAttention(torch.autograd.Function):
         _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, *ctx.spans[mine],
                       grad_qs[shard.rank].narrow(-2, 0, q.shape[-2]), grad_k, grad_v)
         grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
-        dist.reduce_scatter_tensor(grad_q, grad_qs, group=shard.group)
+        reduce_scatter(grad_q, grad_qs, shard.group)
         return None, grad_q[0].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
 
 

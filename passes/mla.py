@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import (
-    by_rank, gather_round, gathered_rows, merge_partials, merge_scattered, merge_with_own, padded_to, round_attention,
-    shard_positions, sharded_causal_attention,
+    by_rank, gather_round, gathered_rows, merge_partials, merge_scattered, merge_with_own, padded_to, reduce_scatter,
+    round_attention, shard_positions, sharded_causal_attention,
 )
 from longstraw.errors import LongStrawError
 from longstraw.functionalize import is_updated
@@ -426,7 +426,7 @@ class _RoundLatentOverSelection(torch.autograd.Function):
             grad_qs[round_.owners[j], :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse,
                                                                            grad_keys)
         grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
-        dist.reduce_scatter_tensor(grad_q, grad_qs, group=group)
+        reduce_scatter(grad_q, grad_qs, group)
         share = keys.shape[0] - n
         if share > 0:  # this rank's positions before the round: their d(state)
             LatentKeys(*ctx.slots, rank).accumulate(step, grad_keys[:share].to(keys.dtype)[None, None], None, 0)
