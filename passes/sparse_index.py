@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from longstraw.context_parallel import gather_round, padded_to, shard_positions
+from longstraw.context_parallel import by_rank, gather_round, padded_to, shard_positions
 from longstraw.mask import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.state import StepContext, has_values
@@ -364,8 +364,9 @@ def _round_topk(
 ) -> Selection:
     """`_sharded_topk` for this rank's step of a round: the round's index
     queries and keys are gathered; each rank takes every chunk's k + 1 best
-    among its share of the index keys before the round, gathered in rank
-    order; this rank adds its own queries' k + 1 best among the round's
+    among its share of the index keys before the round, and an all-to-all
+    gives each rank every rank's for its own chunk, in rank order (1/W of
+    an all-gather's data); this rank adds its own queries' k + 1 best among the round's
     keys before its chunk (none among branches, whose keys are not
     gathered) and its own (causal), and the stable sort merges them as in
     `_sharded_topk`."""
@@ -373,18 +374,19 @@ def _round_topk(
     local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(round_.start)))
     queries, weights_of = (gather_round(t, 0, round_, shard.group) for t in (query, weights))
     shares = [_padded(*_best(q, w, local, own[:0], scale, k), k + 1) for q, w in zip(queries, weights_of)]
-    best = torch.stack([padded_to(b, 0, round_.longest, -math.inf) for b, _ in shares])  # [W chunks, longest, k + 1]
-    positions = torch.stack([padded_to(shard.to_global(p), 0, round_.longest) for _, p in shares])
-    ranks = dist.get_world_size(shard.group)
-    gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(ranks)]
-    dist.all_gather([b for b, _ in gathered], best, group=shard.group)
-    dist.all_gather([p for _, p in gathered], positions, group=shard.group)
-    mine, n = round_.index, query.shape[0]
+    # every chunk's candidates from this rank's share, stacked in the order of the chunks' ranks: the
+    # all-to-all sends each to its chunk's rank, which receives every rank's for its own chunk, in rank order
+    best = by_rank([padded_to(b, 0, round_.longest, -math.inf) for b, _ in shares], round_)  # [W, longest, k + 1]
+    positions = by_rank([padded_to(shard.to_global(p), 0, round_.longest) for _, p in shares], round_)
+    got_best, got_positions = torch.empty_like(best), torch.empty_like(positions)
+    dist.all_to_all_single(got_best, best, group=shard.group)
+    dist.all_to_all_single(got_positions, positions, group=shard.group)
+    n = query.shape[0]
     keys = [] if round_.branches else gather_round(own, 0, round_, shard.group)
     before = torch.cat([own[:0], *keys[:round_.before]])  # the round's index keys before this chunk
     round_best, round_positions = _best(query, weights, before, own, scale, k)
-    scores = torch.cat([*(b[mine, :n] for b, _ in gathered), round_best], -1)
-    picked = torch.cat([*(p[mine, :n] for _, p in gathered), round_positions + round_.start], -1)
+    scores = torch.cat([*got_best[:, :n], round_best], -1)
+    picked = torch.cat([*got_positions[:, :n], round_positions + round_.start], -1)
     return _merged_selection(scores, picked, k)
 
 
