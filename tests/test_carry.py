@@ -72,9 +72,9 @@ def test_hybrid_parity_with_short_spans(mode, monkeypatch):
 
 
 class _OneStep:
-    """What `CarryStep.forward` reads of a StepContext outside a capture round."""
+    """What `CarryStep.forward` reads of a StepContext outside a prompt round."""
 
-    round = None
+    prompt_round = None
 
     def __init__(self, carry: torch.Tensor) -> None:
         self.carry, self.kept = carry, None
