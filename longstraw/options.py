@@ -99,8 +99,9 @@ class Options:
     the prompt's per-position state (attention K/V, and its gradient in
     exact mode) over its ranks, whole prompt chunks dealt so that
     positions and attention work balance. Every rank calls the compiled
-    loss with the same inputs and weights (checked), runs every step and
-    gets the whole gradient: none is to be reduced across the group. The
+    loss with the same inputs and weights (checked), and gets the whole
+    gradient: none is to be reduced across the group. The ranks divide the
+    prompt's chunks and the branches among them in rounds, one each. The
     planner plans one rank's peak (the largest share of the state). Every
     built-in state kind: causal attention (padding masks over one run of
     keys), MLA, DSA and carries (`longstraw/context_parallel.py`)."""

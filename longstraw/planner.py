@@ -189,8 +189,9 @@ class MemoryModel:
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,
         dtype: torch.dtype | None = None, budget: int | None = None, ranks: int = 1,
     ) -> MemoryPlan:
-        """The peak for these sizes; over `ranks`, one rank's (every rank runs
-        every step, so the activations are one process's)."""
+        """The peak for these sizes; over `ranks`, one rank's (a rank runs one
+        step at a time, as one process does, so the activations are one
+        process's; the rounds' gathers are not counted)."""
         scale = _scale(self.float_dtype, dtype)
         chunk = min(chunk, max(P - 1, 1))
         activations = self.activations(mode, chunk, recompute, device, dtype)
