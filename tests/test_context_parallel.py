@@ -269,6 +269,14 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         return ctx
 
     runtime.StepContext = recording_steps
+    sums = []  # one per `summed_over_ranks` a backward opened (`RankParts`)
+    summed_over_ranks = runtime.summed_over_ranks
+
+    def counting_sums(*args, **kwargs):
+        sums.append(1)
+        return summed_over_ranks(*args, **kwargs)
+
+    runtime.summed_over_ranks = counting_sums
     state_module.PromptState.__init__ = recording
     state_module.PromptState.allocate_grads = recording_grads
     context_parallel.merge_partials = counting
@@ -283,6 +291,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         rounds.clear()
         round_steps.clear()
         branch_steps.clear()
+        sums.clear()
         model = _model(case.model)
         backend = _backend(case, dist.group.WORLD)
         loss_fn, inputs = case.loss_and_inputs()
@@ -294,6 +303,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         res[case.name + " round steps"] = tuple({offset for grad, offset in round_steps if grad == reverse}
                                                 for reverse in (False, True))
         res[case.name + " branch steps"] = (branch_steps.count(False), branch_steps.count(True))
+        res[case.name + " sums"] = len(sums)
         if case in PLANNED:  # what the planner predicts for one rank, against what this rank held
             held_bytes = sum(held)
             plan = longstraw.explain(loss_fn, model, *inputs, options=backend.options).plan(P=case.P)
@@ -403,6 +413,10 @@ def test_step_matches_one_process(world, tmp_path):
             rounds_of_rows = sum(-(-rows // world) for rows in case.prompts or (case.G,))
             stages = 2 if case.reference else 1
             assert results[rank][case.name + " branch steps"] == (stages * rounds_of_rows, rounds_of_rows), case.name
+            # each group's divided steps summed once: the branches and the prompt's rounds together, unless
+            # chunks every rank replays come between them (exact mode, chunks after the last whole round)
+            per_group = 2 if case.mode == "exact" and expected[1] else 1
+            assert results[rank][case.name + " sums"] == per_group * len(case.prompts or (case.G,)), case.name
         if case.host and not case.layerwise:  # the reverse pass read the capture's outputs: fewer merges
             without = dataclasses.replace(case, host=False)  # (with verify_state, as layerwise, it attends to compare)
             for rank in range(world):
