@@ -165,7 +165,7 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json", "cp_bench_dense_d_h200.json", "cp_bench_dense_f_h200.json",
                           "cp_bench_dense_g_h200.json", "cp_bench_dense_i_h200.json"],
                 "hybrid": ["cp_bench_hybrid_a_h200.json", "cp_bench_hybrid_b_h200.json", "cp_bench_hybrid_c_h200.json",
-                           "cp_bench_hybrid_e_h200.json"]}
+                           "cp_bench_hybrid_e_h200.json", "cp_bench_hybrid_f_h200.json"]}
 
 
 @pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))
