@@ -430,12 +430,12 @@ def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype:
             conv = next((x for x in rest if x in ("auto", "torch")), options["kernels"]["causal_conv"])
             if not go(time.perf_counter() - started <= args.budget_s):
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
-                continue
-            run_options = {**options, "kernels": {"causal_conv": conv}}
-            if chunk:
-                run_options["prefix_chunk_size"] = int(chunk[0])
-            result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
-                                          diagnose=diagnose))
+            else:
+                run_options = {**options, "kernels": {"causal_conv": conv}}
+                if chunk:
+                    run_options["prefix_chunk_size"] = int(chunk[0])
+                result["runs"].append(one_run(model, args.layers, mode, int(P), args.G, args.R, run_options, device,
+                                              diagnose=diagnose))
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(result, indent=1))
             if result["runs"][-1].get("error", "").startswith("Stopped"):
