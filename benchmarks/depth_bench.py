@@ -383,19 +383,24 @@ def main() -> None:
 
 def run_ranks(args: argparse.Namespace, result: dict, dtype: torch.dtype, options: dict) -> None:
     """`run_all` on `--ranks` processes with the prompt state sharded over
-    them; `--out` gets rank 0's runs with every rank's peak, also when a
-    rank failed (the runs every rank finished)."""
+    them; `--out` gets the first recorded rank's runs with every recorded
+    rank's peak, also when a rank failed (the runs every recorded rank
+    finished; `ranks_without_record` names the ranks that ended before
+    recording any, e.g. when another's failure closed the group)."""
     try:
         spawn(_rank_worker, args.ranks, args, result, dtype, options)
     finally:
         paths = [Path(f"{args.out}.rank{r}") for r in range(args.ranks)]
-        per_rank = [json.loads(p.read_text()) for p in paths if p.exists()]
-        if len(per_rank) == args.ranks:
-            result.update(per_rank[0])
-            result["runs"] = result["runs"][:min(len(r["runs"]) for r in per_rank)]
+        per_rank = {r: json.loads(p.read_text()) for r, p in enumerate(paths) if p.exists()}
+        if per_rank:
+            result.update(per_rank[min(per_rank)])
+            result["runs"] = result["runs"][:min(len(r["runs"]) for r in per_rank.values())]
+            result["ranks_without_record"] = [r for r in range(args.ranks) if r not in per_rank]
             for i, run in enumerate(result["runs"]):
+                errors = {r: got["runs"][i].get("error") for r, got in per_rank.items()}
+                run["errors_per_rank"] = {r: error for r, error in errors.items() if error}
                 if "peak_gb" in run:
-                    run["peak_gb_per_rank"] = [r["runs"][i]["peak_gb"] for r in per_rank]
+                    run["peak_gb_per_rank"] = [got["runs"][i]["peak_gb"] for got in per_rank.values()]
                     run["peak_gb"] = max(run["peak_gb_per_rank"])
             Path(args.out).write_text(json.dumps(result, indent=1))
         for path in paths:

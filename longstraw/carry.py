@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from typing import Callable, Hashable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .context_parallel import gather_round
 from .errors import LongStrawError
@@ -213,8 +212,8 @@ def _round_forward(
     price of running the operator W times; what feeds it (the projections
     around it) is computed once, by the chunk's rank. Under autograd (the
     reverse pass) also the carry at each chunk's start, for `_round_grads`."""
-    round_, group = step.round, step.state.shard.group
-    gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
+    round_, ranks = step.round, step.state.shard.ranks
+    gathered = [None if dim is None else gather_round(x, dim, round_, ranks) for x, dim in zip(inputs, kernel.token_dims[1:])]
     carries = [step.state.carry_at(slot, round_.start)]
     mine = None
     for j, (offset, length) in enumerate(round_.chunks):
@@ -224,7 +223,11 @@ def _round_forward(
         carries.append(carry)
         if j == round_.index:
             mine = out, carry
-    return *mine, carries[:-1] if step.grad_enabled else None
+    if not step.grad_enabled:
+        return *mine, None
+    # copies of views (a conv's tail, sliced from the chunk's concatenated inputs): kept on the
+    # autograd context through the chunk's backward, a view would keep a chunk-sized storage per layer
+    return *mine, [c.clone() if c._base is not None else c for c in carries[:-1]]
 
 
 def _round_grads(
@@ -241,11 +244,11 @@ def _round_grads(
     gradients (a weight's too: the other chunks' parts are theirs, summed
     over the ranks with the parameters) and returns the gradient of the
     carry at the round's start, the same on every rank."""
-    round_, group = step.round, step.state.shard.group
-    gathered = [None if dim is None else gather_round(x, dim, round_, group) for x, dim in zip(inputs, kernel.token_dims[1:])]
-    outs = gather_round(grad_out, kernel.token_dims[0], round_, group)
+    round_, ranks = step.round, step.state.shard.ranks
+    gathered = [None if dim is None else gather_round(x, dim, round_, ranks) for x, dim in zip(inputs, kernel.token_dims[1:])]
+    outs = gather_round(grad_out, kernel.token_dims[0], round_, ranks)
     ends = [torch.empty_like(grad_carry) for _ in round_.chunks]
-    dist.all_gather(ends, grad_carry.contiguous(), group=group)
+    ranks.all_gather(ends, grad_carry.contiguous())
     d_carry, mine = None, [None] * len(inputs)
     for j in reversed(range(len(round_.chunks))):
         end = ends[round_.owners[j]] if d_carry is None else ends[round_.owners[j]] + d_carry

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
 from longstraw.options import Options
+from longstraw.ranks import Ranks
 from longstraw.state import ChunkRound, PromptState, StepContext
 
 
@@ -70,7 +71,7 @@ def sharded_attention(
             "sharded_attention: q [B, Hq, n, D] with Hq a multiple of Hkv, k and v [B, Hkv, m, D]; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    return _ShardedAttention.apply(q, k, v, group, scale)
+    return _ShardedAttention.apply(q, k, v, Ranks(group), scale)
 
 
 class _ShardedAttention(torch.autograd.Function):
@@ -79,11 +80,11 @@ class _ShardedAttention(torch.autograd.Function):
     merged output and log-sum-exp, dQ all-reduced."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, ranks, scale):
         qc = q.to(compute_dtype(q))  # the partial output stays in the compute dtype until merged
         out, lse = MATH.forward(qc, k, v, None, scale, k.shape[-2])  # q_start past every key: no mask
-        out, lse = merge_partials(out, lse, group)
-        ctx.group, ctx.scale, ctx.dtype = group, scale, q.dtype
+        out, lse = merge_partials(out, lse, ranks)
+        ctx.ranks, ctx.scale, ctx.dtype = ranks, scale, q.dtype
         ctx.save_for_backward(qc, k, v, out, lse)
         return out.to(q.dtype)
 
@@ -101,50 +102,36 @@ class _ShardedAttention(torch.autograd.Function):
             grad_q += gq
             grad_k.narrow(-2, start, length).copy_(gk)
             grad_v.narrow(-2, start, length).copy_(gv)
-        dist.all_reduce(grad_q, group=ctx.group)
+        ctx.ranks.all_reduce(grad_q)
         return grad_q.to(ctx.dtype), grad_k, grad_v, None, None
 
 
-def merge_partials(
-    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranks' partials (out [B, Hq, n, D], lse [B, Hq, n]) merged by
     log-sum-exp: weights exp(lse_r - max_r lse_r), shifted by the maximum so
     that none overflows; an empty shard's lse is -inf, weight 0."""
-    top, sums = _weighted(out, lse, group)
-    dist.all_reduce(sums, group=group)
+    top, sums = _weighted(out, lse, ranks)
+    ranks.all_reduce(sums)
     return _normalised(sums, top)
 
 
-def merge_scattered(
-    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_scattered(out: torch.Tensor, lse: torch.Tensor, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
     """`merge_partials` of a round's partials: out [W, ..., D] and lse
     [W, ...] hold this rank's partial for every rank's queries, in rank
     order, and each rank gets its own merged [1, ..., D] and [1, ...]. The
     largest log-sum-exp by an all-reduce (no D), the weighted sums by a
     reduce-scatter: over NCCL 1/W of an all-reduce's data."""
-    top, sums = _weighted(out, lse, group)
+    top, sums = _weighted(out, lse, ranks)
     mine = sums.new_empty(1, *sums.shape[1:])
-    reduce_scatter(mine, sums, group)
-    rank = dist.get_rank(group)
-    return _normalised(mine, top[rank:rank + 1])
+    ranks.reduce_scatter(mine, sums)
+    return _normalised(mine, top[ranks.rank:ranks.rank + 1])
 
 
-def reduce_scatter(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Sum `stacked` [W, ...] over the ranks; rank r receives row r in
-    `output` [1, ...]. `reduce_scatter_single` where this PyTorch has it
-    (2.13 deprecates `reduce_scatter_tensor`, warning on every call)."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, stacked, group=group)
-
-
-def _weighted(
-    out: torch.Tensor, lse: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _weighted(out: torch.Tensor, lse: torch.Tensor, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest log-sum-exp over the ranks, and this rank's partial
     weighted by it: [out * w, w] as one tensor, so one collective sums both."""
     top = lse.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    ranks.all_reduce(top, dist.ReduceOp.MAX)
     top = torch.where(top.isneginf(), 0.0, top)  # rows no rank has a key for
     weight = torch.exp(lse - top)
     return top, torch.cat([out * weight[..., None], weight[..., None]], dim=-1)
@@ -171,9 +158,12 @@ class PromptShard:
     index ("local") grows with the position and the share's positions in
     any interval `[a, b)` are one run of buffer indices."""
 
-    group: dist.ProcessGroup | None
-    rank: int
+    ranks: Ranks
     chunks: tuple[tuple[tuple[int, int], ...], ...]  # per rank: its chunks (offset, length), in position order
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
 
     @property
     def size(self) -> int:
@@ -226,12 +216,12 @@ class PromptShard:
             shape = list(local.shape)
             shape[token_dim] = length
             chunk = torch.empty(shape, dtype=local.dtype, device=local.device)
-        dist.broadcast(chunk, group_src=owner, group=self.group)
+        self.ranks.broadcast(chunk, owner)
         return chunk
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None, chunks: Sequence[tuple[int, int]]) -> "PromptShard":
-        return cls(group, dist.get_rank(group), assign_chunks(chunks, dist.get_world_size(group)))
+    def of(cls, ranks: Ranks, chunks: Sequence[tuple[int, int]]) -> "PromptShard":
+        return cls(ranks, assign_chunks(chunks, ranks.size))
 
 
 def assign_chunks(chunks: Sequence[tuple[int, int]], world: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -337,7 +327,7 @@ class _ShardedCausalAttention(torch.autograd.Function):
                                              shard_v.narrow(-2, start, length), out, lse, None, scale, end - begin, start)
                 grad_q += gq
                 ctx.keys.accumulate(step, gk, gv, begin + start)
-        dist.all_reduce(grad_q, group=step.state.shard.group)
+        step.state.shard.ranks.all_reduce(grad_q)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
         _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, first, last, grad_q, grad_k, grad_v)
         return None, grad_q.to(q.dtype), grad_k, grad_v, None, None, None, None
@@ -354,11 +344,11 @@ def padded_to(t: torch.Tensor, dim: int, length: int, fill: float = 0.0) -> torc
     return torch.cat([t, t.new_full(shape, fill)], dim)
 
 
-def gather_round(t: torch.Tensor, dim: int, round_: ChunkRound, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+def gather_round(t: torch.Tensor, dim: int, round_: ChunkRound, ranks: Ranks) -> list[torch.Tensor]:
     """Every rank's `t` (its chunk of the round along `dim`), in position order."""
     t = padded_to(t, dim, round_.longest).contiguous()
     gathered = [torch.empty_like(t) for _ in round_.chunks]
-    dist.all_gather(gathered, t, group=group)
+    ranks.all_gather(gathered, t)
     return [gathered[rank].narrow(dim, 0, n) for rank, (_, n) in zip(round_.owners, round_.chunks)]
 
 
@@ -388,11 +378,8 @@ class _RoundAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step, q, k, v, keys, scale, first, last):
         kernel = kernel_for(q, None)
-        round_, group = step.round, step.state.shard.group
-        span = torch.tensor([first, last], device=q.device)
-        spans = [torch.empty_like(span) for _ in round_.chunks]
-        dist.all_gather(spans, span, group=group)
-        spans = [(int(spans[rank][0]), int(spans[rank][1])) for rank in round_.owners]  # per chunk, in position order
+        spans = step.state.shard.ranks.ints([first, last], q.device)
+        spans = [(spans[rank][0], spans[rank][1]) for rank in step.round.owners]  # per chunk, in position order
         out, lse = _kept_in_round(step, keys.slot, lambda: _round_merged(step, kernel, q, k, v, keys, scale, spans))
         ctx.step, ctx.keys, ctx.scale, ctx.kernel, ctx.spans = step, keys, scale, kernel, spans
         ctx.save_for_backward(q, k, v, out, lse)
@@ -406,11 +393,11 @@ class _RoundAttention(torch.autograd.Function):
         mine, (offset, _) = round_.index, round_.chunks[round_.index]
         grad_out = grad_out.contiguous()
         d = q.shape[-1]
-        lses = gather_round(lse, -1, round_, shard.group)
+        lses = gather_round(lse, -1, round_, shard.ranks)
         # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
         grad_qs = torch.zeros(len(round_.chunks), *q.shape[:-2], round_.longest, d, dtype=compute_dtype(q), device=q.device)
         grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
-        rows = gathered_rows(q, grad_out, out, round_, shard.group)
+        rows = gathered_rows(q, grad_out, out, round_, shard.ranks)
         for i, ((first, last), (qi, gi, oi), row_lse) in enumerate(zip(ctx.spans, rows, lses)):
             grad_qi = grad_qs[round_.owners[i]].narrow(-2, 0, qi.shape[-2])
             begin, end = shard.local_range(first, min(last, round_.start))
@@ -433,19 +420,19 @@ class _RoundAttention(torch.autograd.Function):
         _own_backward(step, kernel, grad_out, q, k, v, out, lse, scale, *ctx.spans[mine],
                       grad_qs[shard.rank].narrow(-2, 0, q.shape[-2]), grad_k, grad_v)
         grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
-        reduce_scatter(grad_q, grad_qs, shard.group)
+        shard.ranks.reduce_scatter(grad_q, grad_qs)
         return None, grad_q[0].narrow(-2, 0, q.shape[-2]).to(q.dtype), grad_k, grad_v, None, None, None, None
 
 
 def gathered_rows(
-    q: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor, round_: ChunkRound, group: dist.ProcessGroup | None
+    q: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor, round_: ChunkRound, ranks: Ranks
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Every chunk's queries, output gradients and outputs ([..., n, D],
     positions at -2) of a round, in one all-gather: what a round's backward
     needs where the keys are. Each chunk's are made contiguous as it is
     reached."""
     d, dv = q.shape[-1], out.shape[-1]
-    for row in gather_round(torch.cat([q, grad_out.to(q.dtype), out], -1), -2, round_, group):
+    for row in gather_round(torch.cat([q, grad_out.to(q.dtype), out], -1), -2, round_, ranks):
         yield tuple(row[..., a:b].contiguous() for a, b in ((0, d), (d, d + dv), (d + dv, d + 2 * dv)))
 
 
@@ -457,20 +444,20 @@ def _round_merged(
     dtype), `spans` the key interval of each chunk of the round."""
     shard, round_ = step.state.shard, step.round
     compute = compute_dtype(q)
-    queries = gather_round(q, -2, round_, shard.group)
+    queries = gather_round(q, -2, round_, shard.ranks)
     outs, lses = [], []
     for query, (first, last) in zip(queries, spans):
         begin, end = shard.local_range(first, min(last, round_.start))
         out, lse = _partial_over_share(step, kernel, query, v, keys, scale, begin, end)
         outs.append(padded_to(out[0], -2, round_.longest))
         lses.append(padded_to(lse[0], -1, round_.longest, float("-inf")))
-    out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), shard.group)
+    out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), shard.ranks)
     n, mine = q.shape[-2], round_.index
     out, lse = out[..., :n, :], lse[..., :n]
     first, last = spans[mine]
     skip = max(first - round_.start, 0)  # the round's keys before this chunk that the interval leaves out
     if not round_.branches:  # the round's chunks before this one (gathered on every rank: a collective)
-        round_k, round_v = (gather_round(t, -2, round_, shard.group) for t in (k, v))
+        round_k, round_v = (gather_round(t, -2, round_, shard.ranks) for t in (k, v))
         if step.offset - round_.start > skip:
             before_k, before_v = (torch.cat(t[:round_.before], -2)[..., skip:, :] for t in (round_k, round_v))
             part, part_lse = kernel.forward(q, before_k, before_v, None, scale, before_k.shape[-2])
@@ -486,7 +473,7 @@ def _merged(
     """`_ShardedCausalAttention`'s output and log-sum-exp: the shards'
     partials merged across the ranks, then with the step's own keys."""
     out, lse = _partial_over_share(step, kernel, q, v, keys, scale, *_shard_range(step, first, last))
-    out, lse = merge_partials(out, lse, step.state.shard.group)
+    out, lse = merge_partials(out, lse, step.state.shard.ranks)
     out, total = merge_with_own(out, lse, *_own_partial(step, kernel, q, k, v, scale, first, last))
     return out.to(q.dtype), total
 
@@ -569,7 +556,7 @@ def _kept_or_merged(
     if prompt_chunk and step.grad_enabled and kept.has(slot, step.offset):
         owner = shard.owner(step.offset)
         stored = kept.get(slot, step.offset) if owner == shard.rank else None
-        stored = _broadcast_pair(stored, q, v, owner, shard.group)
+        stored = _broadcast_pair(stored, q, v, owner, shard.ranks)
         _verify_kept(step, slot, stored, merged)
         return stored
     out, lse = merged()
@@ -614,8 +601,7 @@ def _verify_kept(
 
 
 def _broadcast_pair(
-    pair: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, v: torch.Tensor, owner: int,
-    group: dist.ProcessGroup | None,
+    pair: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, v: torch.Tensor, owner: int, ranks: Ranks
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A kept entry (output, log-sum-exp, as `_merged` gives them for `q`
     and `v`) from `owner` to every rank; the others receive it into new tensors."""
@@ -623,7 +609,7 @@ def _broadcast_pair(
         pair = (q.new_empty(*q.shape[:-1], v.shape[-1]),
                 torch.empty(q.shape[:-1], dtype=compute_dtype(q), device=q.device))
     for t in pair:
-        dist.broadcast(t, group_src=owner, group=group)
+        ranks.broadcast(t, owner)
     return pair
 
 
@@ -649,7 +635,7 @@ def _own_parts(step: StepContext, first: int, last: int) -> list[tuple[slice, in
     return parts
 
 
-def raise_together(error: Exception | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+def raise_together(error: Exception | None, ranks: Ranks, device: torch.device) -> None:
     """Raise the error of the lowest rank that has one, on every rank.
 
     A check that reads this rank's share (`verify_state`, `check_finite`)
@@ -657,21 +643,18 @@ def raise_together(error: Exception | None, group: dist.ProcessGroup | None, dev
     ranks waiting in the step's next collective until the group's timeout.
     Every rank calls this at the same point of the step: an all-reduce
     finds the first failing rank, which sends its error to the others."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    first = torch.tensor([world if error is None else rank], device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-    source = int(first)
-    if source == world:
+    failing = [rank for rank, (failed,) in enumerate(ranks.ints([error is not None], device)) if failed]
+    if not failing:
         return
-    sent = [error]
-    dist.broadcast_object_list(sent, group_src=source, group=group, device=device)
-    if rank != source:
-        sent[0].add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
-    raise sent[0]
+    source = failing[0]
+    error = ranks.object_from(error, source, device)
+    if ranks.rank != source:
+        error.add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
+    raise error
 
 
 @contextlib.contextmanager
-def summed_over_ranks(leaves: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> Iterator[None]:
+def summed_over_ranks(leaves: Sequence[torch.Tensor], ranks: Ranks) -> Iterator[None]:
     """Gradients that each rank computes a part of inside this block (the
     reverse pass's rounds: each rank differentiates its own chunk) are
     summed over the group at its end; what the leaves' `.grad` held before
@@ -682,11 +665,11 @@ def summed_over_ranks(leaves: Sequence[torch.Tensor], group: dist.ProcessGroup |
     if not leaves:
         yield
         return
-    if dist.get_rank(group) != 0:
+    if ranks.rank != 0:
         for leaf in leaves:
             leaf.grad = None
     yield
-    for leaf, grad in zip(leaves, _summed([leaf.grad for leaf in leaves], leaves, group)):
+    for leaf, grad in zip(leaves, _summed([leaf.grad for leaf in leaves], leaves, ranks)):
         leaf.grad = grad
 
 
@@ -697,39 +680,38 @@ def summed_carry_grads(state: PromptState, position: int) -> None:
     grads = state.carry_grads
     slots = sorted(grads)
     summed = _summed([grads[i].get(position) for i in slots], [state.carry_at(i, position) for i in slots],
-                     state.shard.group)
+                     state.shard.ranks)
     for i, grad in zip(slots, summed):
         if grad is not None:
             grads[i][position] = grad
 
 
 def _summed(
-    tensors: Sequence[torch.Tensor | None], likes: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+    tensors: Sequence[torch.Tensor | None], likes: Sequence[torch.Tensor], ranks: Ranks
 ) -> list[torch.Tensor | None]:
     """Each of `tensors` summed over the ranks (one all-reduce each), zeros
     for a rank that has none (None where no rank has one), so every rank
     calls the same collectives."""
     if not likes:
         return []
-    held = torch.tensor([t is not None for t in tensors], dtype=torch.int32, device=likes[0].device)
-    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=group)
+    held = [any(column) for column in zip(*ranks.ints([t is not None for t in tensors], likes[0].device))]
     out: list[torch.Tensor | None] = []
-    for t, like, some in zip(tensors, likes, held.tolist()):
+    for t, like, some in zip(tensors, likes, held):
         if not some:
             out.append(None)
             continue
         sent = torch.zeros_like(like) if t is None else t if t.is_contiguous() else t.contiguous()
-        dist.all_reduce(sent, group=group)
+        ranks.all_reduce(sent)
         out.append(sent)
     return out
 
 
-def all_gathered(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> list[list[torch.Tensor]]:
+def all_gathered(tensors: Sequence[torch.Tensor], ranks: Ranks) -> list[list[torch.Tensor]]:
     """Every rank's `tensors` (the same shapes on every rank), per rank in rank order."""
-    per_rank: list[list[torch.Tensor]] = [[] for _ in range(dist.get_world_size(group))]
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(ranks.size)]
     for t in tensors:
         gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in per_rank]
-        dist.all_gather(gathered, t.contiguous(), group=group)
+        ranks.all_gather(gathered, t.contiguous())
         for mine, got in zip(per_rank, gathered):
             mine.append(got)
     return per_rank

@@ -39,8 +39,8 @@ from .context_parallel import assign_chunks
 from .depth import Depth
 from .nodes import tensor_of
 from .simulation import (
-    float_dtype, sampled_chunks, simulate_phases, simulate_step, step_depth, steps_without_middle, tensor_bytes,
-    traced_prefix_len,
+    float_dtype, sampled_chunks, sampled_rounds, simulate_phases, simulate_step, step_depth, steps_without_middle,
+    tensor_bytes, traced_prefix_len,
 )
 from .state import boundaries_on_host, chunk_count, chunk_schedule
 
@@ -146,39 +146,46 @@ class MemoryModel:
         state_grad = int(per_position * (prompt if ranks == 1 else held)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad
 
-    def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None) -> int:
+    def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None,
+                    ranks: int = 1) -> int:
         """A simulated step's peak at the traced sizes, less what the formula
         counts there. Activations grow with P only until attention's key
         blocks reach their cap (a block of keys per kernel call), so a
         simulation at a prompt up to twice as long as this one is reused: it
         holds at least as much. A training loop over many prompt lengths
         simulates a candidate only when a prompt is longer than every
-        simulated one or less than half of it."""
+        simulated one or less than half of it. Over `ranks`, one rank's
+        (`simulation.simulate_phases`), less its share of the state."""
         chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
-        simulated = self._activations.setdefault((mode, chunk, recompute, str(device), dtype, self._context), {})
+        key = (mode, chunk, recompute, str(device), dtype, ranks, self._context)
+        simulated = self._activations.setdefault(key, {})
         longer = [p for p in simulated if self.prompt_len <= p < 2 * self.prompt_len]
         if longer:
             return simulated[min(longer)]
-        peak = self.simulated_peak(mode, chunk, recompute, device, dtype)
+        peak = self.simulated_peak(mode, chunk, recompute, device, dtype, ranks)
         scale = _scale(self.float_dtype, dtype)
         known = int((self.weights + self.grads) * scale)
-        chunks = len(sampled_chunks(chunk_schedule(self.prompt_len, chunk)))
-        known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, chunks))
+        schedule = chunk_schedule(self.prompt_len, chunk)
+        rounds = ranks > 1 and self.plan.runner.runs_rounds
+        run = sampled_rounds(schedule, ranks) if rounds else sampled_chunks(schedule)  # what the simulation ran
+        known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, len(run), ranks))
         simulated[self.prompt_len] = max(peak - known, 0)
         return simulated[self.prompt_len]
 
     def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
-                       dtype: torch.dtype | None) -> int:
-        """The simulated step's peak: extrapolated from two and three periods
-        of layers where there are at least `EXTRAPOLATE_FROM` periods."""
+                       dtype: torch.dtype | None, ranks: int = 1) -> int:
+        """The simulated step's peak (over `ranks`, one rank's): extrapolated
+        from two and three periods of layers where there are at least
+        `EXTRAPOLATE_FROM` periods."""
         depth = self.depth
         if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
             cut = [steps_without_middle(self.plan, depth, k) for k in (2, 3)]
             if None not in cut:
-                two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, steps) for steps in cut)
+                two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, steps, ranks)
+                              for steps in cut)
                 if two.keys() == three.keys():
                     return max(two[p] + (three[p] - two[p]) * (depth.periods - 2) for p in two)
-        return simulate_step(self.plan, mode, chunk, recompute, device, dtype)
+        return simulate_step(self.plan, mode, chunk, recompute, device, dtype, ranks)
 
     @functools.cached_property
     def depth(self) -> Depth | None:
@@ -189,12 +196,11 @@ class MemoryModel:
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,
         dtype: torch.dtype | None = None, budget: int | None = None, ranks: int = 1,
     ) -> MemoryPlan:
-        """The peak for these sizes; over `ranks`, one rank's (a rank runs one
-        step at a time, as one process does, so the activations are one
-        process's; the rounds' gathers are not counted)."""
+        """The peak for these sizes; over `ranks`, the peak of the rank with
+        the largest share (its steps simulated with their rounds' gathers)."""
         scale = _scale(self.float_dtype, dtype)
         chunk = min(chunk, max(P - 1, 1))
-        activations = self.activations(mode, chunk, recompute, device, dtype)
+        activations = self.activations(mode, chunk, recompute, device, dtype, ranks)
         fixed = int(self.weights * scale), int(self.grads * scale)
         state = lambda p: self.state(p, R, mode, chunk, device, scale, ranks=ranks)  # noqa: E731
         fits = lambda p: sum(fixed) + sum(state(p)) + activations <= budget  # noqa: E731

@@ -39,6 +39,7 @@ from .context_parallel import (
     summed_carry_grads, summed_over_ranks,
 )
 from .partition import Partition
+from .ranks import Ranks
 from .recompute import LayerwiseStep
 from .stages import Stage
 from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
@@ -232,8 +233,14 @@ class GroupRunner:
         return ([argument_name(p) for p in self.part.placeholders],
                 [p not in self.part.params for p in self.part.placeholders])
 
-    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
+    def _schedule(self, prefix_len: int) -> list[tuple[int, int]]:
+        """The prompt's chunks, which the shards are dealt from."""
         return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
+
+    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
+        """The chunks the capture and the reverse pass run: the schedule's
+        (a simulation runs some of them)."""
+        return self._schedule(prefix_len)
 
     def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
         """The chunks, with a tqdm bar in tokens/s when `options.progress` asks for one."""
@@ -436,16 +443,16 @@ class GroupRunner:
         verify = self.options.verify_state and real
         graphs = self.options.cuda_graphs and device.type == "cuda" and real
         exact = self.options.prompt_grad == "exact" and backward
-        kept = (HostAttentionOutputs(device, self.options.context_parallel)
+        kept = (HostAttentionOutputs(device, self.ranks)
                 if exact and real and self.options.attention_outputs_on_host else None)
         chunks = self._chunks(group.prefix_len)
-        cp = self.options.context_parallel
+        shard = None if self.ranks is None else PromptShard.of(self.ranks, self._schedule(group.prefix_len))
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept,
                             active=stage.active if len(self.stages) > 1 else None,
-                            shard=None if cp is None else PromptShard.of(cp, chunks))
+                            shard=shard)
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
-        rounds, rest = ([], chunks) if cp is None else self._rounds(state, chunks)
+        rounds, rest = ([], chunks) if self.ranks is None else self._rounds(state, chunks)
         for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "prompt capture")):
             with _noting(f"{what} [{offset}, {offset + length}) (a capture round)"):
                 ctx = StepContext(state, offset, length, grad_enabled=False, round=round_)
@@ -464,6 +471,14 @@ class GroupRunner:
             failure = self._nonfinite(state)
         self._raise(failure, device)
         return state
+
+    @functools.cached_property
+    def ranks(self) -> Ranks | None:
+        """The context-parallel group the steps' collectives run over
+        (`Options.context_parallel`), or None; the planner's simulation
+        sets a `SimulatedRanks`."""
+        group = self.options.context_parallel
+        return None if group is None else Ranks(group)
 
     @functools.cached_property
     def runs_rounds(self) -> bool:
@@ -517,8 +532,8 @@ class GroupRunner:
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
         """Raise a check's failure; under context parallelism on every rank
         at once, since the checks read the rank's own share."""
-        if self.options.context_parallel is not None:
-            raise_together(failure, self.options.context_parallel, device)
+        if self.ranks is not None:
+            raise_together(failure, self.ranks, device)
         elif failure is not None:
             raise failure
 
@@ -589,7 +604,7 @@ class GroupRunner:
             state.allocate_grads()
         branch_len = call.end - prefix_len
         turns = self._branch_turns(state, group, branch_len)
-        parts = RankParts(leaves, None if state.shard is None else state.shard.group)
+        parts = RankParts(leaves, None if state.shard is None else state.shard.ranks)
         if turns[0].round is not None:
             parts.divided()
         for turn in turns:
@@ -678,14 +693,14 @@ class RankParts:
     steps every rank runs alike (the chunks after the last prompt round).
     Consecutive divided steps share one sum. Without a group: nothing."""
 
-    def __init__(self, leaves: list[torch.Tensor], group: Any) -> None:
-        self.leaves, self.group = leaves, group
+    def __init__(self, leaves: list[torch.Tensor], ranks: Ranks | None) -> None:
+        self.leaves, self.ranks = leaves, ranks
         self.open: contextlib.AbstractContextManager | None = None
 
     def divided(self) -> None:
         """The steps from here on give each rank its own part."""
-        if self.group is not None and self.open is None:
-            self.open = summed_over_ranks(self.leaves, self.group)
+        if self.ranks is not None and self.open is None:
+            self.open = summed_over_ranks(self.leaves, self.ranks)
             self.open.__enter__()
 
     def replicated(self) -> None:
@@ -736,7 +751,7 @@ def _seated(turn: BranchTurn, outs: Sequence[torch.Tensor], state: PromptState) 
     branch round every seat's, gathered (a shadow's are dropped)."""
     if turn.round is None:
         return [(turn.row, outs)]
-    return list(zip(turn.seats, all_gathered(outs, state.shard.group)))
+    return list(zip(turn.seats, all_gathered(outs, state.shard.ranks)))
 
 
 def _inputs_named(node: fx.Node) -> str:

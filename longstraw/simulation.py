@@ -7,7 +7,11 @@ mode, samples the bytes of live storages after every operator. Of the
 prompt's chunks it runs those whose memory can differ (`sampled_chunks`):
 the first, and the last two, which see the most earlier positions; the
 chunks between hold what those do, so a step at a million positions costs
-no more to simulate than one at three chunks.
+no more to simulate than one at three chunks. Under context parallelism
+(`ranks`) it runs one rank's steps, the rank with the largest share,
+with `SimulatedRanks` in place of the group: the rounds' gathers and
+partials are allocated as on the device, and nothing is exchanged; of
+the rounds it runs the first and the last two (`sampled_rounds`).
 Flash attention's backward workspace, which fake kernels do not allocate,
 is added where it runs (dK/dV expanded to the query heads, the float32 dQ
 accumulator): the simulation takes its attention kernels from
@@ -28,9 +32,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .carry import recompute_grads, shape_only_spans
+from .context_parallel import assign_chunks
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
+from .ranks import SimulatedRanks
 from .runtime import Group, GroupRunner, around_steps, phase_of
+from .state import chunk_schedule
 from .stepgraph import StepGraph
 
 
@@ -43,13 +50,38 @@ def sampled_chunks(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return chunks if len(chunks) <= 3 else [chunks[0], *chunks[-2:]]
 
 
+def sampled_rounds(chunks: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
+    """`sampled_chunks` for context parallelism's rounds: the chunks of the
+    first round and of the last two (whole rounds, so each keeps its chunks'
+    owners), and the chunks after the last round, which every rank runs."""
+    whole = len(chunks) // world * world
+    if whole <= 3 * world:
+        return chunks
+    return [*chunks[:world], *chunks[whole - 2 * world:]]
+
+
 class _SampledRunner(GroupRunner):
     """The runtime over `sampled_chunks` of the prompt (fake tensors only:
     a skipped chunk leaves its carry unwritten, and `PromptState.carry_at`
-    gives a shape-only run the latest earlier one)."""
+    gives a shape-only run the latest earlier one); with `ranks`, one
+    rank's steps over `sampled_rounds`."""
+
+    def __init__(self, part: Any, options: Any, outer: StepGraph, stages: Any, ranks: SimulatedRanks | None) -> None:
+        super().__init__(part, options, outer, stages)
+        self.ranks = ranks
 
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
-        return sampled_chunks(super()._chunks(prefix_len))
+        chunks = super()._chunks(prefix_len)
+        if self.ranks is not None and self.runs_rounds:
+            return sampled_rounds(chunks, self.ranks.size)
+        return sampled_chunks(chunks)
+
+
+def simulated_rank(prompt: int, chunk: int, world: int) -> int:
+    """The rank whose share of the prompt is the largest (the first of
+    those): the one the planner's per-rank peak is for."""
+    held = [sum(n for _, n in share) for share in assign_chunks(chunk_schedule(prompt, chunk), world)]
+    return held.index(max(held))
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -67,6 +99,7 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.pinned: set[int] = set()  # storages alive to the end (`pin`): counted, never checked again
+        self.pinned_bytes = 0
         self.current = 0
         self.phase = "outside the steps"
         self.peaks: dict[str, int] = {}  # per runtime phase (`runtime.phase_of`)
@@ -89,11 +122,15 @@ class _LiveBytes(TorchDispatchMode):
 
     @contextlib.contextmanager
     def in_step(self, where: str) -> Iterator[None]:
-        """`longstraw.around_steps`: peaks are kept per phase of the runtime."""
+        """`longstraw.around_steps`: peaks are kept per phase of the runtime.
+        What a step freed is dropped as it ends, so that it does not count
+        in the next phase (a branch's float32 logits, freed with the step,
+        were counted outside the steps until the next prune)."""
         previous, self.phase = self.phase, phase_of(where)
         try:
             yield
         finally:
+            self._prune()
             self.phase = previous
 
     def transient(self, nbytes: int) -> None:
@@ -106,6 +143,7 @@ class _LiveBytes(TorchDispatchMode):
         of weights) stay alive to the end: prunes no longer walk them."""
         self._prune()
         self.pinned.update(self.live)
+        self.pinned_bytes = self.current
         self.live.clear()
 
     def _prune(self) -> None:
@@ -116,7 +154,8 @@ class _LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        large = any(t.untyped_storage().nbytes() * 64 > self.current for t in tensors)
+        # large beside what the step holds (not the weights: at full depth they would make nothing large)
+        large = any(t.untyped_storage().nbytes() * 64 > self.current - self.pinned_bytes for t in tensors)
         if large or self.ops % self.PRUNE_EVERY == 0:  # peaks happen at large allocations: be exact there
             self._prune()
         for t in tensors:
@@ -168,12 +207,13 @@ def traced_prefix_len(plan: Any) -> int:
 
 
 def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                  dtype: torch.dtype | None) -> int:
-    """Peak bytes of one step at the traced sizes (at most two branches: the
+                  dtype: torch.dtype | None, ranks: int = 1) -> int:
+    """Peak bytes of one step at the traced sizes (at most two branches, per rank: the
     second replay adds its parameter gradients into the first's; the prompt
     chunks of `sampled_chunks`), run on fake tensors of the example's
-    device with the attention kernels `device` would choose."""
-    return max(simulate_phases(plan, mode, chunk, recompute, device, dtype).values())
+    device with the attention kernels `device` would choose; over `ranks`,
+    one rank's."""
+    return max(simulate_phases(plan, mode, chunk, recompute, device, dtype, ranks=ranks).values())
 
 
 def step_depth(plan: Any) -> Depth | None:
@@ -194,14 +234,16 @@ def steps_without_middle(plan: Any, depth: Depth, periods: int) -> tuple[StepGra
 
 
 def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                    dtype: torch.dtype | None, steps: tuple[StepGraph, StepGraph] | None = None) -> dict[str, int]:
+                    dtype: torch.dtype | None, steps: tuple[StepGraph, StepGraph] | None = None,
+                    ranks: int = 1) -> dict[str, int]:
     """`simulate_step`'s peak per runtime phase (`longstraw.runtime.phase_of`;
     "outside the steps" for the rest), running `steps` (the prompt's and
-    the branch's, e.g. `steps_without_middle`) in place of the plan's."""
+    the branch's, e.g. `steps_without_middle`) in place of the plan's;
+    over `ranks` > 1, the steps of the rank `simulated_rank` names."""
     from longstraw.kernels import attention
 
     part = plan.partition
-    # one process's steps: a rank under context parallelism runs the same ones, its state is the planner's formula
+    # the group (if any) is simulated: `SimulatedRanks` below
     options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False, context_parallel=None)
     live = plan.runner.stages[-1]
@@ -209,7 +251,9 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         stages = plan.runner.stages
     else:  # cut to a few layers: the frozen scoring stage (`stages.py`), if any, is left out of the estimate
         stages = [dataclasses.replace(live, prefix=steps[0], branch=steps[1])]
-    runner = _SampledRunner(part, options, plan.runner.outer, stages)
+    prompt = traced_prefix_len(plan)
+    simulated = None if ranks == 1 else SimulatedRanks(simulated_rank(prompt, chunk, ranks), ranks)
+    runner = _SampledRunner(part, options, plan.runner.outer, stages, simulated)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):
@@ -242,7 +286,8 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
-        group = Group(tuple(range(min(part.group_size, 2))), traced_prefix_len(plan))
+        # two branches (two rounds of them): the second replay adds its gradients into the first's
+        group = Group(tuple(range(min(part.group_size, 2 * ranks))), prompt)
         outputs, call = runner.run(inputs, values, [group], part.end)
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
         grads = runner.backward(call, inputs, grad_outputs)

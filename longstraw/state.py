@@ -28,7 +28,6 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -37,6 +36,7 @@ from .errors import LongStrawError, module_path
 if TYPE_CHECKING:
     from .carry import SpanGraphs
     from .context_parallel import PromptShard
+    from .ranks import Ranks
 
 log = logging.getLogger("longstraw.state")
 
@@ -215,15 +215,15 @@ class HostAttentionOutputs:
     reads is the same in every chunk: it is learned from the first chunk the
     reverse pass reads, and each read starts the copy of the next.
 
-    Under context parallelism (`group`) the outputs are the same on every
+    Under context parallelism (`ranks`) the outputs are the same on every
     rank, so only the rank that holds a chunk keeps its entries; the others
     note that it did (`elsewhere`), and the reverse pass broadcasts them
     from there (`context_parallel._kept_or_merged`). In a round only the
     chunk's rank computes them, keeps them (`keep_round`) and reads them."""
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, device: torch.device, ranks: Ranks | None = None) -> None:
         self.device = device
-        self.group = group
+        self.ranks = ranks
         self.copier = HostCopier(device)
         self.entries: dict[tuple[int, int], Landing] = {}
         self.elsewhere: set[tuple[int, int]] = set()  # entries the chunk's rank keeps (context parallelism)
@@ -238,12 +238,10 @@ class HostAttentionOutputs:
         chunk's rank), which tells the others whether it did: a rank that
         read an entry where another recomputed it would skip collectives
         the other calls."""
-        here = self.group is None or dist.get_rank(self.group) == owner
+        here = self.ranks is None or self.ranks.rank == owner
         fits = here and self._room_for((out, lse), offset)
-        if self.group is not None:
-            flag = torch.tensor([int(fits)], device=self.device)
-            dist.broadcast(flag, group_src=owner, group=self.group)
-            fits = bool(flag)
+        if self.ranks is not None:
+            fits = bool(self.ranks.ints([fits], self.device)[owner][0])
         if fits and here:
             self.entries[slot, offset] = self.copier.to_host((out, lse))
         elif fits:
@@ -253,9 +251,7 @@ class HostAttentionOutputs:
         """Keep this rank's entry of a round (context parallelism), where
         every rank of the round has room for its own: all or none, so that
         the reverse pass's round reads them, or attends, on every rank alike."""
-        flag = torch.tensor([int(self._room_for((out, lse), offset))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if bool(flag):
+        if all(room for (room,) in self.ranks.ints([self._room_for((out, lse), offset)], self.device)):
             self.entries[slot, offset] = self.copier.to_host((out, lse))
 
     def _room_for(self, tensors: tuple[torch.Tensor, ...], offset: int) -> bool:

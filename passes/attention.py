@@ -210,7 +210,7 @@ def attention_step(
         # rank's chunk and not over another's, so the ranks decide together
         keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()
         if masked:
-            raise_together(None if keys is not None else _not_one_run(ctx, k_slot), ctx.state.shard.group, q.device)
+            raise_together(None if keys is not None else _not_one_run(ctx, k_slot), ctx.state.shard.ranks, q.device)
         return round_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale, *keys)
     if ctx.state.shard is not None:
         keys = (0, ctx.offset + ctx.length) if mask is None else mask.key_interval()

@@ -34,11 +34,10 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import (
-    by_rank, gather_round, gathered_rows, merge_partials, merge_scattered, merge_with_own, padded_to, reduce_scatter,
+    by_rank, gather_round, gathered_rows, merge_partials, merge_scattered, merge_with_own, padded_to,
     round_attention, shard_positions, sharded_causal_attention,
 )
 from longstraw.errors import LongStrawError
@@ -347,7 +346,7 @@ class _ShardedLatentOverSelection(torch.autograd.Function):
         rank, n = latent.shape[-1], query.shape[-2]
         shard_keys, shard_index, shard_valid = _shard_picks(step, (latent_slot, rope_slot), rank, positions, valid)
         out, lse = _selected_forward(query, shard_keys, shard_index, shard_valid, rank, scale)
-        out, lse = merge_partials(out.transpose(0, 1), lse.transpose(0, 1), step.state.shard.group)  # [H, n, ...]
+        out, lse = merge_partials(out.transpose(0, 1), lse.transpose(0, 1), step.state.shard.ranks)  # [H, n, ...]
         own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
         own_index, own_valid = (positions - step.offset).clamp(min=0), valid & (positions >= step.offset)
         own, own_lse = _selected_forward(query, own_keys, own_index, own_valid, rank, scale)
@@ -365,7 +364,7 @@ class _ShardedLatentOverSelection(torch.autograd.Function):
         shard_keys, shard_index, shard_valid = _shard_picks(step, ctx.slots, rank, positions, valid)
         grad_shard = torch.zeros(shard_keys.shape, dtype=compute, device=query.device)
         grad_q = _selected_backward(query, shard_keys, shard_index, shard_valid, ctx.scale, grad_out, out, lse, grad_shard)
-        dist.all_reduce(grad_q, group=step.state.shard.group)
+        step.state.shard.ranks.all_reduce(grad_q)
         if step.state.shard.held_before(step.offset) > 0:  # the share holds earlier positions: their d(state)
             LatentKeys(*ctx.slots, rank).accumulate(step, grad_shard.to(shard_keys.dtype)[None, None], None, 0)
         own_keys = torch.cat([latent.reshape(n, rank), rope_key.reshape(n, -1)], -1)
@@ -393,15 +392,15 @@ class _RoundLatentOverSelection(torch.autograd.Function):
     def forward(ctx, step: StepContext, query, latent, rope_key, latent_slot: int, rope_slot: int, scale: float,
                 positions, valid):
         rank, n, round_ = latent.shape[-1], query.shape[-2], step.round
-        group = step.state.shard.group
+        ranks = step.state.shard.ranks
         keys = _held_keys(step, (latent_slot, rope_slot), rank, latent, rope_key)
-        picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
+        picks = gather_round(torch.where(valid, positions, -1), 0, round_, ranks)
         outs, lses = [], []
-        for j, (q, chosen) in enumerate(zip(gather_round(query, -2, round_, group), picks)):
+        for j, (q, chosen) in enumerate(zip(gather_round(query, -2, round_, ranks), picks)):
             out, lse = _selected_forward(q, keys, *_held_picks(step, j, chosen, keys.shape[0] - n), rank, scale)
             outs.append(padded_to(out.transpose(0, 1), 1, round_.longest))  # [H, longest, r]
             lses.append(padded_to(lse.transpose(0, 1), 1, round_.longest, float("-inf")))
-        out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), group)
+        out, lse = merge_scattered(by_rank(outs, round_), by_rank(lses, round_), ranks)
         out, lse = out[:, :, :n].to(query.dtype), lse[0, :, :n].transpose(0, 1)  # [1, H, n, r], [n, H]
         ctx.step, ctx.slots, ctx.scale = step, (latent_slot, rope_slot), scale
         ctx.save_for_backward(query, latent, rope_key, out, lse, positions, valid)
@@ -412,21 +411,21 @@ class _RoundLatentOverSelection(torch.autograd.Function):
         step: StepContext = ctx.step
         query, latent, rope_key, out, lse, positions, valid = ctx.saved_tensors
         rank, n, round_, compute = latent.shape[-1], query.shape[-2], step.round, compute_dtype(query)
-        group = step.state.shard.group
+        ranks = step.state.shard.ranks
         keys = _held_keys(step, ctx.slots, rank, latent, rope_key)
-        picks = gather_round(torch.where(valid, positions, -1), 0, round_, group)
-        lses = gather_round(lse, 0, round_, group)
+        picks = gather_round(torch.where(valid, positions, -1), 0, round_, ranks)
+        lses = gather_round(lse, 0, round_, ranks)
         grad_keys = torch.zeros(keys.shape, dtype=compute, device=query.device)
         # the partial dQs of every chunk's queries, in the order of their ranks (a reduce-scatter's)
         grad_qs = torch.zeros(len(round_.chunks), round_.longest, query.shape[1], query.shape[-1], dtype=compute,
                               device=query.device)
-        rows = gathered_rows(query, grad_out, out, round_, group)
+        rows = gathered_rows(query, grad_out, out, round_, ranks)
         for j, ((q, g, o), row_lse, chosen) in enumerate(zip(rows, lses, picks)):
             index, held = _held_picks(step, j, chosen, keys.shape[0] - n)
             grad_qs[round_.owners[j], :q.shape[-2]] = _selected_backward(q, keys, index, held, ctx.scale, g, o, row_lse,
                                                                            grad_keys)
         grad_q = grad_qs.new_empty(1, *grad_qs.shape[1:])
-        reduce_scatter(grad_q, grad_qs, group)
+        ranks.reduce_scatter(grad_q, grad_qs)
         share = keys.shape[0] - n
         if share > 0:  # this rank's positions before the round: their d(state)
             LatentKeys(*ctx.slots, rank).accumulate(step, grad_keys[:share].to(keys.dtype)[None, None], None, 0)

@@ -39,7 +39,6 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from longstraw.context_parallel import by_rank, gather_round, padded_to, shard_positions
@@ -349,9 +348,9 @@ def _sharded_topk(
     shard = ctx.state.shard
     local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(ctx.offset)))
     best, positions = _padded(*_best(query, weights, local, own[:0], scale, k), k + 1)
-    gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(dist.get_world_size(shard.group))]
-    dist.all_gather([b for b, _ in gathered], best, group=shard.group)
-    dist.all_gather([p for _, p in gathered], shard.to_global(positions), group=shard.group)
+    gathered = [(torch.empty_like(best), torch.empty_like(positions)) for _ in range(shard.ranks.size)]
+    shard.ranks.all_gather([b for b, _ in gathered], best)
+    shard.ranks.all_gather([p for _, p in gathered], shard.to_global(positions))
     own_best, own_positions = _best(query, weights, own[:0], own, scale, k)  # causal among the step's own keys
     scores = torch.cat([*(b for b, _ in gathered), own_best], -1)
     picked = torch.cat([*(p for _, p in gathered), own_positions + ctx.offset], -1)
@@ -372,17 +371,17 @@ def _round_topk(
     `_sharded_topk`."""
     shard, round_ = ctx.state.shard, ctx.round
     local = flat_positions(ctx, index_slot, shard_positions(ctx, index_slot, 0, shard.held_before(round_.start)))
-    queries, weights_of = (gather_round(t, 0, round_, shard.group) for t in (query, weights))
+    queries, weights_of = (gather_round(t, 0, round_, shard.ranks) for t in (query, weights))
     shares = [_padded(*_best(q, w, local, own[:0], scale, k), k + 1) for q, w in zip(queries, weights_of)]
     # every chunk's candidates from this rank's share, stacked in the order of the chunks' ranks: the
     # all-to-all sends each to its chunk's rank, which receives every rank's for its own chunk, in rank order
     best = by_rank([padded_to(b, 0, round_.longest, -math.inf) for b, _ in shares], round_)  # [W, longest, k + 1]
     positions = by_rank([padded_to(shard.to_global(p), 0, round_.longest) for _, p in shares], round_)
     got_best, got_positions = torch.empty_like(best), torch.empty_like(positions)
-    dist.all_to_all_single(got_best, best, group=shard.group)
-    dist.all_to_all_single(got_positions, positions, group=shard.group)
+    shard.ranks.all_to_all(got_best, best)
+    shard.ranks.all_to_all(got_positions, positions)
     n = query.shape[0]
-    keys = [] if round_.branches else gather_round(own, 0, round_, shard.group)
+    keys = [] if round_.branches else gather_round(own, 0, round_, shard.ranks)
     before = torch.cat([own[:0], *keys[:round_.before]])  # the round's index keys before this chunk
     round_best, round_positions = _best(query, weights, before, own, scale, k)
     scores = torch.cat([*got_best[:, :n], round_best], -1)

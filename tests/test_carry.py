@@ -4,6 +4,8 @@ whole step, for both carried operators, and end to end on the hybrid."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import transformers
@@ -13,6 +15,8 @@ from longstraw import carry
 from longstraw.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.passes.causal_conv import causal_conv1d_reference
+from longstraw.ranks import SimulatedRanks
+from longstraw.state import ChunkRound
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
@@ -97,6 +101,38 @@ def test_the_carry_a_step_returns_holds_no_chunk_sized_storage():
     assert new_carry.shape == tail.shape
     assert new_carry.untyped_storage().nbytes() == new_carry.numel() * new_carry.element_size()
     assert_close(new_carry, inputs[0][..., -3:], 0.0)
+
+
+class _RoundStep:
+    """What `CarryStep.forward` reads of a StepContext in a prompt round:
+    rank 0's chunk of two, the group simulated (`SimulatedRanks`: the gathers
+    leave their outputs as allocated, which is all this test reads)."""
+
+    grad_enabled = True
+
+    def __init__(self, carry: torch.Tensor, length: int) -> None:
+        self.prompt_round = self.round = ChunkRound(((0, length), (length, length)), (0, 1), 0)
+        shard = types.SimpleNamespace(ranks=SimulatedRanks(0, 2))
+        self.state = types.SimpleNamespace(shard=shard, carry_at=lambda slot, position: carry)
+
+
+def test_a_round_keeps_no_chunk_sized_storage_for_its_backward():
+    """In a round (context parallelism) every rank runs the operator over
+    the round's chunks and keeps the carry at each chunk's start for the
+    backward, on the autograd context through the chunk's backward: the
+    conv's are slices of each chunk's `cat([tail, x])`, and as views they
+    kept W - 1 chunk-sized tensors per convolution layer (8 GB at 64 layers
+    of Qwen3.5-27B, chunk 8192, two ranks; found by the planner simulating
+    one rank's rounds)."""
+    fn, dims, tail, inputs, _, _ = _conv_case(4096, torch.Generator().manual_seed(0))
+    inputs = [x.requires_grad_() for x in inputs]
+    with torch.enable_grad():
+        out, new_carry = carry.CarryStep.apply(_RoundStep(tail, 4096), 0, carry.CarryKernel(fn, dims), *inputs)
+    kept = out.grad_fn.round_carries
+    assert len(kept) == 2 and kept[0] is tail  # the round's start, then the first chunk's end
+    for value in [*kept, new_carry]:
+        assert value.shape == tail.shape
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
 def _on_cuda(case, seed: int):

@@ -458,6 +458,7 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
     from longstraw.context_parallel import CALLING, PLANNING, agree, raise_together
+    from longstraw.ranks import Ranks
     from longstraw.errors import InputError, LongStrawError
 
     def error_of(run) -> str:
@@ -497,11 +498,11 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
                                                           context_parallel="world")),
         "nan in one share": error_of(lambda: compile_loss(grpo_loss_f64, longstraw.Backend(**cp))(
             poisoned, nan_prompt, responses, advantages, mask)),
-        "no failure": error_of(lambda: raise_together(None, dist.group.WORLD, torch.device("cpu"))),
+        "no failure": error_of(lambda: raise_together(None, Ranks(dist.group.WORLD), torch.device("cpu"))),
         "rank 1 fails": error_of(lambda: raise_together(
-            InputError("rank 1's check") if rank == 1 else None, dist.group.WORLD, torch.device("cpu"))),
+            InputError("rank 1's check") if rank == 1 else None, Ranks(dist.group.WORLD), torch.device("cpu"))),
         "both fail": error_of(lambda: raise_together(
-            LongStrawError(f"rank {rank}'s check"), dist.group.WORLD, torch.device("cpu"))),
+            LongStrawError(f"rank {rank}'s check"), Ranks(dist.group.WORLD), torch.device("cpu"))),
     }
     res["drift"] = _steps_with_rank_1_rounding_apart(rank, cp, prompt, responses, advantages, mask)
     torch._dynamo.reset()  # an explicit causal mask: each capture round's ranks agree it is causal, and attend
@@ -664,13 +665,14 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
 
     from longstraw.context_parallel import PromptShard
     from longstraw.errors import LongStrawError
+    from longstraw.ranks import SimulatedRanks
     from longstraw.state import PromptState, SlotKind, StateSlot, StepContext
 
     node = fx.Graph().placeholder("keys")
     slot = StateSlot(0, SlotKind.SEQUENCE, node, token_dim=2, batch_dim=0, shape=(1, 2, 8, 4), dtype=torch.float64,
                      reason="my_pass:keys")
     state = PromptState([slot], capacity=10, prefix_len=8, device=torch.device("cpu"),
-                        shard=PromptShard(None, 1, (((0, 2), (6, 2)), ((2, 2), (4, 2)))))
+                        shard=PromptShard(SimulatedRanks(1, 2), (((0, 2), (6, 2)), ((2, 2), (4, 2)))))
     assert state.buffers[0].shape == (1, 2, 4, 4)  # positions [2, 6) only
     with pytest.raises(LongStrawError, match="context parallelism: .*my_pass.*needs every earlier position"):
         StepContext(state, 8, 2, grad_enabled=False).visible(0)
@@ -706,12 +708,13 @@ def test_a_share_maps_buffer_indices_to_positions_and_back():
     built position by position, for shares of separated chunks, a short
     last chunk and a rank with no chunk at all."""
     from longstraw.context_parallel import PromptShard, assign_chunks
+    from longstraw.ranks import SimulatedRanks
     from longstraw.state import chunk_schedule
 
     for prompt, world in ((16, 2), (29, 3), (7, 2), (3, 2)):
         held = assign_chunks(chunk_schedule(prompt, 4), world)
         for rank in range(world):
-            shard = PromptShard(None, rank, held)
+            shard = PromptShard(SimulatedRanks(rank, world), held)
             mine = [p for o, n in held[rank] for p in range(o, o + n)]  # buffer index -> position
             assert shard.size == len(mine)
             for position in range(prompt + 1):

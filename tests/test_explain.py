@@ -161,11 +161,13 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 
 
 # benchmarks/context_parallel_bench.py on the H200: two gloo ranks sharing the GPU, so each rank's peak
-# is measured (the allocator's, per process) while their times are not a two-GPU step's
+# is measured (the allocator's, per process) while their times are not a two-GPU step's. Not dense g
+# and hybrid e: there the second rank dropped the branches' gradients, replicated then, for the
+# reverse pass's rounds; the branches run in rounds since, and i and f measure the same steps now.
 H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json", "cp_bench_dense_d_h200.json", "cp_bench_dense_f_h200.json",
-                          "cp_bench_dense_g_h200.json", "cp_bench_dense_i_h200.json"],
+                          "cp_bench_dense_i_h200.json"],
                 "hybrid": ["cp_bench_hybrid_a_h200.json", "cp_bench_hybrid_b_h200.json", "cp_bench_hybrid_c_h200.json",
-                           "cp_bench_hybrid_e_h200.json", "cp_bench_hybrid_f_h200.json"]}
+                           "cp_bench_hybrid_f_h200.json"]}
 
 
 @pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))

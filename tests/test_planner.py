@@ -204,15 +204,67 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
     phases = simulation.simulate_phases
 
     def simulate(*args):
-        simulated.append(len({layer_of(n) for n in args[-1][1].module.graph.nodes} - {None}))
+        simulated.append(len({layer_of(n) for n in args[6][1].module.graph.nodes} - {None}))
         return phases(*args)
 
     monkeypatch.setattr(planner, "simulate_phases", simulate)
     model = planner.MemoryModel(report.group_plan)
     device = torch.device("cpu")
-    extrapolated = model.simulated_peak(mode, 32, recompute, device, None)
-    assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
-    assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None)
+    for ranks in (1, 2):  # also one rank's steps of two (context parallelism's rounds)
+        simulated.clear()
+        extrapolated = model.simulated_peak(mode, 32, recompute, device, None, ranks)
+        assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
+        assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None, ranks)
+
+
+@pytest.mark.parametrize("kind, mode, recompute", [
+    pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow), ("qwen3_5", "detached", False), ("qwen3", "exact", True),
+])
+def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, monkeypatch):
+    """Over two ranks the simulation runs one rank's steps with their
+    rounds (`SimulatedRanks`: the gathers allocate, nothing is exchanged)
+    and of the rounds the first and the last two (`sampled_rounds`); over
+    four rounds and a chunk after them it predicts what running them all
+    does: the same bytes."""
+    from longstraw import planner, simulation
+
+    report = explain(kind)
+    device = torch.device("cpu")
+    chunks = longstraw.state.chunk_schedule(P - 1, 30)
+    assert len(chunks) == 9 and simulation.sampled_rounds(chunks, 2) == chunks[:2] + chunks[4:]
+    sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
+    everything = lambda chunks, world: chunks  # noqa: E731
+    monkeypatch.setattr(simulation, "sampled_rounds", everything)
+    monkeypatch.setattr(planner, "sampled_rounds", everything)
+    full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
+    assert sampled == full, (sampled, full)
+
+
+def test_a_rank_is_simulated_with_its_rounds_collectives(monkeypatch):
+    """`plan(P, ranks=2)` simulates the steps of one rank of two, with no
+    process group: the rounds' collectives (the capture's and the reverse
+    pass's gathers and merges, the branches' outputs) go to
+    `SimulatedRanks`, whose gathers allocate what a rank receives, and
+    the activations are that rank's, not one process's. (Which is larger
+    depends on the kernels: on the CPU the explicit softmax holds scores
+    over every earlier key, and a rank attends over half of them.)"""
+    from longstraw import planner, ranks
+
+    calls = []
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        def counted(self, *args, name=name, original=getattr(ranks.SimulatedRanks, name)):
+            calls.append(name)
+            return original(self, *args)
+        monkeypatch.setattr(ranks.SimulatedRanks, name, counted)
+    assert not torch.distributed.is_initialized()
+    report = explain("qwen3", prefix_chunk_size=32)
+    device = torch.device("cpu")
+    model = planner.MemoryModel(report.group_plan)
+    one = model.activations("exact", 32, False, device, None)
+    assert not calls
+    two = model.activations("exact", 32, False, device, None, ranks=2)  # less each one's share of the state
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= set(calls)
+    assert two != one
 
 
 @pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
