@@ -89,7 +89,8 @@ class _LiveBytes(TorchDispatchMode):
 
     Storages are held by weak reference (autograd keeps tensors alive in
     C++, so Python object lifetimes would undercount). Dead ones are
-    dropped before every large allocation (where peaks happen) and every
+    dropped before every large allocation (where peaks happen; large beside
+    the bytes held above the pinned inputs), when a step ends, and every
     `PRUNE_EVERY` operators otherwise; between two prunes, small storages
     freed meanwhile still count."""
 
