@@ -641,8 +641,9 @@ def raise_together(error: Exception | None, ranks: Ranks, device: torch.device) 
     A check that reads this rank's share (`verify_state`, `check_finite`)
     can fail on one rank alone; raised there alone, it would leave the other
     ranks waiting in the step's next collective until the group's timeout.
-    Every rank calls this at the same point of the step: an all-reduce
-    finds the first failing rank, which sends its error to the others."""
+    Every rank calls this at the same point of the step: a gather of one
+    flag per rank finds the first failing rank, which sends its error to
+    the others."""
     failing = [rank for rank, (failed,) in enumerate(ranks.ints([error is not None], device)) if failed]
     if not failing:
         return
