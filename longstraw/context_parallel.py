@@ -242,6 +242,11 @@ def assign_chunks(chunks: Sequence[tuple[int, int]], world: int) -> tuple[tuple[
     return tuple(tuple(h) for h in held)
 
 
+def held_positions(chunks: Sequence[tuple[int, int]], world: int) -> list[int]:
+    """How many prompt positions each rank holds (`assign_chunks`)."""
+    return [sum(n for _, n in held) for held in assign_chunks(chunks, world)]
+
+
 class ShardKeys(Protocol):
     """Where a sharded attention's earlier keys and values live in the state."""
 

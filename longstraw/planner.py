@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from .context_parallel import assign_chunks
+from .context_parallel import held_positions
 from .depth import Depth
 from .nodes import tensor_of
 from .simulation import (
-    float_dtype, sampled_chunks, sampled_rounds, simulate_phases, simulate_step, step_depth, steps_without_middle,
-    tensor_bytes, traced_prefix_len,
+    float_dtype, simulate_phases, simulate_step, simulated_chunks, step_depth, steps_without_middle, tensor_bytes,
+    traced_prefix_len,
 )
 from .state import boundaries_on_host, chunk_count, chunk_schedule
 
@@ -165,9 +165,7 @@ class MemoryModel:
         peak = self.simulated_peak(mode, chunk, recompute, device, dtype, ranks)
         scale = _scale(self.float_dtype, dtype)
         known = int((self.weights + self.grads) * scale)
-        schedule = chunk_schedule(self.prompt_len, chunk)
-        rounds = ranks > 1 and self.plan.runner.runs_rounds
-        run = sampled_rounds(schedule, ranks) if rounds else sampled_chunks(schedule)  # what the simulation ran
+        run = simulated_chunks(chunk_schedule(self.prompt_len, chunk), ranks, self.plan.runner.runs_rounds)
         known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, len(run), ranks))
         simulated[self.prompt_len] = max(peak - known, 0)
         return simulated[self.prompt_len]
@@ -245,7 +243,7 @@ def context_ranks(options: Any) -> int:
 def largest_share(prompt: int, chunk: int, ranks: int) -> int:
     """The most prompt positions one rank holds under context parallelism
     (`context_parallel.assign_chunks` of the chunk schedule)."""
-    return max(sum(n for _, n in held) for held in assign_chunks(chunk_schedule(prompt, chunk), ranks))
+    return max(held_positions(chunk_schedule(prompt, chunk), ranks))
 
 
 def default_budget(device: torch.device) -> int | None:

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .carry import recompute_grads, shape_only_spans
-from .context_parallel import assign_chunks
+from .context_parallel import held_positions
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
 from .ranks import SimulatedRanks
@@ -60,6 +60,12 @@ def sampled_rounds(chunks: list[tuple[int, int]], world: int) -> list[tuple[int,
     return [*chunks[:world], *chunks[whole - 2 * world:]]
 
 
+def simulated_chunks(chunks: list[tuple[int, int]], ranks: int, rounds: bool) -> list[tuple[int, int]]:
+    """The prompt chunks a simulation runs: `sampled_rounds` where one
+    rank of `ranks` runs its steps in `rounds`, else `sampled_chunks`."""
+    return sampled_rounds(chunks, ranks) if ranks > 1 and rounds else sampled_chunks(chunks)
+
+
 class _SampledRunner(GroupRunner):
     """The runtime over `sampled_chunks` of the prompt (fake tensors only:
     a skipped chunk leaves its carry unwritten, and `PromptState.carry_at`
@@ -71,16 +77,14 @@ class _SampledRunner(GroupRunner):
         self.ranks = ranks
 
     def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
-        chunks = super()._chunks(prefix_len)
-        if self.ranks is not None and self.runs_rounds:
-            return sampled_rounds(chunks, self.ranks.size)
-        return sampled_chunks(chunks)
+        return simulated_chunks(super()._chunks(prefix_len), 1 if self.ranks is None else self.ranks.size,
+                                self.runs_rounds)
 
 
 def simulated_rank(prompt: int, chunk: int, world: int) -> int:
     """The rank whose share of the prompt is the largest (the first of
     those): the one the planner's per-rank peak is for."""
-    held = [sum(n for _, n in share) for share in assign_chunks(chunk_schedule(prompt, chunk), world)]
+    held = held_positions(chunk_schedule(prompt, chunk), world)
     return held.index(max(held))
 
 

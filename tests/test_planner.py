@@ -174,8 +174,7 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     assert len(simulation.sampled_chunks(longstraw.state.chunk_schedule(P - 1, 30))) == 3
     sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
     everything = lambda chunks: chunks  # noqa: E731
-    monkeypatch.setattr(simulation, "sampled_chunks", everything)
-    monkeypatch.setattr(planner, "sampled_chunks", everything)
+    monkeypatch.setattr(simulation, "sampled_chunks", everything)  # for the runner and the planner's state alike
     full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
     assert sampled == full, (sampled, full)
 
@@ -234,8 +233,7 @@ def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, mon
     assert len(chunks) == 9 and simulation.sampled_rounds(chunks, 2) == chunks[:2] + chunks[4:]
     sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
     everything = lambda chunks, world: chunks  # noqa: E731
-    monkeypatch.setattr(simulation, "sampled_rounds", everything)
-    monkeypatch.setattr(planner, "sampled_rounds", everything)
+    monkeypatch.setattr(simulation, "sampled_rounds", everything)  # for the runner and the planner's state alike
     full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
     assert sampled == full, (sampled, full)
 
