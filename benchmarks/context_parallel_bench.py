@@ -31,6 +31,7 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -43,7 +44,7 @@ import transformers
 
 from longstraw import runtime
 
-from grpo.measure import GiB, Clock, phase_seconds, release, sync
+from grpo.measure import Clock, live_at_peak, phase_peaks, phase_seconds, release, sync
 from grpo.models import build_model, make_group
 from grpo.modes import Runner
 from grpo.parity import _grads_on_cpu, compare
@@ -51,20 +52,20 @@ from grpo.ranks import agreed, init_rank, spawn
 from grpo.results import git_commit
 
 
-def _step(runner: Runner, group) -> dict:
+def _step(runner: Runner, group, trace: bool = False) -> dict:
     """One step: seconds, the seconds of each phase of the runtime's steps
     (the rest of a first call is tracing, partitioning and compiling), and
-    this process's peak allocated memory (0 on the CPU)."""
+    this process's peak allocated memory (0 on the CPU), on a GPU also per
+    phase and, with `trace`, what was live at the peak (`live_at_peak`)."""
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     sync()
     start = time.perf_counter()
-    with phase_seconds() as phases:
-        loss = runner.step(group)
+    with phase_seconds() as phases, phase_peaks() if cuda else contextlib.nullcontext({}) as peaks:
+        loss, live = live_at_peak(lambda: runner.step(group)) if trace and cuda else (runner.step(group), None)
     sync()
-    return {"seconds": time.perf_counter() - start, "loss": float(loss), "phases": phases,
-            "peak_gb": torch.cuda.max_memory_allocated() / GiB if cuda else 0.0}
+    out = {"seconds": time.perf_counter() - start, "loss": float(loss), "phases": phases,
+           "peak_gb": max(peaks.values(), default=0.0), "phase_peaks_gb": peaks}
+    return out if live is None else {**out, "live_at_peak": live}
 
 
 def _ranks_apart(grads: dict[str, torch.Tensor], device: torch.device) -> dict:
@@ -141,13 +142,14 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 def _measured(run: dict, runner: Runner, model, args) -> dict:
     """`run` with the first call's and (unless --no-warm) a warm step's times and the peak."""
     group = make_group(args.G, run["P"], args.R, model.config.vocab_size, next(model.parameters()).device)
-    first = _step(runner, group)
+    first = _step(runner, group, trace=args.trace and not args.warm and dist.get_rank() == 0)
     release(model)
-    warm = _step(runner, group) if args.warm else first
+    warm = _step(runner, group, trace=args.trace and dist.get_rank() == 0) if args.warm else first
     release(model)
+    traced = {"live_at_peak": warm["live_at_peak"]} if "live_at_peak" in warm else {}
     return {**run, "ok": True, "first_seconds": first["seconds"], "seconds": warm["seconds"],
             "peak_gb": max(first["peak_gb"], warm["peak_gb"]), "loss": warm["loss"],
-            "first_phases": first["phases"], "phases": warm["phases"]}
+            "first_phases": first["phases"], "phases": warm["phases"], "phase_peaks_gb": warm["phase_peaks_gb"], **traced}
 
 
 def _described(run: dict) -> str:
@@ -186,6 +188,9 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="also each mode's steps without context parallelism, every process alone at once "
                              "(with a GPU each: the one-GPU time, in the same command)")
+    parser.add_argument("--trace", action="store_true",
+                        help="rank 0 records the allocator's trace of the measured step (the warm one, else the first) "
+                             "and keeps what was live at its peak")
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--reserve-s", type=float, default=90, help="no run starts with less time left than this")
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -208,6 +213,7 @@ def main() -> None:
             merged["seconds"] = max(r["runs"][i]["seconds"] for r in per_rank)
             merged["first_seconds"] = max(r["runs"][i]["first_seconds"] for r in per_rank)
             merged["loss_per_rank"] = [r["runs"][i]["loss"] for r in per_rank]
+            merged["phase_peaks_gb_per_rank"] = [r["runs"][i].get("phase_peaks_gb", {}) for r in per_rank]
         runs.append(merged)
     result = {
         "model": args.model, "ranks": args.ranks, "backend": per_rank[0]["backend"],
@@ -228,6 +234,12 @@ def main() -> None:
     ranks_dir.rmdir()
     print(table(result))
     print("parity:", result["parity_per_rank"])
+    for run in runs:
+        for rank, peaks in enumerate(run.get("phase_peaks_gb_per_rank", [])):
+            print(f"{run['mode']} P={run['P']} over {run['ranks']}: rank {rank} peaks per phase (GB)",
+                  {phase: round(gb, 2) for phase, gb in peaks.items()})
+        for row in run.get("live_at_peak", {}).get("top", []):
+            print(f"    {row['gb']:7.2f} GB  {row['where']}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -115,44 +115,85 @@ def describe(result: dict) -> str:
     return "OOM" if result.get("oom") else result.get("error", "failed")
 
 
-def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
-    """What is live at the peak of one step: the allocator's trace replayed
-    to its maximum, live blocks grouped by the innermost frame in this
-    project or transformers."""
-    group = make_group(args.G, args.p_trace, args.R, model.config.vocab_size, model.device)
-    with Runner(model, kind, mode) as runner:
-        runner.step(group)  # plan outside the trace
-        release(model)
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+@contextlib.contextmanager
+def phase_peaks() -> Iterator[dict[str, float]]:
+    """Peak allocated memory (GB) per runtime phase of the steps run inside
+    (`longstraw.runtime.phase_of`), "outside the steps" for the rest: the
+    allocator's peak is read and reset as each step starts and ends (its
+    counts are kept on the host: no synchronisation needed)."""
+    peaks: dict[str, float] = {}
+
+    def note(phase: str) -> None:
+        peaks[phase] = max(peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / GiB)
+        torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def measured(where: str) -> Iterator[None]:
+        note("outside the steps")
         try:
-            runner.step(group)
-            snapshot = torch.cuda.memory._snapshot()
+            yield
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            release(model)
+            note(phase_of(where))
+
+    torch.cuda.reset_peak_memory_stats()
+    with longstraw.around_steps(measured):
+        yield peaks
+    note("outside the steps")
+
+
+PROJECT_FRAMES = ("longstraw", "passes", "transformers", "benchmarks")
+
+
+def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]:
+    """`fn()` under the allocator's trace, and what was live at its peak:
+    the trace replayed to its maximum, the blocks alive then grouped by
+    their innermost frame in this project or transformers (those allocated
+    before `fn` count as "before the call")."""
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    try:
+        result = fn()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_requested")]
-    current = peak = peak_at = 0
+    current = peak = before
+    peak_at = -1
     for i, e in enumerate(events):
         current += e["size"] if e["action"] == "alloc" else -e["size"]
         if current > peak:
             peak, peak_at = current, i
     live: dict[int, dict] = {}
+    freed_before = 0  # blocks allocated before the call and freed before the peak
     for e in events[: peak_at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
-        else:
-            live.pop(e["addr"], None)
-    groups: dict[str, int] = {}
+        elif live.pop(e["addr"], None) is None:
+            freed_before += e["size"]
+    groups: dict[str, int] = {"before the call": before - freed_before}
     for e in live.values():
-        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in ("longstraw", "passes", "transformers", "grpo_bench"))]
+        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in PROJECT_FRAMES)]
         where = f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no python frame)"
         groups[where] = groups.get(where, 0) + e["size"]
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-    out = {"mode": mode, "P": args.p_trace, "traced_growth_gb": peak / GiB,
-           "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
-    print(f"  {kind} {mode} P={args.p_trace} live at peak (growth during the step {peak / GiB:.1f} GB):", flush=True)
-    for w, b in ranked:
-        print(f"    {b / GiB:7.2f} GB  {w}", flush=True)
+    return result, {"peak_gb": peak / GiB, "events": len(events),
+                    "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
+
+
+def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
+    """What is live at the peak of one step (`live_at_peak`)."""
+    group = make_group(args.G, args.p_trace, args.R, model.config.vocab_size, model.device)
+    with Runner(model, kind, mode) as runner:
+        runner.step(group)  # plan outside the trace
+        release(model)
+        try:
+            _, live = live_at_peak(lambda: runner.step(group), top)
+        finally:
+            release(model)
+    out = {"mode": mode, "P": args.p_trace, **live}
+    print(f"  {kind} {mode} P={args.p_trace} live at peak ({live['peak_gb']:.1f} GB):", flush=True)
+    for row in live["top"]:
+        print(f"    {row['gb']:7.2f} GB  {row['where']}", flush=True)
     return out
 
 
