@@ -28,7 +28,7 @@ from .errors import UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
-from .planner import DEFAULT_CHUNK, MemoryModel, available_budget, context_ranks, default_budget
+from .planner import DEFAULT_CHUNK, MemoryModel, Simulations, available_budget, context_ranks, default_budget
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .state import SlotKind
@@ -121,7 +121,7 @@ class GroupPlan:
 class PlanningDone(Exception):  # noqa: N818 - control flow, not an error
     """Raised instead of running the loss when a backend only plans (`longstraw.explain`)."""
 
-    def __init__(self, plan: GroupPlan, activations: dict[tuple, dict[int, int]]) -> None:
+    def __init__(self, plan: GroupPlan, activations: Simulations) -> None:
         super().__init__("planned; nothing was run")
         self.plan = plan
         self.activations = activations  # what planning simulated, for the report's plans to reuse
@@ -219,7 +219,7 @@ class CompiledGroupLoss:
         self.backend = backend
         self.plans: OrderedDict[tuple, GroupPlan | None] = OrderedDict()
         self.guarded: dict[tuple, tuple[int, ...]] = {}  # signature -> arguments its plans fold
-        self.activations: dict[tuple, dict[int, int]] = {}  # the planner's simulations, shared by this graph's plans
+        self.activations: Simulations = {}  # the planner's simulations, shared by this graph's plans
         self.warned = False
 
     def __call__(self, *args: Any) -> Any:
@@ -284,7 +284,7 @@ class CompiledGroupLoss:
         return guards, plan
 
 
-def _sized(plan: GroupPlan, args: Sequence[Any], activations: dict[tuple, dict[int, int]]) -> GroupPlan:
+def _sized(plan: GroupPlan, args: Sequence[Any], activations: Simulations) -> GroupPlan:
     """The plan with `prefix_chunk_size` and `recompute_layers` decided: the
     user's where given, else the planner's choice (`longstraw.planner`) for
     `memory_budget_gb`, or on CUDA for the device's free memory, else 8192

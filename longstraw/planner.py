@@ -13,7 +13,11 @@ memory, no compute) while a dispatch mode samples the bytes of live
 storages after every operator; flash attention's backward workspace,
 which fake kernels do not allocate, is added where it runs (dK/dV expanded
 to the query heads, the float32 dQ accumulator). The activations are
-reused for other P and G: neither phase grows with P.
+reused for other P and G: neither phase grows with P, but for that
+workspace, which grows with the keys a block of the backward reads up to
+the kernel's cap, and is read off for P from the bytes live beside it
+(`simulation.Peak`; the rank with the largest share under context
+parallelism).
 
 Deep models are simulated at two and three periods of their layers (the
 smallest run of layers that repeats, `longstraw.depth`: the first, then
@@ -39,12 +43,16 @@ from .context_parallel import held_positions
 from .depth import Depth
 from .nodes import tensor_of
 from .simulation import (
-    float_dtype, simulate_phases, simulate_step, simulated_chunks, step_depth, steps_without_middle, tensor_bytes,
+    Peak, float_dtype, simulate_phases, simulate_step, simulated_chunks, step_depth, steps_without_middle, tensor_bytes,
     traced_prefix_len,
 )
 from .state import boundaries_on_host, chunk_count, chunk_schedule
 
 log = logging.getLogger("longstraw.planner")
+
+Simulations = dict[tuple, dict[int, Peak]]
+"""The activations simulated for one compiled graph's plans: per simulation
+key, per traced prompt length (`MemoryModel.activations`)."""
 
 DEFAULT_CHUNK = 8192
 """The chunk when nothing is planned (off CUDA without `memory_budget_gb`)."""
@@ -110,7 +118,7 @@ class MemoryPlan:
 class MemoryModel:
     """Everything a plan's memory depends on, from the plan (see the module docstring)."""
 
-    def __init__(self, plan: Any, activations: dict[tuple, dict[int, int]] | None = None) -> None:
+    def __init__(self, plan: Any, activations: Simulations | None = None) -> None:
         """`activations`: the simulations of one compiled graph's plans
         (`CompiledGroupLoss`), reused for shorter prompts (see `activations`)."""
         self.plan = plan
@@ -122,7 +130,7 @@ class MemoryModel:
         self.prompt_len = traced_prefix_len(plan)
         self.branch_len = part.end - self.prompt_len
         # (mode, chunk, recompute, device, dtype, context) -> {simulated prompt length: activations}
-        self._activations: dict[tuple, dict[int, int]] = {} if activations is None else activations
+        self._activations: Simulations = {} if activations is None else activations
         # what a simulation depends on besides the key and P, among one graph's plans
         self._context = (self.branch_len, self.float_dtype, self.weights, self.grads)
 
@@ -147,10 +155,10 @@ class MemoryModel:
         return state, state_grad
 
     def activations(self, mode: str, chunk: int, recompute: bool, device: torch.device, dtype: torch.dtype | None,
-                    ranks: int = 1) -> int:
+                    ranks: int = 1) -> Peak:
         """A simulated step's peak at the traced sizes, less what the formula
-        counts there. Activations grow with P only until attention's key
-        blocks reach their cap (a block of keys per kernel call), so a
+        counts there; `Peak.at` gives it for a longer prompt, whose attention
+        workspaces grow until the kernels' key blocks reach their cap. A
         simulation at a prompt up to twice as long as this one is reused: it
         holds at least as much. A training loop over many prompt lengths
         simulates a candidate only when a prompt is longer than every
@@ -167,11 +175,11 @@ class MemoryModel:
         known = int((self.weights + self.grads) * scale)
         run = simulated_chunks(chunk_schedule(self.prompt_len, chunk), ranks, self.plan.runner.runs_rounds)
         known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, len(run), ranks))
-        simulated[self.prompt_len] = max(peak - known, 0)
+        simulated[self.prompt_len] = peak.less(known)
         return simulated[self.prompt_len]
 
     def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
-                       dtype: torch.dtype | None, ranks: int = 1) -> int:
+                       dtype: torch.dtype | None, ranks: int = 1) -> Peak:
         """The simulated step's peak (over `ranks`, one rank's): extrapolated
         from two and three periods of layers where there are at least
         `EXTRAPOLATE_FROM` periods."""
@@ -182,7 +190,9 @@ class MemoryModel:
                 two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, steps, ranks)
                               for steps in cut)
                 if two.keys() == three.keys():
-                    return max(two[p] + (three[p] - two[p]) * (depth.periods - 2) for p in two)
+                    grown = [Peak.extrapolated(two[p], three[p], depth.periods) for p in two]
+                    if None not in grown:
+                        return Peak.largest(grown)
         return simulate_step(self.plan, mode, chunk, recompute, device, dtype, ranks)
 
     @functools.cached_property
@@ -201,9 +211,10 @@ class MemoryModel:
         activations = self.activations(mode, chunk, recompute, device, dtype, ranks)
         fixed = int(self.weights * scale), int(self.grads * scale)
         state = lambda p: self.state(p, R, mode, chunk, device, scale, ranks=ranks)  # noqa: E731
-        fits = lambda p: sum(fixed) + sum(state(p)) + activations <= budget  # noqa: E731
+        at = lambda p: activations.at(earlier_keys(p, chunk, ranks))  # noqa: E731
+        fits = lambda p: sum(fixed) + sum(state(p)) + at(p) <= budget  # noqa: E731
         largest = None if budget is None else _largest(fits)
-        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *state(P), activations, budget, largest, ranks)
+        return MemoryPlan(P, G, R, mode, chunk, recompute, *fixed, *state(P), at(P), budget, largest, ranks)
 
     def choose(self, P: int, R: int, mode: str, device: torch.device, budget: int, chunk: int | None = None,
                recompute: bool | None = None, dtype: torch.dtype | None = None, ranks: int = 1) -> MemoryPlan:
@@ -238,6 +249,13 @@ def context_ranks(options: Any) -> int:
     """Ranks the prompt state is sharded over (`Options.context_parallel`)."""
     group = options.context_parallel
     return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def earlier_keys(P: int, chunk: int, ranks: int) -> int:
+    """The most prompt positions one rank's attention reads before a step's
+    own: the prompt, or over `ranks` the largest share (`Peak.at`)."""
+    prompt = max(P - 1, 0)
+    return prompt if ranks == 1 else largest_share(prompt, chunk, ranks)
 
 
 def largest_share(prompt: int, chunk: int, ranks: int) -> int:

@@ -13,16 +13,18 @@ with `SimulatedRanks` in place of the group: the rounds' gathers and
 partials are allocated as on the device, and nothing is exchanged; of
 the rounds it runs the first and the last two (`sampled_rounds`).
 Flash attention's backward workspace, which fake kernels do not allocate,
-is added where it runs (dK/dV expanded to the query heads, the float32 dQ
-accumulator): the simulation takes its attention kernels from
-`longstraw.kernels.attention.choosing`, as the device would choose them.
+is added where it runs (its outputs, allocated before it computes, dK/dV
+expanded to the query heads, the float32 dQ accumulator), and kept as a
+function of the keys a call reads (`Peak`). The simulation takes its
+attention kernels from `longstraw.kernels.attention.choosing`, as the
+device would choose them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -88,6 +90,51 @@ def simulated_rank(prompt: int, chunk: int, world: int) -> int:
     return held.index(max(held))
 
 
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """A simulated peak (bytes), and what it becomes for a longer prompt.
+
+    Flash attention's backward allocates dK/dV for the key block it is
+    given (over grouped heads also expanded to the query heads), and the
+    blocks over earlier keys grow with the prompt up to the kernel's cap:
+    at the traced sizes (a 32K prompt over two ranks gives 8K earlier keys
+    a call) the workspace is a fraction of what it is at 1M. `workspaces` keeps, per
+    such workspace (bytes per key, the cap of a block), the most bytes live
+    beside it, so that `at(keys)` gives the peak had every such call had
+    the block a prompt with `keys` earlier positions gives it."""
+
+    held: int
+    workspaces: tuple[tuple[int, int, int], ...] = ()  # (bytes per key, block cap, bytes live beside it)
+
+    def at(self, keys: int) -> int:
+        return max([self.held, *(live + per_key * min(keys, cap) for per_key, cap, live in self.workspaces)])
+
+    def less(self, nbytes: int) -> Peak:
+        """What is held beyond `nbytes`, never below 0."""
+        return Peak(max(self.held - nbytes, 0), tuple((k, c, max(live - nbytes, 0)) for k, c, live in self.workspaces))
+
+    @staticmethod
+    def largest(peaks: Iterable[Peak]) -> Peak:
+        """The peak of several phases: at any `keys`, the largest of theirs."""
+        peaks = list(peaks)
+        most: dict[tuple[int, int], int] = {}
+        for peak in peaks:
+            for per_key, cap, live in peak.workspaces:
+                most[per_key, cap] = max(most.get((per_key, cap), 0), live)
+        return Peak(max(p.held for p in peaks), tuple((k, c, live) for (k, c), live in sorted(most.items())))
+
+    @staticmethod
+    def extrapolated(two: Peak, three: Peak, periods: int) -> Peak | None:
+        """A peak at `periods` periods of layers from those at two and three
+        (each quantity grows by the same amount per period); None where the
+        two have different workspaces."""
+        if [w[:2] for w in two.workspaces] != [w[:2] for w in three.workspaces]:
+            return None
+        grown = lambda a, b: a + (b - a) * (periods - 2)  # noqa: E731
+        return Peak(grown(two.held, three.held),
+                    tuple((k, c, grown(a, b)) for (k, c, a), (_, _, b) in zip(two.workspaces, three.workspaces)))
+
+
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages alive while operators run, and their peak.
 
@@ -108,6 +155,7 @@ class _LiveBytes(TorchDispatchMode):
         self.current = 0
         self.phase = "outside the steps"
         self.peaks: dict[str, int] = {}  # per runtime phase (`runtime.phase_of`)
+        self.workspaces: dict[str, dict[tuple[int, int], int]] = {}  # per phase: (bytes per key, cap) -> most live beside
         self.local: int | None = None  # the peak inside `above`
         self.ops = 0
 
@@ -142,6 +190,19 @@ class _LiveBytes(TorchDispatchMode):
         """A kernel's workspace that fake tensors do not allocate."""
         self._prune()
         self._reached(self.current + nbytes)
+
+    def workspace(self, fixed: int, per_key: int, keys: int, cap: int) -> None:
+        """A kernel's workspace of `fixed` bytes and `per_key` bytes for each
+        of `keys` keys (at most `cap` a call): a transient, and what it
+        would be for more keys (`Peak`)."""
+        self.transient(fixed + per_key * keys)
+        if per_key:
+            most = self.workspaces.setdefault(self.phase, {})
+            most[per_key, cap] = max(most.get((per_key, cap), 0), self.current + fixed)
+
+    def phase_peaks(self) -> dict[str, Peak]:
+        return {phase: Peak(held, tuple((k, c, live) for (k, c), live in sorted(self.workspaces.get(phase, {}).items())))
+                for phase, held in self.peaks.items()}
 
     def pin(self) -> None:
         """The storages alive now (the step's inputs: at 64 layers thousands
@@ -212,13 +273,13 @@ def traced_prefix_len(plan: Any) -> int:
 
 
 def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                  dtype: torch.dtype | None, ranks: int = 1) -> int:
-    """Peak bytes of one step at the traced sizes (at most two branches, per rank: the
+                  dtype: torch.dtype | None, ranks: int = 1) -> Peak:
+    """Peak of one step at the traced sizes (at most two branches, per rank: the
     second replay adds its parameter gradients into the first's; the prompt
     chunks of `sampled_chunks`), run on fake tensors of the example's
     device with the attention kernels `device` would choose; over `ranks`,
     one rank's."""
-    return max(simulate_phases(plan, mode, chunk, recompute, device, dtype, ranks=ranks).values())
+    return Peak.largest(simulate_phases(plan, mode, chunk, recompute, device, dtype, ranks=ranks).values())
 
 
 def step_depth(plan: Any) -> Depth | None:
@@ -240,7 +301,7 @@ def steps_without_middle(plan: Any, depth: Depth, periods: int) -> tuple[StepGra
 
 def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
                     dtype: torch.dtype | None, steps: tuple[StepGraph, StepGraph] | None = None,
-                    ranks: int = 1) -> dict[str, int]:
+                    ranks: int = 1) -> dict[str, Peak]:
     """`simulate_step`'s peak per runtime phase (`longstraw.runtime.phase_of`;
     "outside the steps" for the rest), running `steps` (the prompt's and
     the branch's, e.g. `steps_without_middle`) in place of the plan's;
@@ -263,10 +324,11 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):
         def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-            # the real kernel expands dK/dV to the query heads and accumulates dQ in float32
-            hq, n, d = q.shape[-3], q.shape[-2], q.shape[-1]
-            expanded = 2 * keys.shape[-2] * hq * d * q.element_size() if keys.shape[-3] != hq else 0
-            tracker.transient(expanded + n * hq * d * 4)
+            # the real kernel allocates its outputs with a float32 dQ accumulator and,
+            # for grouped heads, dK/dV expanded to the query heads
+            (hq, n, d), hkv, size = q.shape[-3:], keys.shape[-3], q.element_size()
+            per_key = 2 * d * size * (hkv + (hq if hkv != hq else 0))
+            tracker.workspace(n * hq * d * (4 + size), per_key, keys.shape[-2], attention.FLASH_KEY_BLOCK)
             return super().backward(grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start)
 
     flash = _FlashWithWorkspace()
@@ -297,7 +359,7 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads
-    return tracker.peaks
+    return tracker.phase_peaks()
 
 
 def float_dtype(part: Any) -> torch.dtype:
