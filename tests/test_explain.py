@@ -163,19 +163,27 @@ def test_predicted_peak_matches_the_h200_measurements(h200_predictions):
 # benchmarks/context_parallel_bench.py on the H200: two gloo ranks sharing the GPU, so each rank's peak
 # is measured (the allocator's, per process) while their times are not a two-GPU step's. Not dense g
 # and hybrid e: there the second rank dropped the branches' gradients, replicated then, for the
-# reverse pass's rounds; the branches run in rounds since, and i and f measure the same steps now.
+# reverse pass's rounds; the branches run in rounds since, and i, j and g measure the same steps now.
+# j also has each process's one-process step (`--baseline`, "ranks": 1).
 H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json", "cp_bench_dense_d_h200.json", "cp_bench_dense_f_h200.json",
-                          "cp_bench_dense_i_h200.json"],
+                          "cp_bench_dense_i_h200.json", "cp_bench_dense_j_h200.json"],
                 "hybrid": ["cp_bench_hybrid_a_h200.json", "cp_bench_hybrid_b_h200.json", "cp_bench_hybrid_c_h200.json",
-                           "cp_bench_hybrid_f_h200.json"]}
+                           "cp_bench_hybrid_f_h200.json", "cp_bench_hybrid_g_h200.json"]}
+# the runs of today's runtime (rounds in the reverse pass and the branches, the convolution's carries
+# copied), held closer: the dense slice's within 3% (planned from a trace at 32K, the largest shares'
+# attention workspaces are read off `simulation.Peak`: without, 131K was 5.2% under)
+H200_CP_CURRENT = {"dense": (["cp_bench_dense_i_h200.json", "cp_bench_dense_j_h200.json"], 0.03),
+                   "hybrid": (["cp_bench_hybrid_g_h200.json"], 0.05)}
 
 
 @pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))
 def test_predicted_per_rank_peak_matches_the_h200_context_parallel_runs(kind):
     """Context parallelism over 2 ranks: the plan of one rank
     (`plan(P, ranks=2)`) predicts each rank's measured peak within 10%, in
-    both modes, from 32K to 1M positions; the one-process plan would
-    overstate the larger runs by more than that (the state halves)."""
+    both modes, from 32K to 1M positions, and today's runtime closer
+    (`H200_CP_CURRENT`), with the one-process runs of the same command by
+    the one-process plan; the one-process plan would overstate the larger
+    two-rank runs by more than 10% (the state halves)."""
     meta = torch.device("meta")
     model = build_model(kind, False, torch.bfloat16, meta)
     model.config.use_cache = False
@@ -184,21 +192,26 @@ def test_predicted_per_rank_peak_matches_the_h200_context_parallel_runs(kind):
     with qwen3_5.bound():
         report = longstraw.explain(grpo_loss, model, group.input_ids, group.advantages, group.mask, R,
                                    options={"prefix_chunk_size": 8192, "recompute_layers": False})
+    current, close = H200_CP_CURRENT[kind]
     runs = []
     for name in H200_CP_RUNS[kind]:
         measured = json.loads((H200_RESULTS / name).read_text())
         assert (measured["ranks"], measured["shared_gpu"], measured["prefix_chunk_size"]) == (2, True, 8192)
-        runs += [r for r in measured["runs"] if r["ok"] and r.get("ranks", 2) == 2]  # not --baseline's one-process runs
-    for run in runs:
+        runs += [(name, r) for r in measured["runs"] if r["ok"]]
+    for name, run in runs:
+        ranks = run.get("ranks", 2)
+        plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda", ranks=ranks)
+        assert plan.ranks == ranks
         for peak in run["peak_gb_per_rank"]:
-            plan = report.plan(P=run["P"], G=run["G"], prompt_grad=run["mode"], device="cuda", ranks=2)
-            assert plan.ranks == 2
-            assert abs(plan.peak / 1e9 - peak) <= 0.1 * peak, (kind, run["mode"], run["P"], plan.table())
-    largest = max(runs, key=lambda r: r["P"])
+            bound = close if name in current else 0.1
+            assert abs(plan.peak / 1e9 - peak) <= bound * peak, (kind, name, run["mode"], run["P"], plan.table())
+    two = [run for _, run in runs if run.get("ranks", 2) == 2]
+    largest = max(two, key=lambda r: r["P"])
     one_process = report.plan(P=largest["P"], G=largest["G"], prompt_grad=largest["mode"], device="cuda", ranks=1)
     assert one_process.peak / 1e9 > 1.1 * largest["peak_gb"]
-    assert {r["mode"] for r in runs} == {"detached", "exact"}
+    assert {r["mode"] for r in two} == {"detached", "exact"}
     assert largest["P"] >= (1 << 19)
+    assert any(name in current for name, _ in runs)
 
 
 # 64-layer runs of benchmarks/depth_bench.py on the H200 (LoRA, recompute_layers): exact from
