@@ -18,7 +18,7 @@ import longstraw
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from grpo.flops import FlopModel  # noqa: E402
-from grpo.measure import Clock, score_floor  # noqa: E402
+from grpo.measure import GiB, Clock, replayed, score_floor  # noqa: E402
 from grpo.models import build_model, make_group  # noqa: E402
 from grpo.modes import Runner  # noqa: E402
 from grpo.parity import compare, grads_of, parity, reference_grads  # noqa: E402
@@ -433,3 +433,30 @@ def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     for run in (sharded, alone):
         assert run["ok"] and run["mode"] == "exact" and len(set(run["loss_per_rank"])) == 1
     assert not (tmp_path / "cp_ranks").exists()
+
+
+def test_an_allocator_trace_is_replayed_to_its_peak():
+    """`measure.replayed`: the peak of a trace from the bytes allocated
+    before it, and what was live then by the project line that allocated
+    it; a block freed before the peak is gone from it, one allocated
+    before the trace and freed by then comes off "before the call"."""
+    def frame(line: int) -> list[dict]:
+        return [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": "/x/longstraw/runtime.py", "line": line, "name": "step"}]
+
+    events = [
+        {"action": "alloc", "addr": 1, "size": 300, "frames": frame(10)},
+        {"action": "free_requested", "addr": 99, "size": 100},  # allocated before the trace
+        {"action": "alloc", "addr": 2, "size": 500, "frames": frame(20)},
+        {"action": "free_completed", "addr": 99, "size": 100},  # not an allocated-bytes event
+        {"action": "free_requested", "addr": 1, "size": 300},
+        {"action": "alloc", "addr": 3, "size": 900, "frames": frame(30)},
+        {"action": "alloc", "addr": 4, "size": 50, "frames": []},
+        {"action": "free_requested", "addr": 3, "size": 900},
+        {"action": "alloc", "addr": 5, "size": 800, "frames": frame(10)},
+    ]
+    out = replayed(events, before=1000, top=3)
+    assert out["peak_gb"] * GiB == 1000 - 100 + 500 + 900 + 50
+    assert out["events"] == 8
+    assert [(row["where"], round(row["gb"] * GiB)) for row in out["top"]] == [
+        ("before the call", 900), ("runtime.py:30 step", 900), ("runtime.py:20 step", 500)]

@@ -145,10 +145,8 @@ PROJECT_FRAMES = ("longstraw", "passes", "transformers", "benchmarks")
 
 
 def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]:
-    """`fn()` under the allocator's trace, and what was live at its peak:
-    the trace replayed to its maximum, the blocks alive then grouped by
-    their innermost frame in this project or transformers (those allocated
-    before `fn` count as "before the call")."""
+    """`fn()` under the allocator's trace, and what was live at its peak
+    (`replayed`)."""
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     try:
@@ -156,7 +154,15 @@ def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    events = [e for trace in snapshot["device_traces"] for e in trace if e["action"] in ("alloc", "free_requested")]
+    return result, replayed([e for trace in snapshot["device_traces"] for e in trace], before, top)
+
+
+def replayed(events: list[dict], before: int, top: int = 16) -> dict:
+    """An allocator trace replayed to its maximum from `before` allocated
+    bytes: the peak, and the blocks alive then grouped by their innermost
+    frame in this project or transformers (blocks allocated before the
+    trace count as "before the call", less those freed by the peak)."""
+    events = [e for e in events if e["action"] in ("alloc", "free_requested")]
     current = peak = before
     peak_at = -1
     for i, e in enumerate(events):
@@ -164,7 +170,7 @@ def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]
         if current > peak:
             peak, peak_at = current, i
     live: dict[int, dict] = {}
-    freed_before = 0  # blocks allocated before the call and freed before the peak
+    freed_before = 0
     for e in events[: peak_at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
@@ -176,8 +182,7 @@ def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]
         where = f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no python frame)"
         groups[where] = groups.get(where, 0) + e["size"]
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-    return result, {"peak_gb": peak / GiB, "events": len(events),
-                    "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
+    return {"peak_gb": peak / GiB, "events": len(events), "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
 
 
 def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
