@@ -849,14 +849,23 @@ def _checksum(t: torch.Tensor, ordered: bool) -> torch.Tensor:
     or a prompt's tokens, keep both. So data (`ordered`: small beside the
     weights) is also summed with a weight per element, the fractional
     parts of multiples of the golden ratio, which no reordering of unequal
-    elements keeps but by coincidence; weights are loaded, not shuffled."""
-    if not t.is_floating_point():
-        t = t.double()  # ids and masks: small
-    weighted = torch.zeros((), dtype=torch.float64, device=t.device)
-    if ordered:
-        weights = torch.arange(t.numel(), dtype=torch.float64, device=t.device).mul_(_GOLDEN).frac_().add_(0.5)
-        weighted = torch.dot(t.reshape(-1).double(), weights)
-    return torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64), weighted])
+    elements keeps but by coincidence; weights are loaded, not shuffled.
+    `CHECKSUM_BLOCK` elements are upcast at a time: a reduction asked for
+    float64 copies its whole input to float64 first, 10 GB for
+    Qwen3.5-27B's embedding, which the planner does not count."""
+    flat = t.reshape(-1)
+    total, squares, weighted = (torch.zeros((), dtype=torch.float64, device=t.device) for _ in range(3))
+    for start in range(0, flat.numel(), CHECKSUM_BLOCK):
+        block = flat[start:start + CHECKSUM_BLOCK].double()
+        total += block.sum()
+        squares += torch.dot(block, block)
+        if ordered:
+            weights = torch.arange(start, start + block.numel(), dtype=torch.float64, device=t.device)
+            weighted += torch.dot(block, weights.mul_(_GOLDEN).frac_().add_(0.5))
+    return torch.stack([total, squares.sqrt(), weighted])
 
+
+CHECKSUM_BLOCK = 1 << 24
+"""Elements `_checksum` upcasts to float64 at once (128 MB)."""
 
 _GOLDEN = (5**0.5 - 1) / 2

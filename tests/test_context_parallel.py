@@ -783,3 +783,37 @@ def test_a_data_parallel_by_context_parallel_mesh(tmp_path):
     for replica, _, loss, grads in results:
         assert_close(loss, want[replica][0], STEP_TOL, f"replica {replica}: loss")
         assert_grads_close(grads, mean, STEP_TOL)
+
+
+def test_a_checksum_upcasts_a_block_at_a_time(monkeypatch):
+    """`check_replicated`'s checksum of a tensor (sum, norm, sum weighted by
+    position) equals float64 arithmetic on the whole tensor, while no
+    operator makes more than a block's float64 copy: the whole upcast was
+    10 GB at Qwen3.5-27B's embedding, outside the plan."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longstraw import context_parallel
+
+    monkeypatch.setattr(context_parallel, "CHECKSUM_BLOCK", 1000)
+    t = torch.randn(7, 1001, dtype=torch.bfloat16)
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:  # not a view
+                    LargestOutput.largest = max(LargestOutput.largest, o.untyped_storage().nbytes())
+            return out
+
+    with LargestOutput():
+        got = context_parallel._checksum(t, ordered=True)
+    assert LargestOutput.largest <= 1000 * 8
+    whole = t.double().reshape(-1)
+    weights = torch.arange(whole.numel(), dtype=torch.float64).mul_(context_parallel._GOLDEN).frac_().add_(0.5)
+    expected = torch.stack([whole.sum(), whole.norm(), whole.dot(weights)])
+    assert torch.allclose(got, expected, rtol=1e-12, atol=0)
+    assert context_parallel._checksum(t, ordered=False)[2] == 0
+    assert not torch.equal(got, context_parallel._checksum(t.flip(-1), ordered=True))  # the order is seen
