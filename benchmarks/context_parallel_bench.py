@@ -22,9 +22,10 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
    same time (`"ranks": 1`: with a GPU each, the one-GPU time and peak
    measured in the same command). Each rank's peak per runtime phase
    (`phase_peaks_gb_per_rank`), and with `--trace` what was live at rank
-   0's peak, grouped by the line that allocated it (`live_at_peak`). Rank 0 decides, by the time left, whether a
-   run starts, and tells the others: ranks must agree, or one would wait in
-   a collective the other never calls.
+   0's peak, grouped by the line that allocated it (`live_at_peak`).
+   Rank 0 decides, by the time left, whether a run starts, and tells the
+   others: ranks must agree, or one would wait in a collective the other
+   never calls.
 
 `tests/test_explain.py` holds the planner's per-rank peak
 (`explain(...).plan(P, ranks=W)`) to these measurements.

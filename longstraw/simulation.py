@@ -98,10 +98,10 @@ class Peak:
     given (over grouped heads also expanded to the query heads), and the
     blocks over earlier keys grow with the prompt up to the kernel's cap:
     at the traced sizes (a 32K prompt over two ranks gives 8K earlier keys
-    a call) the workspace is a fraction of what it is at 1M. `workspaces` keeps, per
-    such workspace (bytes per key, the cap of a block), the most bytes live
-    beside it, so that `at(keys)` gives the peak had every such call had
-    the block a prompt with `keys` earlier positions gives it."""
+    a call) the workspace is a fraction of what it is at 1M. `workspaces`
+    keeps, per such workspace (bytes per key, the cap of a block), the
+    most bytes live beside it, so that `at(keys)` gives the peak had every
+    such call had the block a prompt with `keys` earlier positions gives it."""
 
     held: int
     workspaces: tuple[tuple[int, int, int], ...] = ()  # (bytes per key, block cap, bytes live beside it)
@@ -196,11 +196,11 @@ class _LiveBytes(TorchDispatchMode):
         of `keys` keys (at most `cap` a call): a transient, and what it
         would be for more keys (`Peak`)."""
         self.transient(fixed + per_key * keys)
-        if per_key:
-            most = self.workspaces.setdefault(self.phase, {})
-            most[per_key, cap] = max(most.get((per_key, cap), 0), self.current + fixed)
+        most = self.workspaces.setdefault(self.phase, {})
+        most[per_key, cap] = max(most.get((per_key, cap), 0), self.current + fixed)
 
     def phase_peaks(self) -> dict[str, Peak]:
+        """The peak of every phase, with the workspaces that ran in it."""
         return {phase: Peak(held, tuple((k, c, live) for (k, c), live in sorted(self.workspaces.get(phase, {}).items())))
                 for phase, held in self.peaks.items()}
 
