@@ -15,8 +15,11 @@ the floor it should sit near: weights + trainable grads + state (+ d(state)).
     python benchmarks/depth_bench.py --ranks 2 --layers 64 --runs exact:786432 --recompute-layers ...  # context parallel
 
 `:memory` lists what is live at each runtime phase's peak (a dispatch mode:
-slow, keep it to short runs), `:profile` the CUDA time per operator and
-phase. Every run records seconds per phase (prompt capture, branch
+slow, keep it to short runs), `:trace` what was live at the step's peak by
+the allocator's own trace (`live_at_peak`: every allocation, a kernel's
+workspace too, grouped by the source line that made it) with the peak of
+each runtime phase (with ranks, rank 0's), `:profile` the CUDA time per
+operator and phase. Every run records seconds per phase (prompt capture, branch
 forwards, replays, reverse pass) and MFU against 790 TFLOP/s.
 
 `--ranks W` shards the prompt state over W processes
@@ -47,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
 from grpo.flops import PEAK_FLOPS, FlopModel  # noqa: E402
-from grpo.measure import GiB, is_oom, phase_seconds, release, sync  # noqa: E402
+from grpo.measure import GiB, is_oom, live_at_peak, phase_peaks, phase_seconds, release, sync  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
 from grpo.results import git_commit  # noqa: E402
@@ -281,15 +284,28 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
     run["grads_gb"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad) / GiB
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    elif diagnose == "trace":  # the allocator's trace is CUDA's
+        run["diagnosis_skipped"], diagnose = "trace: no CUDA", None
     start = time.perf_counter()
     try:
-        diagnostics = {"memory": lambda: MemoryByPhase().around_the_runner(), "profile": lambda: profiled(run)}
-        with Phases() as phases, (diagnostics[diagnose]() if diagnose else contextlib.nullcontext()) as diagnosis:
+        diagnostics = {"memory": lambda: MemoryByPhase().around_the_runner(), "profile": lambda: profiled(run),
+                       "trace": phase_peaks}
+
+        def step():
             loss = compiled(model, group.input_ids, group.advantages, group.mask, R)
             loss.backward()
             sync()
+            return loss
+
+        with Phases() as phases, (diagnostics[diagnose]() if diagnose else contextlib.nullcontext()) as diagnosis:
+            if diagnose == "trace":
+                loss, run["live_at_peak"] = live_at_peak(step, top=24)
+            else:
+                loss = step()
         if diagnose == "memory":
             run["memory_by_phase"] = diagnosis.best
+        if diagnose == "trace":  # phase_peaks resets the allocator's peak that Phases reads: the trace's is the step's
+            run["step_peaks_gb"] = diagnosis
         run.update(ok=True, loss=loss.item())
     except (Exception, Stopped) as error:  # noqa: BLE001 - every failure is a result here
         if not (is_oom(error) or isinstance(error, Stopped)):
@@ -306,7 +322,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["mfu"] = run["model_tflop"] * 1e12 / (phases.seconds["forward"] + phases.seconds["backward"]) / PEAK_FLOPS
     run["phase_memory_gb"] = phases.peak_gb
     if torch.cuda.is_available():
-        run["peak_gb"] = max([torch.cuda.max_memory_allocated() / GiB, *phases.peak_gb.values()])
+        run["peak_gb"] = max([torch.cuda.max_memory_allocated() / GiB, *phases.peak_gb.values(),
+                              *run.get("step_peaks_gb", {}).values(), run.get("live_at_peak", {}).get("peak_gb", 0.0)])
     if backend.plans:
         chosen = backend.plans[-1].options  # the planner's choice where options left it open
         run["chosen"] = {"prefix_chunk_size": chosen.prefix_chunk_size, "recompute_layers": chosen.recompute_layers}
@@ -326,8 +343,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--runs", required=True,
-                        help="MODE:P[:CHUNK][:memory|:profile][:auto|:torch],... in order (mode: exact or detached; "
-                             "memory: what is live at each phase's peak; profile: CUDA time per operator and phase; "
+                        help="MODE:P[:CHUNK][:memory|:trace|:profile][:auto|:torch],... in order (mode: exact or detached; "
+                             "memory: what is live at each phase's peak; trace: the allocator's trace at the step's "
+                             "peak; profile: CUDA time per operator and phase; "
                              "auto|torch: kernels['causal_conv'] for this run)")
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
@@ -431,7 +449,7 @@ def run_all(args: argparse.Namespace, result: dict, device: torch.device, dtype:
         for item in args.runs.split(","):
             mode, P, *rest = item.split(":")
             chunk = [x for x in rest if x.isdigit()]
-            diagnose = next((x for x in rest if x in ("memory", "profile")), None)
+            diagnose = next((x for x in rest if x in ("memory", "trace", "profile")), None)
             conv = next((x for x in rest if x in ("auto", "torch")), options["kernels"]["causal_conv"])
             if not go(time.perf_counter() - started <= args.budget_s):
                 result["runs"].append({"layers": args.layers, "mode": mode, "P": int(P), "ok": False, "skipped": "time"})
@@ -463,6 +481,12 @@ def print_table(result: dict) -> None:
                   f"inside the op {best.get('in_op_gb', 0):.2f})")
             for a in best.get("live", [])[:10]:
                 print(f"    {a['gb']:7.2f} GB  {a['what'][:140]}")
+        if r.get("step_peaks_gb"):
+            print("    peaks (GB): " + ", ".join(f"{k} {v:.1f}" for k, v in r["step_peaks_gb"].items()))
+        if "live_at_peak" in r:
+            print(f"    live at the traced peak ({r['live_at_peak']['peak_gb']:.1f} GB, {r['live_at_peak']['events']} events):")
+            for row in r["live_at_peak"]["top"]:
+                print(f"    {row['gb']:7.2f} GB  {row['where'][:140]}")
         if "profile" in r:
             print(r["profile"])
             print({k: round(v, 1) for k, v in r["profile_phases"].items()})

@@ -460,3 +460,7 @@ def test_an_allocator_trace_is_replayed_to_its_peak():
     assert out["events"] == 8
     assert [(row["where"], round(row["gb"] * GiB)) for row in out["top"]] == [
         ("before the call", 900), ("runtime.py:30 step", 900), ("runtime.py:20 step", 500)]
+    fla = [{"filename": "/x/site-packages/fla/ops/gated_delta_rule/chunk.py", "line": 7, "name": "backward"},
+           *frame(40)]
+    out = replayed([{"action": "alloc", "addr": 6, "size": 70, "frames": fla}], before=0)
+    assert out["top"][0] == {"where": "chunk.py:7 backward <- runtime.py:40 step", "gb": 70 / GiB}

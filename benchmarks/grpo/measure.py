@@ -142,6 +142,18 @@ def phase_peaks() -> Iterator[dict[str, float]]:
 
 
 PROJECT_FRAMES = ("longstraw", "passes", "transformers", "benchmarks")
+KERNEL_FRAMES = ("/fla/",)  # kernel libraries whose own buffers are named by their line and the project's caller
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frame of this project, after that of a kernel library called from it."""
+    def name(f: dict) -> str:
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+
+    ours = [f for f in frames if any(k in f["filename"] for k in PROJECT_FRAMES)]
+    kernel = [f for f in frames if any(k in f["filename"] for k in KERNEL_FRAMES)]
+    where = name(ours[0]) if ours else "(no python frame)"
+    return f"{name(kernel[0])} <- {where}" if kernel else where
 
 
 def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]:
@@ -161,7 +173,8 @@ def replayed(events: list[dict], before: int, top: int = 16) -> dict:
     """An allocator trace replayed to its maximum from `before` allocated
     bytes: the peak, and the blocks alive then grouped by their innermost
     frame in this project or transformers (blocks allocated before the
-    trace count as "before the call", less those freed by the peak)."""
+    trace count as "before the call", less those freed by the peak); a
+    block from a kernel library (fla) names its line too."""
     events = [e for e in events if e["action"] in ("alloc", "free_requested")]
     current = peak = before
     peak_at = -1
@@ -178,8 +191,7 @@ def replayed(events: list[dict], before: int, top: int = 16) -> dict:
             freed_before += e["size"]
     groups: dict[str, int] = {"before the call": before - freed_before}
     for e in live.values():
-        frames = [f for f in e.get("frames", []) if any(k in f["filename"] for k in PROJECT_FRAMES)]
-        where = f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no python frame)"
+        where = _where(e.get("frames", []))
         groups[where] = groups.get(where, 0) + e["size"]
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
     return {"peak_gb": peak / GiB, "events": len(events), "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
