@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import signal
 import sys
@@ -270,6 +271,13 @@ def _stop(signum, frame):
 _STARTED = time.perf_counter()
 
 
+def _step(compiled: Callable, model: torch.nn.Module, group, R: int) -> torch.Tensor:
+    loss = compiled(model, group.input_ids, group.advantages, group.mask, R)
+    loss.backward()
+    sync()
+    return loss
+
+
 def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict, device: torch.device,
             diagnose: str | None = None) -> dict:
     group_of_ranks = options.get("context_parallel")
@@ -291,12 +299,7 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         diagnostics = {"memory": lambda: MemoryByPhase().around_the_runner(), "profile": lambda: profiled(run),
                        "trace": phase_peaks}
 
-        def step():
-            loss = compiled(model, group.input_ids, group.advantages, group.mask, R)
-            loss.backward()
-            sync()
-            return loss
-
+        step = functools.partial(_step, compiled, model, group, R)
         with Phases() as phases, (diagnostics[diagnose]() if diagnose else contextlib.nullcontext()) as diagnosis:
             if diagnose == "trace":
                 loss, run["live_at_peak"] = live_at_peak(step, top=24)
