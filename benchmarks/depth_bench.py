@@ -314,6 +314,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         if not (is_oom(error) or isinstance(error, Stopped)):
             raise
         run["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        if hasattr(error, "live_at_peak"):  # `:trace`: what was live at the peak before the failure
+            run["live_at_peak"] = error.live_at_peak
         run["where"] = [n for n in getattr(error, "__notes__", [])]
     run["seconds"] = time.perf_counter() - start
     run["phases"] = phases.seconds

@@ -158,15 +158,24 @@ def _where(frames: list[dict]) -> str:
 
 def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]:
     """`fn()` under the allocator's trace, and what was live at its peak
-    (`replayed`)."""
+    (`replayed`). If `fn` raises (out of memory), the error carries what
+    was live at the peak before it as `live_at_peak`."""
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+
+    def live() -> dict:
+        snapshot = torch.cuda.memory._snapshot()
+        return replayed([e for trace in snapshot["device_traces"] for e in trace], before, top)
+
     try:
         result = fn()
-        snapshot = torch.cuda.memory._snapshot()
+    except BaseException as error:
+        error.live_at_peak = live()
+        raise
+    else:
+        return result, live()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return result, replayed([e for trace in snapshot["device_traces"] for e in trace], before, top)
 
 
 def replayed(events: list[dict], before: int, top: int = 16) -> dict:
