@@ -492,6 +492,8 @@ def print_table(result: dict) -> None:
             print(f"    live at the traced peak ({r['live_at_peak']['peak_gb']:.1f} GB, {r['live_at_peak']['events']} events):")
             for row in r["live_at_peak"]["top"]:
                 print(f"    {row['gb']:7.2f} GB  {row['where'][:140]}")
+                if row["gb"] >= 0.25 and len(row.get("stack", [])) > 1:
+                    print("               " + " <- ".join(row["stack"][1:6]))
         if "profile" in r:
             print(r["profile"])
             print({k: round(v, 1) for k, v in r["profile_phases"].items()})

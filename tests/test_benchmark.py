@@ -463,4 +463,5 @@ def test_an_allocator_trace_is_replayed_to_its_peak():
     fla = [{"filename": "/x/site-packages/fla/ops/gated_delta_rule/chunk.py", "line": 7, "name": "backward"},
            *frame(40)]
     out = replayed([{"action": "alloc", "addr": 6, "size": 70, "frames": fla}], before=0)
-    assert out["top"][0] == {"where": "chunk.py:7 backward <- runtime.py:40 step", "gb": 70 / GiB}
+    assert out["top"][0] == {"where": "chunk.py:7 backward <- runtime.py:40 step", "gb": 70 / GiB,
+                             "stack": ["chunk.py:7 backward", "runtime.py:40 step"]}

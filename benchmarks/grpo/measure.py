@@ -199,11 +199,21 @@ def replayed(events: list[dict], before: int, top: int = 16) -> dict:
         elif live.pop(e["addr"], None) is None:
             freed_before += e["size"]
     groups: dict[str, int] = {"before the call": before - freed_before}
+    largest: dict[str, dict] = {}
     for e in live.values():
         where = _where(e.get("frames", []))
         groups[where] = groups.get(where, 0) + e["size"]
+        if e["size"] > largest.get(where, {"size": -1})["size"]:
+            largest[where] = e
     ranked = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-    return {"peak_gb": peak / GiB, "events": len(events), "top": [{"where": w, "gb": b / GiB} for w, b in ranked]}
+    return {"peak_gb": peak / GiB, "events": len(events),
+            "top": [{"where": w, "gb": b / GiB, **_stack(largest.get(w))} for w, b in ranked]}
+
+
+def _stack(block: dict | None, depth: int = 10) -> dict:
+    """The project's and kernel libraries' frames (innermost first) that allocated `block`."""
+    frames = [f for f in (block or {}).get("frames", []) if any(k in f["filename"] for k in PROJECT_FRAMES + KERNEL_FRAMES)]
+    return {"stack": [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:depth]]} if frames else {}
 
 
 def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
