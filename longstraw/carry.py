@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Callable, Hashable, Sequence
 
@@ -185,12 +186,12 @@ class CarryStep(torch.autograd.Function):
         wanted = [step.state.carry_grads is not None and start > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
         span_grads, span = recompute_grads, None
-        if _SHAPE_ONLY_SPANS and not has_values(carry) and kernel.graph_key is not None:
-            span_grads = lambda *a: _SHAPE_ONLY_SPANS[-1](kernel.graph_key, *a)  # noqa: E731
-        elif kernel.grads is not None and has_values(carry):
+        if kernel.grads is not None:  # a fused kernel's backward (in a simulation, its fake entry points)
             span_grads, span = _direct_grads(kernel.grads), kernel.span
         elif graphs is not None and kernel.graph_key is not None and has_values(carry):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
+        if _SHAPE_ONLY_SPANS and not has_values(carry) and kernel.graph_key is not None:
+            span_grads = functools.partial(_SHAPE_ONLY_SPANS[-1], kernel.graph_key, span_grads)
         if step.prompt_round is not None:
             grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, ctx.round_carries)
         else:
@@ -270,8 +271,10 @@ _SHAPE_ONLY_SPANS: list[ShapeOnlySpans] = []
 @contextlib.contextmanager
 def shape_only_spans(span_grads: ShapeOnlySpans) -> Iterator[None]:
     """Shape-only runs (the planner's simulation) differentiate spans of
-    operators with a `graph_key` by `span_grads(graph_key, fn, inputs,
-    grad_outputs, wanted)`: the simulation runs one span of each
+    operators with a `graph_key` by `span_grads(graph_key, grads, fn,
+    inputs, grad_outputs, wanted)`, where `grads(fn, inputs, grad_outputs,
+    wanted)` is what the backward would call (`recompute_grads`, or the
+    kernel's own backward): the simulation runs one span of each
     signature and accounts for the others without running them."""
     _SHAPE_ONLY_SPANS.append(span_grads)
     try:

@@ -17,7 +17,10 @@ is added where it runs (its outputs, allocated before it computes, dK/dV
 expanded to the query heads, the float32 dQ accumulator), and kept as a
 function of the keys a call reads (`Peak`). The simulation takes its
 attention kernels from `longstraw.kernels.attention.choosing`, as the
-device would choose them.
+device would choose them, and runs fla's Gated DeltaNet and convolution
+where a CUDA target would (`fla_families`) through fake entry points that
+allocate fla's outputs: `gated_delta_grads` runs on the fake tensors over
+the device's spans.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .carry import recompute_grads, shape_only_spans
+from .carry import shape_only_spans
 from .context_parallel import held_positions
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
@@ -249,13 +252,15 @@ class _SpansOnce:
         self.tracker = tracker
         self.held: dict[tuple, tuple[int, list[bool]]] = {}  # bytes held, which gradients exist
 
-    def __call__(self, key, fn, inputs, grad_outputs, wanted) -> list[torch.Tensor | None]:
+    def __call__(self, key, grads_of, fn, inputs, grad_outputs, wanted) -> list[torch.Tensor | None]:
+        """`grads_of(fn, inputs, grad_outputs, wanted)` (`recompute_grads`, or
+        a fused kernel's backward: fla's, through its fake entry points)."""
         signature = (key, *(_signature(x) for x in (*inputs, *grad_outputs)), tuple(wanted))
         if signature in self.held:
             held, present = self.held[signature]
             self.tracker.transient(held)
             return [torch.empty_like(x) if there else None for x, there in zip(inputs, present)]
-        grads, held = self.tracker.above(lambda: recompute_grads(fn, inputs, grad_outputs, wanted))
+        grads, held = self.tracker.above(lambda: grads_of(fn, inputs, grad_outputs, wanted))
         self.held[signature] = held, [g is not None for g in grads]
         return grads
 
@@ -347,9 +352,13 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         cast = dtype if dtype is not None and value.dtype == floating else value.dtype
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
-    # the plan's policy for Gated DeltaNet; attention's memory is modelled as flash's where a fused kernel applies
+    # the plan's kernel policy, with fla where the target runs it (`fla_families`);
+    # attention's memory is modelled as flash's where a fused kernel applies
     with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
-            shape_only_spans(_SpansOnce(tracker)), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            shape_only_spans(_SpansOnce(tracker)), contextlib.ExitStack() as fla, \
+            FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        for family in fla_families(device):
+            fla.enter_context(family.SWITCH.simulating())
         inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
@@ -360,6 +369,20 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads
     return tracker.phase_peaks()
+
+
+def fla_families(device: torch.device) -> list[Any]:
+    """The fla kernel families (`longstraw.kernels.fla_*`) a step on
+    `device` runs where they apply (CUDA, 16-bit, the policy's "auto"): on
+    CUDA, those installed here where this process has a GPU (it plans the
+    steps it runs), every one where it has none (a plan for another
+    machine: the policy's default, fla where installed, assumes it there;
+    the H200 runs had it)."""
+    from longstraw.kernels import fla_causal_conv, fla_gated_delta
+
+    if torch.device(device).type != "cuda":
+        return []
+    return [f for f in (fla_gated_delta, fla_causal_conv) if f.fla_ops() is not None or not torch.cuda.is_available()]
 
 
 def float_dtype(part: Any) -> torch.dtype:

@@ -171,9 +171,11 @@ H200_CP_RUNS = {"dense": ["cp_bench_dense_b_h200.json", "cp_bench_dense_d_h200.j
                            "cp_bench_hybrid_f_h200.json", "cp_bench_hybrid_g_h200.json"]}
 # the runs of today's runtime (rounds in the reverse pass and the branches, the convolution's carries
 # copied), held closer: the dense slice's within 3% (planned from a trace at 32K, the largest shares'
-# attention workspaces are read off `simulation.Peak`: without, 131K was 5.2% under)
+# attention workspaces are read off `simulation.Peak`: without, 131K was 5.2% under); the hybrid's
+# within 3% too, from 5% (the simulation runs fla's Gated DeltaNet backward through fake entry points:
+# 21.41 GB planned against 21.17 measured, +1.2%; with the PyTorch kernel's backward 20.29, -4.2%)
 H200_CP_CURRENT = {"dense": (["cp_bench_dense_i_h200.json", "cp_bench_dense_j_h200.json"], 0.03),
-                   "hybrid": (["cp_bench_hybrid_g_h200.json"], 0.05)}
+                   "hybrid": (["cp_bench_hybrid_g_h200.json"], 0.03)}
 
 
 @pytest.mark.parametrize("kind", sorted(H200_CP_RUNS))

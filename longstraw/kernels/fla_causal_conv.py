@@ -44,26 +44,32 @@ SWITCH = KernelSwitch("fla causal_conv")
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> bool:
     """CUDA, 16-bit inputs and weights of one dtype, an activation fla has,
     and at least K positions (fla's final state of a shorter input mixes in
-    the initial one, which the carry's gradient would have to undo); not on
-    fake tensors (the planner's simulation), which Triton cannot launch on."""
+    the initial one, which the carry's gradient would have to undo). Tensors
+    without values (meta, fake), which Triton cannot launch on, take it only
+    in the planner's simulation of a CUDA target with fla
+    (`SWITCH.simulating()`, with `FAKE_OPS`)."""
+    on_device = x.is_cuda and fla_ops() is not None if has_values(x) else SWITCH.fakes
     return (
         SWITCH.on
-        and x.is_cuda
-        and has_values(x)
+        and on_device
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and activation in ACTIVATIONS
         and x.shape[-1] >= weight.shape[-1]
-        and fla_ops() is not None
     )
+
+
+def _ops(x: torch.Tensor) -> SimpleNamespace:
+    """fla's entry points, or in the planner's simulation (no values) `FAKE_OPS`."""
+    return fla_ops() if has_values(x) else FAKE_OPS
 
 
 def causal_conv_forward(
     tail: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation(conv over [tail; x]), the last K-1 inputs), like the reference."""
-    out, final = fla_ops().fwd(
+    out, final = _ops(x).fwd(
         x=x.transpose(1, 2), weight=weight.contiguous(), bias=bias, residual=None,
         initial_state=F.pad(tail, (1, 0)), output_final_state=True, activation=activation,
     )
@@ -83,8 +89,44 @@ def causal_conv_grads(
     xt = x.transpose(1, 2)
     dy = torch.zeros_like(xt) if grad_out is None else grad_out.transpose(1, 2).to(x.dtype)
     dht = None if grad_tail is None else F.pad(grad_tail.to(x.dtype), (1, 0))
-    dx, dw, db, _, dh0 = fla_ops().bwd(
+    dx, dw, db, _, dh0 = _ops(x).bwd(
         x=xt, dy=dy, dht=dht, weight=weight.contiguous(), bias=bias, residual=None,
         initial_state=F.pad(tail, (1, 0)), activation=activation,
     )
     return dh0[..., 1:], dx.transpose(1, 2), dw, db
+
+
+# fla 0.6's entry points as the planner's simulation runs them: each allocates the outputs fla
+# allocates (shapes, dtypes, order) and computes nothing. `FAKE_OPS` has `fla_ops()`'s names.
+
+
+def _fake_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              activation: str | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y [B, T, C] contiguous in x's dtype, the last K inputs [B, C, K] if asked for)."""
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    final = x.new_empty(x.shape[0], *weight.shape) if output_final_state else None
+    return y, final
+
+
+def _fake_bwd(x: torch.Tensor, dy: torch.Tensor, dht: torch.Tensor | None, weight: torch.Tensor,
+              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+              initial_state: torch.Tensor | None = None, activation: str | None = None, chunk_size: int = 64,
+              **kwargs) -> tuple[torch.Tensor | None, ...]:
+    """(dx like x, dweight, dbias, None, dh0 like the initial state): with
+    an activation it recomputes the output before it, and it sums float32
+    weight and bias gradients of every 64 positions."""
+    batch, length = x.shape[:2]
+    parts = batch * -(-length // chunk_size)
+    y = None if activation is None else _fake_fwd(x, weight, bias, None, initial_state)[0]
+    dx = torch.empty_like(x)
+    dw = weight.new_empty(parts, *weight.shape, dtype=torch.float32)
+    db = None if bias is None else bias.new_empty(parts, *bias.shape, dtype=torch.float32)
+    dw = dw.sum(0).to(weight.dtype)
+    db = None if db is None else db.sum(0).to(bias.dtype)
+    dh0 = None if initial_state is None else torch.zeros_like(initial_state)  # its kernel reads y too
+    del y
+    return dx, dw, db, None, dh0
+
+
+FAKE_OPS = SimpleNamespace(fwd=_fake_fwd, bwd=_fake_bwd)

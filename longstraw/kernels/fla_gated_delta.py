@@ -57,20 +57,23 @@ SWITCH = KernelSwitch("fla gated_delta")
 
 def applies(q: torch.Tensor) -> bool:
     """fla runs on CUDA with 16-bit inputs (it would compute float32 inputs
-    in TF32), unless switched off; not on fake tensors (the planner's
-    simulation): Triton would launch on their made-up data pointers."""
-    return (
-        SWITCH.on
-        and q.is_cuda
-        and has_values(q)
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and fla_ops() is not None
-    )
+    in TF32), unless switched off. Tensors without values (meta, fake) take
+    it only in the planner's simulation of a CUDA target with fla
+    (`SWITCH.simulating()`, with `FAKE_OPS`): Triton would launch on their
+    made-up data pointers."""
+    if not SWITCH.on or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return q.is_cuda and fla_ops() is not None if has_values(q) else SWITCH.fakes
+
+
+def _ops(q: torch.Tensor) -> SimpleNamespace:
+    """fla's entry points, or in the planner's simulation (no values) `FAKE_OPS`."""
+    return fla_ops() if has_values(q) else FAKE_OPS
 
 
 def gated_delta_forward(q, k, v, g, beta, initial_state, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's fused forward: (out, final state)."""
-    return fla_ops().chunk_gated_delta_rule(
+    return _ops(q).chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
     )
 
@@ -89,7 +92,7 @@ def gated_delta_grads(
     """Gradients of `gated_delta_forward` for (state, q, k, v, g, beta),
     recomputing what the backward needs from the inputs (fla's
     `chunk_gated_delta_rule_bwd` after its forward, with `_dqkwg`)."""
-    ops = fla_ops()
+    ops = _ops(q)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     state = state.contiguous()
     do = torch.zeros_like(v) if grad_out is None else grad_out.contiguous().to(v.dtype)
@@ -176,3 +179,105 @@ def _dqkwg(q, k, v_new, w, g_log2, h, dv, do, dh, scale: float):
         dq = dq.reshape(batch, length, heads_k, group, dim_k).sum(3)
         dk = dk.reshape(batch, length, heads_k, group, dim_k).sum(3)
     return dq, dk, dw.to(w.dtype), dg
+
+
+# fla 0.6's entry points as the planner's simulation runs them: each allocates the outputs fla
+# allocates (shapes, dtypes, order) and computes nothing. `FAKE_OPS` has `fla_ops()`'s names.
+
+
+def _chunks(length: int, chunk_size: int) -> int:
+    return -(-length // chunk_size)
+
+
+def _fake_l2norm_fwd(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None):
+    """(normalised x, float32 rstd per row)."""
+    y = torch.empty(x.shape, dtype=output_dtype or x.dtype, device=x.device)
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _fake_l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """dx in the normalised input's dtype (a float32 dy is rounded to it)."""
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
+
+
+def _fake_chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False, scale: float | None = None,
+                             output_dtype: torch.dtype | None = torch.float32, **kwargs) -> torch.Tensor:
+    """The per-chunk cumulative sum, float32 by default."""
+    return torch.empty(g.shape, dtype=output_dtype or g.dtype, device=g.device)
+
+
+def _fake_fwd_intra(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+                    chunk_size: int = CHUNK, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w [B, T, Hv, Dk], u like v, A [B, T, Hv, chunk]), in k's dtype."""
+    batch, length, _, dim_k = k.shape
+    heads_v = v.shape[2]
+    A = k.new_zeros(batch, length, heads_v, chunk_size)
+    return k.new_empty(batch, length, heads_v, dim_k), torch.empty_like(v), A
+
+
+def _fake_fwd_h(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor | None = None,
+                gk: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                output_final_state: bool = False, chunk_size: int = CHUNK, **kwargs):
+    """(h [B, chunks, Hv, Dk, Dv] in k's dtype: the state at every chunk's
+    start; v_new like u; the float32 final state, if asked for)."""
+    batch, length, _, dim_k = k.shape
+    heads_v, dim_v = u.shape[2:]
+    h = k.new_empty(batch, _chunks(length, chunk_size), heads_v, dim_k, dim_v)
+    final = k.new_zeros(batch, heads_v, dim_k, dim_v, dtype=torch.float32) if output_final_state else None
+    return h, torch.empty_like(u), final
+
+
+def _fake_bwd_dv_local(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None = None,
+                       scale: float | None = None, chunk_size: int = CHUNK, **kwargs) -> torch.Tensor:
+    """dv within each chunk, like do."""
+    return torch.empty_like(do)
+
+
+def _fake_bwd_dhu(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, do: torch.Tensor, dv: torch.Tensor,
+                  g: torch.Tensor | None = None, gk: torch.Tensor | None = None, h0: torch.Tensor | None = None,
+                  dht: torch.Tensor | None = None, scale: float | None = None, chunk_size: int = CHUNK, **kwargs):
+    """(dh like h in q's dtype, float32 dh0 like h0, the new dv like dv)."""
+    batch, length, _, dim_k = q.shape
+    heads_v, dim_v = do.shape[2:]
+    dh = q.new_empty(batch, _chunks(length, chunk_size), heads_v, dim_k, dim_v)
+    dh0 = None if h0 is None else torch.empty_like(h0, dtype=torch.float32)
+    return dh, dh0, torch.empty_like(dv)
+
+
+def _fake_prepare_wy_repr_bwd(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, A: torch.Tensor, dw: torch.Tensor,
+                              du: torch.Tensor, g: torch.Tensor | None = None, **kwargs):
+    """(dk, dv, dbeta, dg): dk is computed per value head and summed over
+    each key head's group (the per-value-head one is a temporary)."""
+    batch, length, heads_k, dim_k = k.shape
+    heads_v = v.shape[2]
+    dk = k.new_empty(batch, length, heads_v, dim_k)
+    dv, dg, db = torch.empty_like(v), None if g is None else torch.empty_like(g), torch.empty_like(beta)
+    if heads_k != heads_v:
+        dk = dk.view(batch, length, heads_k, heads_v // heads_k, dim_k).sum(3)
+    return dk, dv, db, dg
+
+
+def _fake_chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, scale: float | None = None,
+                                 initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                                 use_qk_l2norm_in_kernel: bool = False, **kwargs):
+    """(out like v, final state): fla's forward without autograd, whose
+    intermediates (contiguous inputs, normalised q and k, w, u, A, the chunk
+    states h, v_new) live until the output is computed."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, _ = _fake_l2norm_fwd(q)
+        k, _ = _fake_l2norm_fwd(k)
+    g = _fake_chunk_local_cumsum(g, CHUNK)
+    w, u, A = _fake_fwd_intra(k, v, g, beta)
+    h, v_new, final = _fake_fwd_h(k, w, u, g, initial_state=initial_state, output_final_state=output_final_state)
+    return torch.empty_like(v_new), final
+
+
+FAKE_OPS = SimpleNamespace(
+    l2norm_fwd=_fake_l2norm_fwd, l2norm_bwd=_fake_l2norm_bwd, chunk_gated_delta_rule=_fake_chunk_gated_delta_rule,
+    chunk_gated_delta_rule_fwd_intra=_fake_fwd_intra,
+    chunk_gated_delta_rule_fwd_h=_fake_fwd_h, chunk_bwd_dv_local=_fake_bwd_dv_local,
+    chunk_gated_delta_rule_bwd_dhu=_fake_bwd_dhu, prepare_wy_repr_bwd=_fake_prepare_wy_repr_bwd,
+    chunk_local_cumsum=_fake_chunk_local_cumsum, RCP_LN2=1.4426950216,
+)
