@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -186,6 +187,7 @@ class _LiveBytes(TorchDispatchMode):
         try:
             yield
         finally:
+            gc.collect()  # `without_cyclic_gc`: what the step left in reference cycles goes now
             self._prune()
             self.phase = previous
 
@@ -238,6 +240,29 @@ class _LiveBytes(TorchDispatchMode):
                 self.live[ref.cdata] = (ref, nbytes)
         self._reached(self.current)
         return out
+
+
+@contextlib.contextmanager
+def without_cyclic_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off, after one collection.
+
+    Fake tensors and the simulation's own objects (graph modules built
+    for it, closures) form reference cycles that keep storages alive until
+    a collection, and the collector runs when its allocation counters say
+    so: the same simulation, run first or again in one process, peaked
+    1.5 GB apart in the reverse pass at 27B shapes, and the planner's
+    extrapolation over depth turned that into gigabytes. The real
+    runtime leaves no tensor in a cycle (tested), so the simulation
+    collects at every step's end (`_LiveBytes.in_step`) and never in
+    between."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _SpansOnce:
@@ -355,7 +380,7 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     # the plan's kernel policy, with fla where the target runs it (`fla_families`);
     # attention's memory is modelled as flash's where a fused kernel applies
     with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
-            shape_only_spans(_SpansOnce(tracker)), contextlib.ExitStack() as fla, \
+            shape_only_spans(_SpansOnce(tracker)), contextlib.ExitStack() as fla, without_cyclic_gc(), \
             FakeTensorMode(allow_non_fake_inputs=True), tracker:
         for family in fla_families(device):
             fla.enter_context(family.SWITCH.simulating())
