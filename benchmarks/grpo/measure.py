@@ -145,15 +145,16 @@ PROJECT_FRAMES = ("longstraw", "passes", "transformers", "benchmarks")
 KERNEL_FRAMES = ("/fla/",)  # kernel libraries whose own buffers are named by their line and the project's caller
 
 
+def _frame(f: dict) -> str:
+    return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+
+
 def _where(frames: list[dict]) -> str:
     """The innermost frame of this project, after that of a kernel library called from it."""
-    def name(f: dict) -> str:
-        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
-
     ours = [f for f in frames if any(k in f["filename"] for k in PROJECT_FRAMES)]
     kernel = [f for f in frames if any(k in f["filename"] for k in KERNEL_FRAMES)]
-    where = name(ours[0]) if ours else "(no python frame)"
-    return f"{name(kernel[0])} <- {where}" if kernel else where
+    where = _frame(ours[0]) if ours else "(no python frame)"
+    return f"{_frame(kernel[0])} <- {where}" if kernel else where
 
 
 def live_at_peak(fn: Callable[[], object], top: int = 16) -> tuple[object, dict]:
@@ -213,7 +214,7 @@ def replayed(events: list[dict], before: int, top: int = 16) -> dict:
 def _stack(block: dict | None, depth: int = 10) -> dict:
     """The project's and kernel libraries' frames (innermost first) that allocated `block`."""
     frames = [f for f in (block or {}).get("frames", []) if any(k in f["filename"] for k in PROJECT_FRAMES + KERNEL_FRAMES)]
-    return {"stack": [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:depth]]} if frames else {}
+    return {"stack": [_frame(f) for f in frames[:depth]]} if frames else {}
 
 
 def peak_breakdown(model, kind, mode, args, top: int = 14) -> dict:
