@@ -252,7 +252,7 @@ def without_cyclic_gc() -> Iterator[None]:
     so: the same simulation, run first or again in one process, peaked
     1.5 GB apart in the reverse pass at 27B shapes, and the planner's
     extrapolation over depth turned that into gigabytes. The real
-    runtime leaves no tensor in a cycle (tested), so the simulation
+    runtime left no tensor in a cycle (a one-off CPU check), so the simulation
     collects at every step's end (`_LiveBytes.in_step`) and never in
     between. With the collector off, what the step allocated is all in
     the youngest generation: collecting that one alone finds the step's
