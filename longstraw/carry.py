@@ -226,9 +226,15 @@ def _round_forward(
             mine = out, carry
     if not step.grad_enabled:
         return *mine, None
-    # copies of views (a conv's tail, sliced from the chunk's concatenated inputs): kept on the
-    # autograd context through the chunk's backward, a view would keep a chunk-sized storage per layer
-    return *mine, [c.clone() if c._base is not None else c for c in carries[:-1]]
+    # Kept on the autograd context through the chunk's backward, so: copies of views (a conv's tail,
+    # sliced from the chunk's concatenated inputs), else a view would keep a chunk-sized storage per
+    # layer; and aliases of the rest. This rank's carry, when another chunk follows it, is also the
+    # Function's output (fla's final state is a tensor of its own), and autograd gives that tensor
+    # its grad_fn: kept as is, it closes a reference cycle (node -> ctx -> carry -> node) that only
+    # Python's cyclic collector breaks, and under layer-wise recomputation the cycle held the
+    # recomputed layer's whole graph (a Gated DeltaNet layer's convolution output and more: about
+    # 1 GB per four layers of Qwen3.5-27B at chunks of 4096).
+    return *mine, [c.clone() if c._base is not None else c.detach() for c in carries[:-1]]
 
 
 def _round_grads(

@@ -12,14 +12,16 @@ so forward and backward walk several blocks per shard.
 
 from __future__ import annotations
 
-import os
 import dataclasses
+import gc
+import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from helpers import gloo
 from helpers.compare import assert_close
@@ -449,6 +451,72 @@ def test_step_matches_one_process(world, tmp_path):
             eager_loss, eager = eager_loss_and_grads(loss_fn, model, *inputs)
             assert_close(results[0][case.name][0], eager_loss, 1e-6, f"{case.name}: loss against eager")
             assert_grads_close(results[0][case.name][1], eager, 1e-6)
+
+
+CYCLE_CASES = [StepCase("hybrid", "exact", layerwise=True, host=True), StepCase("hybrid", "detached", layerwise=True),
+               StepCase("dense", "exact", layerwise=True), StepCase("latent", "exact", layerwise=True)]
+
+
+def _left_in_cycles(run) -> tuple[int, list[str]]:
+    """Bytes of the tensors, and the names of longstraw's autograd nodes,
+    that `run()` (Python's cyclic collector off) left in reference cycles."""
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+    finally:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        garbage = list(gc.garbage)
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    tensors = [o for o in garbage if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)]
+    nodes = sorted({type(o).__name__ for o in garbage
+                    if getattr(getattr(type(o), "_forward_cls", None), "__module__", "").startswith("longstraw")})
+    return sum(t.untyped_storage().nbytes() for t in tensors), nodes
+
+
+def _cycle_worker(rank: int, world: int, port: int, out: str) -> None:
+    gloo.init(rank, world, port)
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from longstraw.passes import gated_delta
+
+    reference_kernel = gated_delta._step_kernel
+
+    def fresh_state(*args, **kwargs):  # fla's final state is a tensor of its own; the reference's a view
+        out, state = reference_kernel(*args, **kwargs)
+        return out, state.clone()
+
+    gated_delta._step_kernel = fresh_state
+    res = {}
+    for group in (dist.group.WORLD, None):
+        for case in CYCLE_CASES:
+            torch._dynamo.reset()
+            model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
+            compiled = compile_loss(loss_fn, _backend(case, group))
+            compiled_loss_and_grads(compiled, model, *inputs)  # compiled and planned: the second step is the runtime's alone
+            res[case.name, group is not None] = _left_in_cycles(lambda: compiled_loss_and_grads(compiled, model, *inputs))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_step_leaves_nothing_in_reference_cycles(tmp_path):
+    """A step's autograd graph is freed by reference counting as the
+    backward goes, never left to Python's cyclic collector, over two gloo
+    ranks (the reverse pass in rounds) and in one process, with layer-wise
+    recomputation: the collector runs when its counters say so, and until
+    then a cycle holding an autograd node holds what the node saved and
+    the graph behind it. A round's carry kept on the autograd context was
+    the Function's output (fla's final state, a tensor of its own: the
+    reference kernel's is made one here), so node, context and carry formed
+    a cycle, and under recomputation it kept every recomputed layer's graph
+    through the chunk's backward (about 1 GB per four layers of Qwen3.5-27B
+    at chunks of 4096)."""
+    results = gloo.spawn(_cycle_worker, 2, tmp_path)
+    for rank, res in enumerate(results):
+        for (name, sharded), (nbytes, nodes) in res.items():
+            assert (nbytes, nodes) == (0, []), (rank, name, "two ranks" if sharded else "one process", nbytes, nodes)
 
 
 def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
