@@ -123,13 +123,18 @@ def test_a_round_keeps_no_chunk_sized_storage_for_its_backward():
     conv's are slices of each chunk's `cat([tail, x])`, and as views they
     kept W - 1 chunk-sized tensors per convolution layer (8 GB at 64 layers
     of Qwen3.5-27B, chunk 8192, two ranks; found by the planner simulating
-    one rank's rounds)."""
+    one rank's rounds). None of them is a tensor autograd gave a grad_fn
+    (the Function's output): that would close a reference cycle through
+    the context (`test_context_parallel`'s
+    `test_a_step_leaves_nothing_in_reference_cycles`)."""
     fn, dims, tail, inputs, _, _ = _conv_case(4096, torch.Generator().manual_seed(0))
     inputs = [x.requires_grad_() for x in inputs]
     with torch.enable_grad():
         out, new_carry = carry.CarryStep.apply(_RoundStep(tail, 4096), 0, carry.CarryKernel(fn, dims), *inputs)
     kept = out.grad_fn.round_carries
-    assert len(kept) == 2 and kept[0] is tail  # the round's start, then the first chunk's end
+    assert len(kept) == 2  # the round's start, then the first chunk's end
+    assert kept[0].untyped_storage().data_ptr() == tail.untyped_storage().data_ptr()
+    assert all(value.grad_fn is None and value is not new_carry for value in kept)
     for value in [*kept, new_carry]:
         assert value.shape == tail.shape
         assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
