@@ -251,10 +251,12 @@ def without_cyclic_gc() -> Iterator[None]:
     a collection, and the collector runs when its allocation counters say
     so: the same simulation, run first or again in one process, peaked
     1.5 GB apart in the reverse pass at 27B shapes, and the planner's
-    extrapolation over depth turned that into gigabytes. The real
-    runtime left no tensor in a cycle (a one-off CPU check), so the simulation
+    extrapolation over depth turned that into gigabytes. The runtime
+    leaves nothing of a step in a cycle (`test_context_parallel`'s
+    `test_a_step_leaves_nothing_in_reference_cycles`: one it had, in
+    `carry._round_forward`, was found this way), so the simulation
     collects at every step's end (`_LiveBytes.in_step`) and never in
-    between. With the collector off, what the step allocated is all in
+    between: what a cycle would hold counts until then. With the collector off, what the step allocated is all in
     the youngest generation: collecting that one alone finds the step's
     cycles without walking the heap Dynamo left (a full collection at
     every step's end doubled the planner tests' time)."""
