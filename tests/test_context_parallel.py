@@ -453,8 +453,9 @@ def test_step_matches_one_process(world, tmp_path):
             assert_grads_close(results[0][case.name][1], eager, 1e-6)
 
 
-CYCLE_CASES = [StepCase("hybrid", "exact", layerwise=True, host=True), StepCase("hybrid", "detached", layerwise=True),
-               StepCase("dense", "exact", layerwise=True), StepCase("latent", "exact", layerwise=True)]
+# (case, over the two ranks or in one process): the carries' rounds in both modes, and one process's chunks
+CYCLE_CASES = [(StepCase("hybrid", "exact", layerwise=True, host=True), True), (StepCase("hybrid", "detached", layerwise=True), True),
+               (StepCase("hybrid", "exact", layerwise=True), False)]
 
 
 def _left_in_cycles(run) -> tuple[int, list[str]]:
@@ -490,13 +491,12 @@ def _cycle_worker(rank: int, world: int, port: int, out: str) -> None:
 
     gated_delta._step_kernel = fresh_state
     res = {}
-    for group in (dist.group.WORLD, None):
-        for case in CYCLE_CASES:
-            torch._dynamo.reset()
-            model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
-            compiled = compile_loss(loss_fn, _backend(case, group))
-            compiled_loss_and_grads(compiled, model, *inputs)  # compiled and planned: the second step is the runtime's alone
-            res[case.name, group is not None] = _left_in_cycles(lambda: compiled_loss_and_grads(compiled, model, *inputs))
+    for case, sharded in CYCLE_CASES:
+        torch._dynamo.reset()
+        model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
+        compiled = compile_loss(loss_fn, _backend(case, dist.group.WORLD if sharded else None))
+        compiled_loss_and_grads(compiled, model, *inputs)  # compiled and planned: the second step is the runtime's alone
+        res[case.name, sharded] = _left_in_cycles(lambda: compiled_loss_and_grads(compiled, model, *inputs))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -504,8 +504,8 @@ def _cycle_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_a_step_leaves_nothing_in_reference_cycles(tmp_path):
     """A step's autograd graph is freed by reference counting as the
     backward goes, never left to Python's cyclic collector, over two gloo
-    ranks (the reverse pass in rounds) and in one process, with layer-wise
-    recomputation: the collector runs when its counters say so, and until
+    ranks (the reverse pass in rounds, both modes) and in one process, with
+    layer-wise recomputation, on the hybrid: the collector runs when its counters say so, and until
     then a cycle holding an autograd node holds what the node saved and
     the graph behind it. A round's carry kept on the autograd context was
     the Function's output (fla's final state, a tensor of its own: the
