@@ -256,10 +256,11 @@ def without_cyclic_gc() -> Iterator[None]:
     `test_a_step_leaves_nothing_in_reference_cycles`: one it had, in
     `carry._round_forward`, was found this way), so the simulation
     collects at every step's end (`_LiveBytes.in_step`) and never in
-    between: what a cycle would hold counts until then. With the collector off, what the step allocated is all in
-    the youngest generation: collecting that one alone finds the step's
-    cycles without walking the heap Dynamo left (a full collection at
-    every step's end doubled the planner tests' time)."""
+    between: what a cycle would hold counts until then. With the
+    collector off, what the step allocated is all in the youngest
+    generation: collecting that one alone finds the step's cycles without
+    walking the heap Dynamo left (a full collection at every step's end
+    doubled the planner tests' time)."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()

@@ -461,17 +461,17 @@ CYCLE_CASES = [(StepCase("hybrid", "exact", layerwise=True, host=True), True), (
 def _left_in_cycles(run) -> tuple[int, list[str]]:
     """Bytes of the tensors, and the names of longstraw's autograd nodes,
     that `run()` (Python's cyclic collector off) left in reference cycles."""
-    gc.collect()
-    gc.disable()
-    try:
+    from longstraw.simulation import without_cyclic_gc
+
+    with without_cyclic_gc():
         run()
-    finally:
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        garbage = list(gc.garbage)
-        gc.garbage.clear()
-        gc.set_debug(0)
-        gc.enable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # before the collector is back on: nothing of the step is freed unseen
+        try:
+            gc.collect()
+            garbage = list(gc.garbage)
+        finally:
+            gc.garbage.clear()
+            gc.set_debug(0)
     tensors = [o for o in garbage if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)]
     nodes = sorted({type(o).__name__ for o in garbage
                     if getattr(getattr(type(o), "_forward_cls", None), "__module__", "").startswith("longstraw")})
