@@ -111,10 +111,8 @@ def head_region(part: Partition, outputs: list[fx.Node], needed: set[fx.Node], s
         if all(u in region for u in users) and _per_position(part, node, positions, exits):
             region.add(node)
     # a piece of a tuple computed outside (`torch.chunk` of a projection into query and gate) enters as a tensor
-    region -= {
-        n for n in region
-        if n.args and isinstance(n.args[0], fx.Node) and n.args[0] not in region and tensor_of(n.args[0]) is None
-    }
+    region -= {n for n in region if any(_is_sequence(i) and i not in region for i in n.all_input_nodes)}
+    region = _closed(region, needed, part.positional)
     region_outputs = [o for o in outputs if o in region]
     if not region_outputs:
         return None
@@ -137,6 +135,21 @@ def head_region(part: Partition, outputs: list[fx.Node], needed: set[fx.Node], s
     if not _widens(part, region, inputs, positions):
         return None
     return HeadRegion(region, region_outputs, read, an.factor_size(read), [exits[e].start for e in region_exits])
+
+
+def _is_sequence(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("longstraw_value"), (tuple, list))
+
+
+def _closed(region: set[fx.Node], needed: set[fx.Node], positional: set[fx.Node]) -> set[fx.Node]:
+    """The largest part of `region` whose nodes are read only inside it:
+    a node taken out takes out what feeds only it."""
+    region = set(region)
+    while True:
+        leaving = {n for n in region if any(u not in region for u in n.users if u in needed or u in positional)}
+        if not leaving:
+            return region
+        region -= leaving
 
 
 def _width(part: Partition, node: fx.Node, positions: set[int]) -> int:

@@ -6,6 +6,7 @@ Every call is compared with eager: never a silent wrong gradient."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 
@@ -122,6 +123,86 @@ def test_float_inside_the_steps_changes_every_call(loss_fn, mode):
         want = reference(lambda m, *a: loss_fn(m, *a, value), model, *args)
         assert_matches(got, want, PLAIN_TOL)
     assert len(backend.plans) == 1
+
+
+def head_scalar_loss(model, prompt, responses, advantages, mask, beta):
+    """beta scales a per-token term: it lands in the branch step's LM head chunks."""
+    logp = token_logp(model, prompt, responses)
+    per_token = -advantages[:, None] * torch.exp(logp - logp.detach()) + beta * logp**2
+    return (per_token * mask).sum() / mask.sum()
+
+
+def branch_scalar_loss(model, prompt, responses, advantages, mask, beta):
+    """beta enters a per-response mean: the branch step, after its head chunks."""
+    logp = token_logp(model, prompt, responses)
+    per_row = (logp * mask).sum(-1) / (mask.sum(-1) + beta)
+    return -(torch.exp(per_row - per_row.detach()) * advantages).mean()
+
+
+def prompt_scalar_loss(model, prompt, responses, advantages, mask, beta):
+    """beta scales the input embeddings: the prompt's capture and every branch step."""
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    logits = logits_of(model(inputs_embeds=model.get_input_embeddings()(ids) * (1 + beta)))
+    return pg_tail(logits[:, prompt.shape[0] - 1 : -1], responses, advantages, mask)
+
+
+def stage_scalar_loss(reference):
+    """beta is the temperature of a frozen reference's logits: the stage captured first."""
+
+    def loss_fn(model, prompt, responses, advantages, mask, beta):
+        p = prompt.shape[0]
+        logits = logits_of(model(input_ids=sequences(prompt, responses)))[:, p - 1 : -1]
+        with torch.no_grad():
+            ref_logits = logits_of(reference(input_ids=sequences(prompt, responses)))[:, p - 1 : -1] / (1 + beta)
+        return kl_tail(logits, ref_logits, responses, advantages, mask)
+
+    return loss_fn
+
+
+SCALAR_REGIONS = {
+    "head": lambda ref: head_scalar_loss,
+    "tail": lambda ref: kl_scheduled_loss,
+    "branch": lambda ref: branch_scalar_loss,
+    "prompt": lambda ref: prompt_scalar_loss,
+    "stage": stage_scalar_loss,
+}
+SCALAR_TRACES = {  # how Dynamo hands the float over
+    "default": ({}, None),  # a constant, then `beta.item()` of an input once it changed (automatic dynamic)
+    "specialize_float": ({"specialize_float": True}, None),  # a constant, recompiled per value
+    "dynamic": ({}, True),  # `beta.item()` from the first call
+}
+
+
+SCALAR_CI = [
+    *[(region, "default", "exact") for region in SCALAR_REGIONS],
+    ("head", "default", "detached"), ("head", "specialize_float", "exact"), ("head", "dynamic", "exact"),
+]
+
+
+@pytest.mark.parametrize("region, trace, mode", [*SCALAR_CI, *[
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in itertools.product(SCALAR_REGIONS, SCALAR_TRACES, ("exact", "detached")) if case not in SCALAR_CI
+]])
+def test_scalar_schedule_through_every_region(region, trace, mode):
+    """A float that changes every call (a KL or entropy coefficient
+    schedule, a temperature) wherever it enters the plan: each call equals
+    eager at that value, in both modes and however Dynamo traces the float."""
+    policy, reference = make_model("qwen3", seed=0), make_model("qwen3", seed=1)
+    reference.requires_grad_(False)
+    loss_fn = SCALAR_REGIONS[region](reference)
+    args = make_group(3, 13, 5, pad=True)
+    config, dynamic = SCALAR_TRACES[trace]
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4, head_chunk_size=2)
+    with torch._dynamo.config.patch(**config):
+        step = compile_loss(loss_fn, backend, dynamic=dynamic)
+        for beta in (0.1, 0.5, -0.3):
+            got = compiled_loss_and_grads(step, policy, *args, beta)
+            if mode == "exact":
+                want = eager_loss_and_grads(loss_fn, policy, *args, beta)
+            else:
+                want = detached_at_attention(lambda m, *a: loss_fn(m, *a, beta), policy, *args)
+            assert_matches(got, want, HF_TOL)
+    assert all(plan.runner.options.head_chunk_size == 2 for plan in backend.plans)
 
 
 def first_tokens_loss(model, prompt, responses, advantages, mask, n):
