@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 
 import torch
 import torch.fx as fx
@@ -65,6 +66,7 @@ _ROUTER_LOGITS = (
     "cannot trace: leave them off. A router's load-balancing loss averages routing over every position of the "
     "group, so LongStraw cannot run it per position anyway; compute it in a separate eager pass if you need it."
 )
+_LOGGER_CALL = re.compile(r"method: <Logger (?P<name>\S+) \(\w+\)>\.(?P<method>\w+)")
 # Graph breaks inside these files, and what to do: HF's flex path breaks in create_block_mask before any
 # flex_attention node is traced; in DDP's forward or FSDP2's hooks, the wrapper ran inside the compiled
 # function (Dynamo's own hints there are about torch's internals).
@@ -128,7 +130,20 @@ def _describe(reason) -> str:
         hints.append(_EXPERTS_LOOP)
     if any(f.filename.endswith(_HF_OUTPUT_CAPTURING) for f in stack):
         hints.append(_ROUTER_LOGITS)
+    logger_call = _LOGGER_CALL.search(reason.reason)
+    if logger_call is not None:
+        call = f"logging.getLogger({logger_call['name']!r}).{logger_call['method']}"
+        lines, hints = [f"a logging call, `{call}(...)`, which Dynamo does not trace."], [_logger_fix(call)]
     return f"{where}: {' '.join(lines[:1] + hints)}".rstrip(".")  # the caller ends the sentence
+
+
+def _logger_fix(call: str) -> str:
+    """The working form of Dynamo's hint for a logger call inside the loss."""
+    return (
+        f"Make it a no-op in traces before the first call, `torch._dynamo.config.ignore_logging_functions"
+        f".add({call})`, or move it out of the compiled function "
+        "(LongStraw already ignores transformers' `warning_once`, `info_once` and `warning_advice`)."
+    )
 
 
 def _frame(summary) -> str:

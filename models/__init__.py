@@ -5,7 +5,8 @@ Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
 graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
 `longstraw.models.moe` traces HF's grouped_mm experts as one per-position
-operator.
+operator; `longstraw.models.hf_logging` makes HF's once-only logging calls
+(`logger.warning_once`) no-ops in traces instead of graph breaks.
 
 `install_trace_bindings()` runs when `longstraw` is imported: for every HF
 modeling module with a binding, imported before or after, Dynamo traces the
@@ -28,6 +29,7 @@ BINDINGS = {
     "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
     "transformers.models.qwen3_next.modeling_qwen3_next": "longstraw.models.qwen3_5",
     "transformers.integrations.moe": "longstraw.models.moe",
+    "transformers.utils.logging": "longstraw.models.hf_logging",
 }
 """HF modeling module -> the binding module that substitutes its functions in traces."""
 
