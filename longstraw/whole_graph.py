@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import types
 
 import torch
 import torch.fx as fx
@@ -66,6 +67,8 @@ _ROUTER_LOGITS = (
     "cannot trace: leave them off. A router's load-balancing loss averages routing over every position of the "
     "group, so LongStraw cannot run it per position anyway; compute it in a separate eager pass if you need it."
 )
+_EVAL_FRAME = os.path.join(TORCH_DIR, "_dynamo", "eval_frame.py")
+_RAISED = re.compile(r"raised exception (?P<exception>\w+\(.*\))\s*$", re.MULTILINE)
 _LOGGER_CALL = re.compile(r"method: <Logger (?P<name>\S+) \(\w+\)>\.(?P<method>\w+)")
 # Graph breaks inside these files, and what to do: HF's flex path breaks in create_block_mask before any
 # flex_attention node is traced; in DDP's forward or FSDP2's hooks, the wrapper ran inside the compiled
@@ -107,6 +110,9 @@ def partial_graph_reason(gm: fx.GraphModule) -> str | None:
         breaks = [r for r in torch._dynamo.utils.graph_break_reasons if r.graph_break]
         last = f": Dynamo broke the graph {_describe(breaks[-1])}" if breaks else ""
         return f"this graph is the rest of a function after a graph break (`{code}`){last}. {_HOW}"
+    skipped = _skipped_compiled_function(context.traced_code[0] if context is not None and context.traced_code else None)
+    if skipped is not None:
+        return skipped
     caller = _compiled_caller()
     if caller is not None:
         return (
@@ -148,6 +154,50 @@ def _logger_fix(call: str) -> str:
 
 def _frame(summary) -> str:
     return f"{os.path.basename(summary.filename)}:{summary.lineno} ({summary.name})"
+
+
+def _skipped_compiled_function(traced: types.CodeType | None) -> str | None:
+    """Why Dynamo hands over a function the compiled function calls, not
+    the compiled function itself, or None. Dynamo gives up on a frame it
+    cannot trace (an exception the code raises in eager too, such as
+    indexing a Python list with `[:, None]`), runs it uncompiled and
+    compiles the functions it calls (the model's forward): the graph is
+    then not the loss, and the user's own error is the thing to show."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        compiled = frame.f_locals.get("fn") if frame.f_code.co_filename == _EVAL_FRAME else None
+        if inspect.isfunction(compiled) and compiled.__code__ is not traced:
+            failure = _failed_compile(compiled.__code__)
+            if failure is not None:
+                code, callee = compiled.__code__, traced.co_name if traced else "a function"
+                where = f"`{code.co_name}` ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+                return (
+                    f"Dynamo could not trace the compiled function {where}: {failure} Dynamo then runs "
+                    f"`{code.co_name}` uncompiled and hands LongStraw only `{callee}`, which it calls, so this "
+                    "graph is not the loss. Fix the loss as you would in eager (run it without torch.compile to see "
+                    "the traceback)"
+                )
+        frame = frame.f_back
+    return None
+
+
+def _failed_compile(code: types.CodeType) -> str | None:
+    """Dynamo's reason for the latest failed compile of `code`, the
+    exception its code raised first where that was the cause."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    for metrics in reversed(get_compilation_metrics()):
+        if (metrics.co_name, metrics.co_filename, metrics.co_firstlineno) != (
+            code.co_name, code.co_filename, code.co_firstlineno
+        ):
+            continue
+        if not metrics.fail_reason:
+            return None
+        raised = _RAISED.search(metrics.fail_reason)
+        if raised is not None:
+            return f"the loss raises {raised['exception']} in eager too."
+        return f"{metrics.fail_reason.strip().splitlines()[0].rstrip('.')}."
+    return None
 
 
 def _compiled_caller() -> str | None:

@@ -147,6 +147,35 @@ def test_model_compiled_on_its_own_inside_the_loss():
     assert grads_equal(grads_of(model), before)
 
 
+def list_advantages_loss(model, prompt, responses, advantages, mask):
+    """`advantages` arrives as a Python list: `advantages[:, None]` raises in eager."""
+    logits = logits_of(model(input_ids=torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)))
+    logp = torch.log_softmax(logits[:, prompt.shape[0] - 1 : -1], -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    return -((logp * advantages[:, None]) * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("kind", ["plain", "qwen3"])
+def test_a_bug_in_the_loss_shows_the_error_eager_raises(kind):
+    """Dynamo gives up on a loss that raises while traced, runs it
+    uncompiled and hands over the model's forward alone: the message says
+    so first, with the exception eager raises."""
+    model = make_model(kind)
+    prompt, responses, advantages, mask = make_group(2, 9, 4)
+    with pytest.raises(TypeError, match="list indices must be integers or slices, not tuple") as eager:
+        list_advantages_loss(model, prompt, responses, advantages.tolist(), mask)
+    before = seed_grads(model)
+    compiled = compile_loss(list_advantages_loss, longstraw.Backend(prefix_chunk_size=4))
+    expected = (
+        rf"^Dynamo could not trace the compiled function `list_advantages_loss` \(test_whole_graph\.py:"
+        rf"{inspect.getsourcelines(list_advantages_loss)[1]}\): the loss raises {re.escape(repr(eager.value))} in "
+        r"eager too\. Dynamo then runs `list_advantages_loss` uncompiled and hands LongStraw only `\w+`, which it "
+        r"calls, so this graph is not the loss\. Fix the loss as you would in eager"
+    )
+    with raises_longstraw(expected):
+        run_and_backward(compiled, model, prompt, responses, advantages.tolist(), mask)
+    assert grads_equal(grads_of(model), before)
+
+
 def test_nested_torch_compile_is_inlined():
     """A torch.compile'd function called inside the compiled loss is traced
     into the loss's graph (its own backend is not used): one plan, eager's
