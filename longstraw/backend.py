@@ -12,9 +12,14 @@ re-plan without recompiling in Dynamo.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
+import os
+import re
+import types
 import warnings
+import weakref
 from collections import OrderedDict, deque
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -24,7 +29,7 @@ import torch.fx as fx
 from longstraw.passes import ArchitecturePass
 
 from .context_parallel import PLANNING, agree
-from .errors import UnsupportedGraphError, module_path, name_arguments
+from .errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
@@ -150,6 +155,7 @@ class Backend:
         self.plans: deque[GroupPlan] = deque(maxlen=self.options.plan_cache_size)
         self.fallbacks: list[Fallback] = []  # graphs run unchanged, in the order they fell back
         self.stop_after_planning = False
+        _install_recompile_hook()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None) -> Callable:
         opts = self.options if options is None else Options.from_any(options)
@@ -160,32 +166,75 @@ class Backend:
             self.fallbacks.append(Fallback("ddp_split", DDP_SPLIT))
             return gm.forward
         name_arguments(gm)
-        _warn_at_the_recompile_limit(opts)
+        _remember_compiled_code(opts)
         return CompiledGroupLoss(gm, opts, self, partial_graph_reason(gm))
 
 
 RECOMPILE_LIMIT = (
-    "longstraw: this is Dynamo's last compile of this loss (torch._dynamo.config.recompile_limit = {limit}): "
-    "if it is recompiled again (new Python scalars, model objects, backends), Dynamo runs it eagerly without "
-    "calling LongStraw: {what}. Keep the loss's guards stable, raise the limit, or set "
-    "torch._dynamo.config.fail_on_recompile_limit_hit = True to make that an error."
+    "longstraw: Dynamo has compiled {where} as often as torch._dynamo.config.{limit_type} ({limit}) allows and would "
+    "now run it eagerly, without calling LongStraw, on every call whose guards no compile matches: {what}. "
+    "LongStraw refuses that on every such call instead. Dynamo recompiles because {reason}. Keep the "
+    "loss's guards stable (the same model object; floats that change are fine, Python ints and strings that "
+    "change are guarded), or raise torch._dynamo.config.recompile_limit before the first call."
 )
 
+_LONGSTRAW_CODE: weakref.WeakKeyDictionary[types.CodeType, str] = weakref.WeakKeyDictionary()
+"""Code objects LongStraw compiled (the frame Dynamo traced) -> the prompt_grad they were compiled for."""
 
-def _warn_at_the_recompile_limit(opts: Options) -> None:
-    """Dynamo runs a frame eagerly once it has compiled it `recompile_limit`
-    times, without asking the backend; the last compile it allows is the
-    last moment LongStraw can say so."""
-    import torch._dynamo.config as dynamo
-    from torch._guards import CompileContext
 
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is None or dynamo.fail_on_recompile_limit_hit:
-        return
-    if compile_id.frame_compile_id == dynamo.recompile_limit - 1:
-        what = ("eager's exact gradient instead of the detached one, and no memory savings"
-                if opts.prompt_grad == "detached" else "the same gradients, without LongStraw's memory savings")
-        warnings.warn(RECOMPILE_LIMIT.format(limit=dynamo.recompile_limit, what=what), stacklevel=2)
+def _remember_compiled_code(opts: Options) -> None:
+    """Record the frame Dynamo is compiling for LongStraw, for `_refuse_at_the_recompile_limit`."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.traced_code:
+        _LONGSTRAW_CODE[context.traced_code[0]] = opts.prompt_grad
+
+
+def _refuse_at_the_recompile_limit() -> str:
+    """A Dynamo recompile hook (`register_hook_for_recompile_user_context`,
+    called before every compile and before Dynamo checks its recompile
+    limit). Past the limit Dynamo runs a frame eagerly without asking the
+    backend, for good: detached mode would silently get eager's exact
+    gradient, exact mode eager's memory. For a frame LongStraw compiled,
+    this raises instead; Dynamo then tries again at the next call, which
+    raises again. Other frames are left to Dynamo."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.cache_size import exceeds_recompile_limit
+
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code is not convert_frame._compile.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    code, local = frame.f_locals.get("code"), frame.f_locals
+    mode = _LONGSTRAW_CODE.get(code) if isinstance(code, types.CodeType) else None
+    if mode is None or torch._dynamo.config.fail_on_recompile_limit_hit or local.get("one_graph"):
+        return ""  # not LongStraw's, or Dynamo itself raises at the limit
+    exceeded, limit_type = exceeds_recompile_limit(local["cache_size"], local["compile_id"])
+    if not exceeded:
+        return ""
+    what = ("eager's exact gradient instead of the detached one, and no memory savings" if mode == "detached"
+            else "the same gradients without LongStraw's memory savings")
+    raise LongStrawError(RECOMPILE_LIMIT.format(
+        where=f"`{code.co_name}` ({os.path.basename(code.co_filename)}:{code.co_firstlineno})",
+        limit_type=limit_type,
+        limit=getattr(torch._dynamo.config, limit_type), what=what,
+        reason=_first_guard(local.get("recompile_reason")),
+    ))
+
+
+def _first_guard(reason: str | None) -> str:
+    """`0/1: scale == 'ab'   # source...` -> "the guard `scale == 'ab'` failed"."""
+    if not reason:
+        return "unknown"
+    guard = re.sub(r"^\d+/\d+: ", "", reason.strip().splitlines()[0]).split("  #")[0].strip()
+    return f"the guard `{guard}` failed"
+
+
+def _install_recompile_hook() -> None:
+    from torch._dynamo.utils import get_hook_for_recompile_user_context, register_hook_for_recompile_user_context
+
+    if _refuse_at_the_recompile_limit not in (get_hook_for_recompile_user_context() or []):
+        register_hook_for_recompile_user_context(_refuse_at_the_recompile_limit)
 
 
 def _refuse(message: str) -> Callable:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 import longstraw
+
+from conftest import raises_longstraw
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
@@ -75,29 +78,46 @@ def test_readme_loss():
     assert backend.plans[-1].prefix_len == 19
 
 
-def test_warns_at_dynamos_last_compile():
-    """Past `recompile_limit` compiles Dynamo runs the loss eagerly without
-    asking the backend (detached mode would silently get eager's exact
-    gradient); the last compile it allows warns, naming the fix."""
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_every_call_past_dynamos_recompile_limit_raises(mode):
+    """Past `recompile_limit` compiles Dynamo would run the loss eagerly
+    without asking the backend (detached mode would silently get eager's
+    exact gradient): every such call raises instead, naming the fix, while
+    calls that match a compile keep running through LongStraw."""
     model = make_model("plain")
 
-    def scaled_loss(model, scale, *group):  # a new Python float: a new Dynamo guard, a recompile
-        return grpo_loss_f64(model, *group) * scale
+    def scaled_loss(model, scale, *group):  # a new Python string: a new Dynamo guard, a recompile
+        return grpo_loss_f64(model, *group) * len(scale)
 
-    compiled = compile_loss(scaled_loss, longstraw.Backend(prompt_grad="detached", prefix_chunk_size=8))
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=8)
+    compiled = compile_loss(scaled_loss, backend)
     group = make_group(2, 12, 3)
+    what = "eager's exact gradient instead of the detached one" if mode == "detached" else "without LongStraw's memory"
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled(model, "a", *group)
+        compiled(model, "ab", *group)
+        for _ in range(2):
+            with raises_longstraw(
+                rf"Dynamo has compiled `scaled_loss` \(test_backend\.py:\d+\) as often as torch\._dynamo\.config\."
+                rf"recompile_limit \(2\) allows.*{what}.*LongStraw refuses that on every such call.*raise "
+                r"torch\._dynamo\.config\.recompile_limit"
+            ):
+                compiled(model, "abc", *group)
+        runner = backend.plans[-1].runner
+        runner.last_call = None
+        compiled(model, "ab", *group)  # guards a compile matches: LongStraw's plan runs, as before
+        assert runner.last_call is not None
 
-    def warned(**config) -> list[str]:
-        torch._dynamo.reset()
-        with torch._dynamo.config.patch(recompile_limit=2, **config), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            compiled(model, 0.5, *group)
-            assert not [w for w in caught if "recompile_limit" in str(w.message)]  # not at the first compile
-            compiled(model, 1.5, *group)
-        torch._dynamo.reset()
-        return [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
 
-    messages = warned()
-    assert len(messages) == 1 and "eager's exact gradient instead of the detached one" in messages[0]
-    assert "fail_on_recompile_limit_hit = True" in messages[0]
-    assert not warned(fail_on_recompile_limit_hit=True)  # then Dynamo itself refuses: no warning
+def test_dynamos_own_refusal_at_the_recompile_limit_is_left_to_it():
+    model = make_model("plain")
+
+    def scaled_loss(model, scale, *group):
+        return grpo_loss_f64(model, *group) * len(scale)
+
+    compiled = compile_loss(scaled_loss, longstraw.Backend(prefix_chunk_size=8))
+    group = make_group(2, 12, 3)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        compiled(model, "a", *group)
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            compiled(model, "ab", *group)
