@@ -36,7 +36,18 @@ def _run(name: str) -> str:
 
 
 def test_grpo_step_example():
-    assert "parity" in _run("grpo_step.py").lower()
+    """The demo's parity line: a loss that is not zero, equal to eager's,
+    and every gradient within the stated tolerance."""
+    output = _run("grpo_step.py")
+    parity = re.search(
+        r"parity vs eager \(exact, float64\): loss (\S+) vs (\S+) \(relative (\S+)\), "
+        r"max relative gradient error (\S+); tolerance (\S+)", output,
+    )
+    assert parity is not None, output
+    loss, eager_loss, loss_error, grad_error, tolerance = (float(x) for x in parity.groups())
+    assert tolerance == 1e-6
+    assert abs(eager_loss) > 1e-3 and loss_error <= tolerance and grad_error <= tolerance, output
+    assert abs(loss - eager_loss) <= tolerance * abs(eager_loss)
 
 
 def test_custom_pass_example():
