@@ -656,6 +656,7 @@ def raise_together(error: Exception | None, ranks: Ranks, device: torch.device) 
     error = ranks.object_from(error, source, device)
     if ranks.rank != source:
         error.add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
+    error.longstraw_shared = True
     raise error
 
 
@@ -736,7 +737,7 @@ def replicate_from_first(tensors: Sequence[torch.Tensor | None], group: dist.Pro
         if t is None:
             continue
         sent = t if t.is_contiguous() else t.contiguous()
-        dist.broadcast(sent, group_src=0, group=group)
+        Ranks(group).broadcast(sent, 0)
         if sent is not t:
             t.copy_(sent)
 
@@ -778,10 +779,12 @@ def agree(
     One all-gather of a header of the same size at both points, so a rank
     planning while another calls is caught too; every rank gathers the same
     headers and raises the same error."""
+    ranks = Ranks(group)
+    ranks.raise_posted()
     named = _option_fingerprints(options)
     header = torch.tensor([phase, fingerprint, *(v for _, v in named), value], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, header, group=group)
+    gathered = [torch.empty_like(header) for _ in range(ranks.size)]
+    ranks.all_gather(gathered, header)
     rows = torch.stack(gathered).cpu()
     for rank in range(1, len(rows)):
         differs = (rows[rank, :-1] != rows[0, :-1]).nonzero()
@@ -798,8 +801,16 @@ def agree(
         else:
             what = f"the option `{named[where - 2][0]}` differs between rank 0 and rank {rank}"
             fix = "give every rank the same options (`memory_budget_gb` may differ: the smallest is planned for)"
-        raise InputError(f"context parallelism: {what}: {fix} (each runs every step and keeps its share of the prompt state)")
+        raise _shared(InputError(
+            f"context parallelism: {what}: {fix} (each runs every step and keeps its share of the prompt state)"
+        ))
     return rows[:, -1].tolist()
+
+
+def _shared(error: LongStrawError) -> LongStrawError:
+    """An error every rank raises at the same point (from the same gathered values): not a failure to post."""
+    error.longstraw_shared = True
+    return error
 
 
 def check_replicated(
@@ -823,10 +834,10 @@ def check_replicated(
     checked += [(_GENERATOR, _checksum(g, ordered=True)) for g in generators]
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if len(set(agree(CALLING, fingerprint, options, float(len(checked)), group, device))) > 1:
-        raise InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss")
+        raise _shared(InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss"))
     sums = torch.stack([c.to(device) for _, c in checked])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, sums, group=group)
+    Ranks(group).all_gather(gathered, sums)
     for rank, other in enumerate(gathered):
         differs = ~((other == sums) | (other.isnan() & sums.isnan())).all(-1)
         if bool(differs.any()):
@@ -834,10 +845,10 @@ def check_replicated(
             fix = ("every rank must call the compiled loss with the same inputs, weights and Python values" if what != _GENERATOR
                    else "the loss draws random numbers (dropout), and every rank must draw the same: seed the group's "
                    "ranks alike, e.g. `torch.manual_seed(seed + data_parallel_rank)`, and draw nothing on one rank alone")
-            raise InputError(
+            raise _shared(InputError(
                 f"context parallelism: {what} differs between rank {dist.get_rank(group)} and rank {rank} of the "
                 f"group: {fix} (each runs the whole step and keeps its share of the prompt state)"
-            )
+            ))
 
 
 _GENERATOR = "the random number generators' state"

@@ -39,7 +39,7 @@ from .context_parallel import (
     summed_carry_grads, summed_over_ranks,
 )
 from .partition import Partition
-from .ranks import Ranks
+from .ranks import Ranks, posting_failures
 from .recompute import LayerwiseStep
 from .stages import Stage
 from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
@@ -377,7 +377,8 @@ class GroupRunner:
         self.check_shared_values(values, groups)
         self.check_padding(values, groups)
         self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
-        return self.run(inputs, values, groups, self.part.end, backward)
+        with posting_failures(self.ranks):
+            return self.run(inputs, values, groups, self.part.end, backward)
 
     @torch.no_grad()
     def run(
@@ -557,6 +558,15 @@ class GroupRunner:
     # backward -----------------------------------------------------------
 
     def backward(
+        self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        if self.ranks is None:
+            return self._backward(call, inputs, grad_outputs)
+        self.ranks.raise_posted()
+        with posting_failures(self.ranks):
+            return self._backward(call, inputs, grad_outputs)
+
+    def _backward(
         self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
         wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]

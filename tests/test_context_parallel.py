@@ -698,6 +698,88 @@ def test_refusals(tmp_path):
             "InputError: context parallelism: rank 0 is planning a step while rank 1 is calling a planned step")
 
 
+FAILURES = ("token in the row rank 0 replays", "exception in rank 1's capture", "exception in rank 1's backward")
+
+
+def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each case fails inside one rank's step while that rank stays alive
+    (waiting at the store for the others to report), times how long every
+    rank takes to raise, then calls once more: the group is out of step,
+    so that call raises the posted error too."""
+    import time
+
+    gloo.init(rank, world, port)
+    import longstraw
+    from helpers.harness import compile_loss
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group, make_model
+    from longstraw import runtime
+
+    store = dist.distributed_c10d._get_default_store()
+    prompt, responses, advantages, mask = make_group(2, 30, 4)
+    case = FAILURES[int(os.environ["LONGSTRAW_FAILURE_CASE"])]
+    bad_responses = responses.clone()
+    bad_responses[0, 1] = 10_000  # every rank's input alike: only the rank whose branch round runs row 0 reads it
+    capture, backward_group = runtime.GroupRunner._capture, runtime.GroupRunner._backward_group
+
+    def failing(original, message):
+        def step(self, *args, **kwargs):
+            if rank == 1:
+                raise RuntimeError(message)
+            return original(self, *args, **kwargs)
+        return step
+
+    step = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8, recompute_layers=False,
+                                                          context_parallel=dist.group.WORLD))
+    model = make_model("plain")
+    step(model, prompt, responses, advantages, mask).backward()  # planned and run once, all well
+    if case == FAILURES[1]:
+        runtime.GroupRunner._capture = failing(capture, "rank 1's capture failed")
+    if case == FAILURES[2]:
+        runtime.GroupRunner._backward_group = failing(backward_group, "rank 1's backward failed")
+    res = {}
+    start = time.monotonic()
+    try:
+        step(model, prompt, bad_responses if case == FAILURES[0] else responses, advantages, mask).backward()
+        res["error"] = "no error"
+    except Exception as error:  # noqa: BLE001
+        res["error"] = f"{type(error).__name__}: {error}"
+        res["notes"] = getattr(error, "__notes__", [])
+    res["seconds"] = time.monotonic() - start
+    store.add("reported", 1)
+    while int(store.add("reported", 0)) < world:  # the failing rank stays alive until every rank has raised
+        time.sleep(0.01)
+    runtime.GroupRunner._capture, runtime.GroupRunner._backward_group = capture, backward_group
+    try:
+        step(model, prompt, responses, advantages, mask)
+        res["again"] = "no error"
+    except Exception as error:  # noqa: BLE001
+        res["again"] = f"{type(error).__name__}: {error}"
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("case", range(len(FAILURES)), ids=FAILURES)
+def test_a_failure_inside_one_ranks_step_raises_on_every_rank(case, tmp_path, monkeypatch):
+    """A token id past the vocabulary in row 0 (every rank is given it; the
+    branch round gives row 0 to rank 0 alone), an exception in rank 1's
+    capture, one in rank 1's backward: every rank raises the failing rank's
+    error within seconds (not the group's timeout of 120 s), with a note
+    naming the rank where the others' steps stopped, and every later call
+    on the group raises it again."""
+    monkeypatch.setenv("LONGSTRAW_FAILURE_CASE", str(case))
+    results = gloo.spawn(_failure_worker, 2, tmp_path)
+    want = ["IndexError: index out of range in self", "RuntimeError: rank 1's capture failed",
+            "RuntimeError: rank 1's backward failed"][case]
+    source = 0 if case == 0 else 1
+    for rank, res in enumerate(results):
+        assert res["error"] == want, res
+        assert res["seconds"] < 10, res
+        posted = [n for n in res["notes"] if "inside its step" in n]
+        assert bool(posted) == (rank != source), res["notes"]
+        assert all(f"raised on rank {source} of the context-parallel group inside its step" in n for n in posted)
+        assert res["again"] == want, res
+
+
 def test_options_are_compared_by_value():
     """What `agree` compares of the options: every option that decides
     collectives or values, by value (two equal passes are one; a pass with
