@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
+
+from .nodes import ancestors, is_random, op_name
 
 
 class LongStrawError(RuntimeError):
@@ -25,8 +28,36 @@ class InputError(LongStrawError):
     """The runtime inputs break an assumption the compiled plan relies on."""
 
 
+NO_FIX = "LongStraw has no fix for this yet"
+"""What a refusal says when nothing the user can do makes the model compile;
+every other refusal names a fix (the families suite follows each one)."""
+
 USE_SDPA = "load the model with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
-"""The fix for attention LongStraw does not claim (eager, flex)."""
+"""The fix for attention LongStraw does not claim (eager, flex), where HF runs the model with SDPA."""
+
+
+def module_classes(node: fx.Node) -> list[type | str]:
+    """The classes of the modules `node` was traced in, outermost first."""
+    return [cls for _, cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def class_name(cls: type | str) -> str:
+    """`Qwen3MoeExperts`, from a class or the qualified name Dynamo may record instead."""
+    return (cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))).rsplit(".", 1)[-1]
+
+
+def sdpa_advice(classes: Iterable[type | str]) -> str:
+    """USE_SDPA, unless the innermost HF model among `classes` refuses SDPA
+    (`_supports_sdpa = False`: HF raises on attn_implementation='sdpa'),
+    where advising it would send the user to an error."""
+    for cls in reversed(list(classes)):
+        supports = getattr(cls, "_supports_sdpa", None) if isinstance(cls, type) else None
+        if supports is False:
+            return (f"HF does not run `{cls.__name__}` with SDPA (`_supports_sdpa = False`; attn_implementation='sdpa' "
+                    f"raises), so this family is not supported. {NO_FIX}")
+        if supports is True:
+            break
+    return USE_SDPA
 
 
 def describe_node(node: fx.Node) -> str:
@@ -35,7 +66,10 @@ def describe_node(node: fx.Node) -> str:
         target = node.target.name()  # `namespace::name`: where a custom operator comes from
     else:
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    parts = [f"operator `{target}` (node `{node.name}`)"]
+    if target == "updated" and len(node.args) > 1 and isinstance(node.args[1], str):
+        parts = [f"operator `{node.args[1]}` (in place, node `{node.name}`)"]  # `functionalize.updated(x, op)`
+    else:
+        parts = [f"operator `{target}` (node `{node.name}`)"]
     module = module_path(node)
     if module:
         parts.append(f"in module `{module}`")
@@ -105,11 +139,25 @@ def _in_torch(frame: str) -> bool:
     return len(parts) > 1 and os.path.normpath(parts[1]).startswith(TORCH_DIR + os.sep)
 
 
+HF_EXPERTS_DISPATCH = os.path.join("transformers", "integrations", "moe.py")
+"""HF's `use_experts_implementation` dispatcher, the frame between an experts module and its eager loop."""
+
+
+def uses_hf_experts_dispatch(cls: type | str) -> bool:
+    """Whether HF's `set_experts_implementation` reaches this experts class:
+    only classes decorated with `use_experts_implementation` (whose forward is
+    the dispatcher in `transformers/integrations/moe.py`) read it."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and code.co_filename.endswith(HF_EXPERTS_DISPATCH)
+
+
 def experts_hint(node: fx.Node) -> str:
-    """What to do when `node` sits in an HF experts module, else ''."""
-    for _, cls in (node.meta.get("nn_module_stack") or {}).values():
-        name = (cls if isinstance(cls, str) else getattr(cls, "__qualname__", "")).rsplit(".", 1)[-1]
-        if name.endswith("Experts"):
+    """What to do when `node` sits in an HF experts module that HF's experts
+    implementations reach, else ''."""
+    for cls in module_classes(node):
+        name = class_name(cls)
+        if name.endswith("Experts") and uses_hf_experts_dispatch(cls):
             return (f" It is in HF's experts module `{name}`, whose experts implementation reorders token rows in a way "
                     f"LongStraw does not prove per position (grouped_mm sorts them by expert). LongStraw runs HF's "
                     f"grouped_mm as one per-position operator (`longstraw::moe_experts`) only for experts modules that "
@@ -118,26 +166,45 @@ def experts_hint(node: fx.Node) -> str:
     return ""
 
 
-def positions_hint(node: fx.Node) -> str:
-    """What to do when `node` is a cumsum over an integer or boolean input
-    (position ids computed from the attention mask), else ''."""
-    if getattr(node.target, "__name__", node.target) != "cumsum":
+def random_hint(node: fx.Node) -> str:
+    """Why a random draw over the sequence cannot run once for the group, and
+    what applies: a router that samples its experts in train mode routes
+    deterministically in eval mode; other draws have no fix."""
+    if not is_random(node):
         return ""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        value = n.meta.get("longstraw_value")
-        if n.op == "placeholder" and isinstance(value, torch.Tensor) and not value.is_floating_point():
-            return (" It counts along an input (position ids from the attention mask, `mask.cumsum(-1) - 1`, as "
-                    "HF's `generate` computes them), which the steps do not compute position by position: compute the "
-                    "position ids outside the compiled loss and pass them in as a [G, L] input (the same over the "
-                    "prompt for every row), or pass none (HF then numbers positions 0..L-1, as TRL's training forward "
-                    "does).")
-        stack.extend(n.all_input_nodes)
-    return ""
+    draw = node.args[1] if op_name(node) == "updated" else op_name(node)
+    why = (f" It draws random numbers (`{draw}`) for every position: in eager each row of the group draws its own for "
+           "its copy of the prompt, so the rows' prompts differ and there is no shared prompt to compute once.")
+    classes = module_classes(node)
+    router = class_name(classes[-1]) if classes else ""
+    if router.endswith("Router"):
+        return (f"{why} It is in HF's `{router}`, which samples the experts each token goes to in train mode: call "
+                f"`.eval()` on every `{router}` (or `model.eval()`) before the compiled call, and each token goes to "
+                "its top-k experts, as HF routes at inference (`model.train()` turns the sampling back on).")
+    return f"{why} {NO_FIX}."
+
+
+def positions_hint(node: fx.Node) -> str:
+    """What to do when `node` is a cumsum that numbers positions (it reads
+    no float input: a mask, or a mask of ones the model builds), else ''.
+    Inside the model, the model numbers positions because it was given none
+    (HF's OPT); in the loss, the loss computes them from the mask."""
+    if op_name(node) != "cumsum":
+        return ""
+    inputs = [n.meta.get("longstraw_value") for n in ancestors([node]) if n.op == "placeholder"]
+    if not all(isinstance(v, torch.Tensor) and not v.is_floating_point() for v in inputs):
+        return ""
+    if module_path(node) is not None:
+        return (" The model numbers positions itself (as HF's OPT counts the attention mask, or a mask of ones, when "
+                "it is given no position ids), which the steps do not compute position by position: pass the "
+                "position ids to the model, `position_ids=torch.arange(L).expand(G, -1)` for [G, L] input ids "
+                "without padding (built in the loss or outside it), else computed from the mask outside the compiled "
+                "loss and passed in as a [G, L] input.")
+    return (" It counts along an input (position ids from the attention mask, `mask.cumsum(-1) - 1`, as "
+            "HF's `generate` computes them), which the steps do not compute position by position: compute the "
+            "position ids outside the compiled loss and pass them in as a [G, L] input (the same over the "
+            "prompt for every row), or pass none (HF then numbers positions 0..L-1, as TRL's training forward "
+            "does).")
 
 
 USE_BATCHED_MM = (

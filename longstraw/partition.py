@@ -28,14 +28,17 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 from .boundary import choose_state
 from .dims import DimAnalysis, Restriction
 from .errors import (
-    USE_SDPA,
+    NO_FIX,
     InputError,
     LongStrawError,
     UnsupportedGraphError,
     binding_hint,
     describe_node,
     experts_hint,
+    module_classes,
     positions_hint,
+    random_hint,
+    sdpa_advice,
 )
 from .functionalize import is_updated
 from .mask import key_padding_of
@@ -133,12 +136,19 @@ def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> Archi
     return claiming[0] if claiming else None
 
 
-def _unsupported(node: fx.Node, why: str) -> UnsupportedGraphError:
+def _unsupported(node: fx.Node, why: str, advice: str = "") -> UnsupportedGraphError:
+    """The refusal of `node`: `why`, then `advice`, else what the hints find
+    for this node (a binding, HF's experts implementation, position ids, a
+    sampling router), else that LongStraw has no fix."""
+    if advice:
+        said = f"{why}: {advice.rstrip('.')}."
+    else:
+        hints = f"{binding_hint(node)}{experts_hint(node)}{positions_hint(node)}{random_hint(node)}"
+        said = f"{why}.{hints or f' {NO_FIX}.'}"
     return UnsupportedGraphError(
-        f"{describe_node(node)} {why}.{binding_hint(node)}{experts_hint(node)}{positions_hint(node)} LongStraw needs "
-        "every operator that mixes sequence positions to be claimed by an architecture pass (see longstraw.passes; "
-        "a pass of your own goes in options={'passes': [...]} or longstraw.register_pass). Pass "
-        "options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
+        f"{describe_node(node)} {said} LongStraw needs every operator that mixes sequence positions to be claimed by "
+        "an architecture pass (see longstraw.passes; a pass of your own goes in options={'passes': [...]} or "
+        "longstraw.register_pass). Pass options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
         node,
     )
 
@@ -249,15 +259,12 @@ def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
     """No pass claims any operator: say what mixes positions instead."""
     for node in graph.nodes:
         if op_name(node) == "flex_attention":
-            return _unsupported(
-                node, f"is flex attention, which no pass claims: {USE_SDPA}"
-            )
+            return _unsupported(node, "is flex attention, which no pass claims", sdpa_advice(module_classes(node)))
     for node in graph.nodes:
         if op_name(node) == "softmax" and _near(node, _MATMULS, "up") and _near(node, _MATMULS, "down"):
             return _unsupported(
-                node, "computes attention with explicit matmul and softmax (HF's attn_implementation='eager'); "
-                f"LongStraw claims `scaled_dot_product_attention`: {USE_SDPA}. Models that require eager attention "
-                "(e.g. attention logit soft-capping, ALiBi) are not supported"
+                node, "computes attention with explicit matmul and softmax (HF's attn_implementation='eager'), and "
+                "LongStraw claims attention only as `scaled_dot_product_attention`", sdpa_advice(module_classes(node))
             )
     lookups = [n for n in graph.nodes if op_name(n) == "embedding" and tensor_of(n.args[0]) is not None
                and tensor_of(n.args[0]).dim() >= 2]
@@ -292,12 +299,18 @@ def _near(node: fx.Node, names: set[str], direction: str, hops: int = 8) -> bool
 
 
 def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tuple[int, int]:
+    """The sequence and group classes of the claimed operators. A size-1
+    factor of a query's position dimension that is not a group axis is
+    dropped: it numbers nothing (GPT-BigCode's multi-query attention views
+    `c_attn(x).unsqueeze(1)` as `[G, L, heads, d]`, merging that 1 into the
+    positions, one more per layer), and the steps already size it as 1."""
+    positions = {node: p.position_dims(node) for node, p in claims.items()}
+    batches = {an.dims_of(batch_node)[batch_dim] for _, (batch_node, batch_dim) in positions.values()}
+    group = {c for dim in batches for c in an.classes(dim)}
     tokens: dict[tuple[int, ...], fx.Node] = {}
-    batches = set()
-    for node, p in claims.items():
-        (seq_node, seq_dim), (batch_node, batch_dim) = p.position_dims(node)
-        tokens.setdefault(an.classes(an.dims_of(seq_node)[seq_dim]), node)
-        batches.add(an.dims_of(batch_node)[batch_dim])
+    for node, ((seq_node, seq_dim), _) in positions.items():
+        classes = an.classes(an.dims_of(seq_node)[seq_dim])
+        tokens.setdefault(tuple(c for c in classes if an.factor_size(c) != 1 or c in group), node)
     if len(tokens) != 1:
         first, second = list(tokens.values())[:2]
         raise UnsupportedGraphError(

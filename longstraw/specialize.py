@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from .errors import USE_SDPA, UnsupportedGraphError, describe_node
+from .errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
 from .functionalize import functionalize
 from .dims import ELEMENTWISE
 from .nodes import ancestors, is_call, is_random, is_side_effect, op_name
@@ -139,7 +139,7 @@ def _refuse_transforms(graph: fx.Graph) -> None:
     flex = next((n for n in graph.nodes if op_name(n) == "flex_attention"), None)
     if flex is not None:
         raise UnsupportedGraphError(
-            f"{describe_node(flex)} is flex attention, which no pass claims: {USE_SDPA}"
+            f"{describe_node(flex)} is flex attention, which no pass claims: {sdpa_advice(module_classes(flex))}"
         )
     raise UnsupportedGraphError(
         f"{describe_node(entry)} enters a functorch transform (`torch.vmap`, `torch.func.grad`...) inside the loss, "

@@ -28,12 +28,13 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 import types
 
 import torch
 import torch.fx as fx
 
-from .errors import TORCH_DIR, USE_BATCHED_MM, USE_SDPA
+from .errors import HF_EXPERTS_DISPATCH, NO_FIX, TORCH_DIR, USE_BATCHED_MM, sdpa_advice
 
 _HOW = (
     "LongStraw needs the whole loss in one graph; `torch._dynamo.explain(loss_fn)(*args)` lists every graph break, "
@@ -61,6 +62,12 @@ _EXPERTS_LOOP = (
     f"tokens route to, a number Dynamo cannot trace into one graph. {USE_BATCHED_MM} (or 'grouped_mm', HF's "
     "default, which LongStraw runs as one per-position operator, `longstraw::moe_experts`)"
 )
+# A model's own loop (DBRX, JetMoE, LongCat-Flash): HF's experts implementations do not replace it.
+_OWN_EXPERTS_LOOP = (
+    "This is the model's own experts loop, which iterates over the experts the tokens route to, a number Dynamo "
+    "cannot trace into one graph. HF's `set_experts_implementation` does not replace it (only experts classes "
+    f"decorated with HF's `use_experts_implementation` dispatch on it), so this family is not supported. {NO_FIX}"
+)
 _HF_OUTPUT_CAPTURING = os.path.join("transformers", "utils", "output_capturing.py")
 _ROUTER_LOGITS = (
     "HF collects `output_router_logits` (and `output_attentions`, `output_hidden_states`) through hooks Dynamo "
@@ -70,14 +77,11 @@ _ROUTER_LOGITS = (
 _EVAL_FRAME = os.path.join(TORCH_DIR, "_dynamo", "eval_frame.py")
 _RAISED = re.compile(r"raised exception (?P<exception>\w+\(.*\))\s*$", re.MULTILINE)
 _LOGGER_CALL = re.compile(r"method: <Logger (?P<name>\S+) \(\w+\)>\.(?P<method>\w+)")
-# Graph breaks inside these files, and what to do: HF's flex path breaks in create_block_mask before any
-# flex_attention node is traced; in DDP's forward or FSDP2's hooks, the wrapper ran inside the compiled
-# function (Dynamo's own hints there are about torch's internals).
+# HF's flex path breaks in create_block_mask before any flex_attention node is traced.
+_FLEX_ATTENTION = os.path.join(TORCH_DIR, "nn", "attention", "flex_attention.py")
+# Graph breaks inside these files, and what to do: in DDP's forward or FSDP2's hooks, the wrapper ran inside
+# the compiled function (Dynamo's own hints there are about torch's internals).
 _BREAK_FIXES = (
-    (
-        os.path.join(TORCH_DIR, "nn", "attention", "flex_attention.py"),
-        f"The break is inside flex attention, which LongStraw does not claim: {USE_SDPA}.",
-    ),
     (
         os.path.join(TORCH_DIR, "nn", "parallel", "distributed.py"),
         "A DistributedDataParallel module called inside the compiled function breaks the graph. To use DDP, "
@@ -131,10 +135,16 @@ def _describe(reason) -> str:
         where += f", called from {_frame(stack[0])}"
     lines = [line.strip() for line in reason.reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
+    # In flex attention and in an experts loop, Dynamo's hints (skip a logging call, capture the dynamic shape or
+    # the scalar) only move the break: what applies replaces them.
+    if any(os.path.normpath(f.filename) == _FLEX_ATTENTION for f in stack):
+        advice = sdpa_advice(_hf_model_bases(stack))
+        hints = [f"The break is inside flex attention, which LongStraw does not claim: {advice}."]
     hints += [fix for prefix, fix in _BREAK_FIXES if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
     if stack and "expert" in (stack[-1].line or ""):
-        hints.append(_EXPERTS_LOOP)
-    if any(f.filename.endswith(_HF_OUTPUT_CAPTURING) for f in stack):
+        loop = _EXPERTS_LOOP if any(f.filename.endswith(HF_EXPERTS_DISPATCH) for f in stack) else _OWN_EXPERTS_LOOP
+        hints = [h for h in hints if not h.startswith("Hint:")] + [loop]
+    if stack and stack[-1].filename.endswith(_HF_OUTPUT_CAPTURING):
         hints.append(_ROUTER_LOGITS)
     logger_call = _LOGGER_CALL.search(reason.reason)
     if logger_call is not None:
@@ -150,6 +160,16 @@ def _logger_fix(call: str) -> str:
         f".add({call})`, or move it out of the compiled function "
         "(LongStraw already ignores transformers' `warning_once`, `info_once` and `warning_advice`)."
     )
+
+
+def _hf_model_bases(stack) -> list[type]:
+    """The `...PreTrainedModel` classes defined in the files the break's
+    frames ran, outermost frame first: a graph break has no module stack,
+    and HF's flags (`_supports_sdpa`) sit on its modeling file's base class."""
+    modules = {os.path.normpath(m.__file__): m for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    found = [modules[f] for f in (os.path.normpath(f.filename) for f in stack) if f in modules]
+    return [c for m in found for c in vars(m).values()
+            if isinstance(c, type) and c.__module__ == m.__name__ and c.__name__.endswith("PreTrainedModel")]
 
 
 def _frame(summary) -> str:

@@ -7,7 +7,9 @@ NaN there, so a state position capture never wrote cannot hide) at another,
 always with `verify_state=True`. In CI only the deterministic pass runs:
 in both modes for the families the issue names, in one mode (alternating
 between families) for the others; the rest runs with `-m slow`, which
-also sweeps every family over every shape.
+also sweeps every family over every shape. Every refused family is refused
+with its message, whose advice, followed, compiles and matches eager, or
+which says that LongStraw has no fix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 import longstraw
+from longstraw.errors import NO_FIX
 
 from conftest import raises_longstraw
 from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
@@ -39,7 +42,7 @@ SHAPES = [
     (3, 2, 4, 4, True),
 ]
 CORE = ("qwen3", "llama", "qwen2", "mistral", "gemma3", "phi3", "gpt_neox", "olmo2", "smollm3", "gpt2",
-        "deepseek_v3", "qwen3_5")
+        "deepseek_v3", "qwen3_5", "gpt_bigcode")
 
 
 @contextlib.contextmanager
@@ -107,6 +110,41 @@ def test_refused_family_names_the_cause(name):
     compiled = torch.compile(grpo_loss_f64, backend=longstraw.Backend(prefix_chunk_size=4))
     with family.bind(), raises_longstraw(family.refused):
         compiled(model, *group)
+
+
+def _refusal_cases() -> list:
+    """Every refused family; in CI the first of each kind of advice (its
+    `Fix`) and of each refusal without one (its message), the rest with
+    `-m slow`."""
+    seen: set = set()
+    cases = []
+    for family in REFUSED:
+        kind = family.fix or family.refused
+        cases.append(pytest.param(family.name, marks=[pytest.mark.slow] if kind in seen else []))
+        seen.add(kind)
+    return cases
+
+
+@pytest.mark.parametrize("name", _refusal_cases())
+def test_refusal_advice_works(name):
+    """The refusal's advice, done as its message says (`Family.fix`), makes
+    the model compile and match eager in float64; a refusal without advice
+    says so."""
+    family = FAMILIES[name]
+    model = family.build()
+    group = make_group(2, 7, 3)
+    if family.fix is None:
+        compiled = torch.compile(grpo_loss_f64, backend=longstraw.Backend(prefix_chunk_size=4))
+        with family.bind(), raises_longstraw(family.refused) as info:
+            compiled(model, *group)
+        assert NO_FIX in str(info.value)
+        return
+    family.fix.model(model)
+    loss = family.fix.loss or grpo_loss_f64
+    backend = longstraw.Backend(prefix_chunk_size=4, verify_state=True)
+    with family.fix.bind():
+        assert_parity(loss, backend, None, model, *group, tol=TOL, what=f"{name} loss, advice followed")
+    assert backend.plans, "the compiled loss ran without a LongStraw plan"
 
 
 def test_deterministic_mode_fills_uninitialised_memory_with_nan():

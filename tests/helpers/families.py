@@ -4,13 +4,16 @@ One registry drives the differential suite (`test_families.py`) and the
 README's "supported and refused" table (`python tests/helpers/families.py` rewrites
 it; `test_readme_table_is_generated_from_the_registry` keeps them in step).
 A family is either supported, proven by float64 parity against eager in both
-modes, or refused with a message the suite matches: nothing in between.
+modes, or refused with a message the suite matches: nothing in between. A
+refused family's `fix` is the message's advice as code, which the suite
+follows to show it works; a family without one says `NO_FIX`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 import transformers
 
+from longstraw.errors import NO_FIX
 from longstraw.models import qwen3_5
 
 # Small enough that a family compiles in about a second on a CPU.
@@ -36,10 +40,29 @@ _MLA = dict(
 _DSA = dict(_MLA, q_lora_rank=12, index_head_dim=8, index_n_heads=8, index_topk=8, mlp_layer_types=["dense", "sparse"])
 
 # Messages of the refused families (regular expressions).
-EAGER_ATTENTION = r"explicit matmul and softmax \(HF's attn_implementation='eager'\).*attn_implementation='sdpa'"
-DATA_DEPENDENT_ROUTING = r"Dynamo broke the graph at .*Dynamic shape operator"
+_EAGER = r"explicit matmul and softmax \(HF's attn_implementation='eager'\)"
+EAGER_ATTENTION = _EAGER + r".*load the model with attn_implementation='sdpa'"
+EAGER_ONLY = _EAGER + r".*HF does not run `\w+` with SDPA \(`_supports_sdpa = False`.*" + re.escape(NO_FIX)
+DATA_DEPENDENT_ROUTING = (r"Dynamo broke the graph at .*Dynamic shape operator.*HF's eager experts loop"
+                          r".*set_experts_implementation\('batched_mm'\)")
+OWN_EXPERTS_LOOP = (r"Dynamo broke the graph at modeling_\w+\.py:\d+ .*the model's own experts loop.*"
+                    r"`set_experts_implementation` does not replace it.*" + re.escape(NO_FIX))
+_NO_SDPA = "HF forbids SDPA for it (`_supports_sdpa = False`) and LongStraw claims SDPA attention alone; no fix yet."
+_OWN_LOOP = ("Its own experts loop (token-dependent shapes) is a graph break that HF's `set_experts_implementation` "
+             "does not replace; no fix yet.")
 _ISSUE_MOE = ("HF's eager experts loop is a graph break (token-dependent shapes); HF's default `grouped_mm` "
               "(one per-position operator) and `batched_mm` compile (Qwen3-MoE: `tests/test_moe.py`).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """A refusal's advice, done as its message says: `model` changes the
+    built model in place, `loss` (None: `grpo_loss_f64`) is the loss to
+    compile, `bind` the context to run in instead of the family's."""
+
+    model: Callable[[torch.nn.Module], Any] = lambda model: None
+    loss: Callable[..., torch.Tensor] | None = None
+    bind: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +75,8 @@ class Family:
     reference and compiled alike). `detached`: the detached-mode reference,
     `(loss_fn, model, *group) -> (loss, grads)`; None: the eager loss with
     the prompt's keys and values constants (`reference.detached_at_attention`).
+    `train`: build in train mode. `fix`: a refused family's advice as code,
+    None where its message says `NO_FIX`.
     """
 
     name: str
@@ -62,13 +87,15 @@ class Family:
     bind: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     detached: Callable[..., Any] | None = None
     experts: str = "eager"  # HF's experts implementation for MoE layers (grouped_mm has no float64 kernel)
+    train: bool = False
+    fix: Fix | None = None
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         config = self.config()
         config._experts_implementation = self.experts
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation)
-        return model.double().eval()
+        return model.double().train(self.train)
 
 
 def _hf(config_cls: type, base: dict = COMMON, **overrides) -> Callable[[], transformers.PretrainedConfig]:
@@ -90,7 +117,30 @@ def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
     return detached_reference(model, prompt, responses, advantages, mask)
 
 
+def _arange_positions_loss(model, prompt, responses, advantages, mask):
+    """`grpo_loss_f64` passing `position_ids=torch.arange(L).expand(G, -1)`,
+    as the refusal of a model that counts its own positions says."""
+    from helpers.losses import grpo_tail, logits_of
+
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    logits = logits_of(model(input_ids=ids, position_ids=positions))[:, prompt.shape[0] - 1 : -1]
+    return grpo_tail(logits, responses, advantages, mask)
+
+
+def _eval_routers(model: torch.nn.Module) -> None:
+    """`.eval()` on every `PhimoeTopKRouter`, as Phi-MoE's refusal in train mode says."""
+    for module in model.modules():
+        if type(module).__name__ == "PhimoeTopKRouter":
+            module.eval()
+
+
+_SDPA = Fix(model=lambda model: model.set_attn_implementation("sdpa"))
+_BATCHED_MM = Fix(model=lambda model: model.set_experts_implementation("batched_mm"))
+_BOUND = Fix(bind=qwen3_5.bound)  # outside `qwen3_5.unbound()`, eager calls routed as well (`bind()`)
+
 T = transformers
+_PHIMOE = _hf(T.PhimoeConfig, num_local_experts=4, num_experts_per_tok=2)
 SUPPORTED = [
     Family("qwen3", _hf(T.Qwen3Config)),
     Family("llama", _hf(T.LlamaConfig)),
@@ -144,38 +194,83 @@ SUPPORTED = [
                 "(`passes/sparse_index.py`, `tests/test_dsa.py`)"),
     Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
            detached=_latent_detached, note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
+    Family("gpt_bigcode", _hf(T.GPTBigCodeConfig, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0,
+                              attn_pdrop=0, bos_token_id=0, eos_token_id=0),
+           note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "
+                "into the positions, which the sequence axis leaves out"),
+    Family("phimoe", _PHIMOE, experts="batched_mm", note="MoE, sparsemixer router in eval mode (top-2, deterministic)"),
 ]
 
 REFUSED = [
-    Family("gemma2", _hf(T.Gemma2Config, sliding_window=6), refused=EAGER_ATTENTION, attn_implementation="eager",
-           note="HF runs it only with eager attention (logit soft-capping); LongStraw claims SDPA attention."),
-    Family("bloom", _hf(T.BloomConfig, _NO_HEAD_DIM, n_layer=2, n_head=4), refused=EAGER_ATTENTION,
-           attn_implementation="eager", note="ALiBi attention, eager only in HF."),
-    Family("gptj", _hf(T.GPTJConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ATTENTION,
-           attn_implementation="eager", note="Eager only in HF."),
-    Family("codegen", _hf(T.CodeGenConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ATTENTION,
-           attn_implementation="eager", note="Eager only in HF."),
+    Family("llama (eager attention)", _hf(T.LlamaConfig), refused=EAGER_ATTENTION, attn_implementation="eager",
+           fix=_SDPA, note="Loaded with attn_implementation='eager': load it with 'sdpa' (`set_attn_implementation`)."),
+    Family("gemma2", _hf(T.Gemma2Config, sliding_window=6), refused=EAGER_ONLY, attn_implementation="eager",
+           note=f"Logit soft-capping: {_NO_SDPA}"),
+    Family("gemma2 (flex attention)", _hf(T.Gemma2Config, sliding_window=6), attn_implementation="flex_attention",
+           refused=r"^Dynamo broke the graph at flex_attention\.py:\d+ .*inside flex attention, which LongStraw does not "
+                   r"claim: HF does not run `Gemma2PreTrainedModel` with SDPA.*" + re.escape(NO_FIX),
+           note=f"Flex attention, which no pass claims: {_NO_SDPA}"),
+    Family("bloom", _hf(T.BloomConfig, _NO_HEAD_DIM, n_layer=2, n_head=4), refused=EAGER_ONLY,
+           attn_implementation="eager", note=f"ALiBi attention: {_NO_SDPA}"),
+    Family("gptj", _hf(T.GPTJConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ONLY,
+           attn_implementation="eager", note=_NO_SDPA),
+    Family("codegen", _hf(T.CodeGenConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ONLY,
+           attn_implementation="eager", note=_NO_SDPA),
+    Family("gpt_oss", _hf(T.GptOssConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                          layer_types=["sliding_attention", "full_attention"]),
+           refused=EAGER_ONLY, attn_implementation="eager", experts="batched_mm", note=f"Attention sinks: {_NO_SDPA}"),
+    Family("vaultgemma", _hf(T.VaultGemmaConfig, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+           refused=EAGER_ONLY, attn_implementation="eager", note=f"Logit soft-capping: {_NO_SDPA}"),
+    Family("granite_swa", _hf(T.GraniteSWAConfig, sliding_window=6, layer_types=["full_attention", "sliding_attention"],
+                              layer_rope_theta=[1e4, 1e4], bos_token_id=0, eos_token_id=0),
+           refused=EAGER_ONLY, attn_implementation="eager", note=_NO_SDPA),
+    Family("mimo_v2_flash", _hf(T.MiMoV2FlashConfig, _NO_HEAD_DIM, head_dim=8, v_head_dim=8, sliding_window=6,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                layer_types=["full_attention", "sliding_attention"],
+                                mlp_layer_types=["dense", "sparse"]),
+           refused=EAGER_ONLY, attn_implementation="eager", experts="batched_mm", note=f"Attention sinks: {_NO_SDPA}"),
     Family("opt", _hf(T.OPTConfig, ffn_dim=48, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0),
-           refused=r"operator `cumsum` .* mixes values across sequence positions",
-           note="Position ids are a `cumsum` of the attention mask over the sequence, which no pass claims."),
+           refused=r"operator `cumsum` .* mixes values across sequence positions\. The model numbers positions itself"
+                   r".*pass the position ids to the model, `position_ids=torch\.arange\(L\)\.expand\(G, -1\)`",
+           fix=Fix(loss=_arange_positions_loss),
+           note="Without position ids it numbers positions with a `cumsum` over the sequence, which no pass claims: "
+                "pass `position_ids`."),
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
                          chunk_size=4), refused=r"operator `conv1d` .* touches the sequence axis and has no dimension rule",
            attn_implementation="eager",
            note="No attention: a pure state-space model; no pass claims its convolution or its scan."),
     Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]),
            refused=r"operator `conv1d` .* has no dimension rule", note="Its short convolution has no pass yet."),
-    Family("qwen3_moe (eager experts)", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+    Family("qwen3_moe (eager experts)", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, fix=_BATCHED_MM,
+           note=_ISSUE_MOE),
     Family("mixtral (eager experts)", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
-           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+           refused=DATA_DEPENDENT_ROUTING, fix=_BATCHED_MM, note=_ISSUE_MOE),
     Family("deepseek_v3 (MoE layers, eager experts)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1),
-           refused=DATA_DEPENDENT_ROUTING, note=_ISSUE_MOE),
+           refused=DATA_DEPENDENT_ROUTING, fix=_BATCHED_MM, note=_ISSUE_MOE),
+    Family("dbrx", _hf(T.DbrxConfig, dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=64,
+                                          initializer_range=0.2),
+                       attn_config=dict(kv_n_heads=2, rope_theta=1e4, clip_qkv=8.0),
+                       ffn_config=dict(ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2)),
+           refused=OWN_EXPERTS_LOOP, note=_OWN_LOOP),
+    Family("jetmoe", _hf(T.JetMoeConfig, _NO_HEAD_DIM, kv_channels=8, num_local_experts=4, num_experts_per_tok=2),
+           refused=OWN_EXPERTS_LOOP, note=_OWN_LOOP),
+    Family("longcat_flash", _hf(T.LongcatFlashConfig, _MLA, q_lora_rank=12, head_dim=4, num_layers=2,
+                                ffn_hidden_size=48, expert_ffn_hidden_size=16, moe_topk=2, zero_expert_num=2,
+                                qk_head_dim=12),
+           refused=OWN_EXPERTS_LOOP, note=_OWN_LOOP),
+    Family("phimoe (train mode)", _PHIMOE, experts="batched_mm", train=True,
+           refused=r"operator `exponential_` \(in place, node `\w+`\) in module `model\.model\.layers\.0\.mlp\."
+                   r"router`.*draws random numbers.*call `\.eval\(\)` on every `PhimoeTopKRouter`",
+           fix=Fix(model=_eval_routers),
+           note="Its router samples experts in train mode (Gumbel noise; `router_jitter_noise` only sets a threshold): "
+                "`.eval()` on the routers makes routing top-k."),
     Family("qwen3_next (unbound)", _hf(T.Qwen3NextConfig, **_MOE, linear_num_key_heads=2, linear_num_value_heads=4,
                                        linear_key_head_dim=8, linear_value_head_dim=8,
                                        layer_types=["linear_attention", "full_attention"]),
-           experts="batched_mm", bind=qwen3_5.unbound,
+           experts="batched_mm", bind=qwen3_5.unbound, fix=_BOUND,
            refused=r"`Qwen3NextGatedDeltaNet` reaches LongStraw.s operators through `longstraw.models.qwen3_5`.*unbound\(\)",
            note="As Qwen3.5 unbound."),
-    Family("qwen3_5 (unbound)", qwen3_5.tiny_config, bind=qwen3_5.unbound,
+    Family("qwen3_5 (unbound)", qwen3_5.tiny_config, bind=qwen3_5.unbound, fix=_BOUND,
            refused=r"`Qwen3_5GatedDeltaNet` reaches LongStraw.s operators through `longstraw.models.qwen3_5`.*unbound\(\)",
            note="HF's pure-PyTorch Gated DeltaNet loops over chunks; outside `qwen3_5.unbound()` LongStraw's operators "
                 "stand in for it in every trace."),
