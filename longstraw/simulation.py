@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -376,11 +377,16 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         return attention.choose(q, mask)
 
     floating = float_dtype(part)
+    scalars: dict[fx.Node, torch.Tensor] = {}
 
-    def fake(value: Any, requires_grad: bool = False) -> Any:
+    def fake(node: fx.Node) -> Any:
+        value = tensor_of(node)
         if not isinstance(value, torch.Tensor):
             return value
+        if node in scalars:
+            return scalars[node]
         cast = dtype if dtype is not None and value.dtype == floating else value.dtype
+        requires_grad = node in part.params and value.requires_grad
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
     # the plan's kernel policy, with fla where the target runs it (`fla_families`);
@@ -390,7 +396,8 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
             FakeTensorMode(allow_non_fake_inputs=True), tracker:
         for family in fla_families(device):
             fla.enter_context(family.SWITCH.simulating())
-        inputs = [fake(tensor_of(p), p in part.params and tensor_of(p).requires_grad) for p in part.placeholders]
+        scalars.update(read_scalars(part))
+        inputs = [fake(p) for p in part.placeholders]
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
         # two branches (two rounds of them): the second replay adds its gradients into the first's
@@ -400,6 +407,21 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads
     return tracker.phase_peaks()
+
+
+def read_scalars(part: Any) -> dict[fx.Node, torch.Tensor]:
+    """Real one-element tensors for the inputs the steps read with `.item()`
+    (a float Dynamo made an input: `dynamic=True` does it to modules'
+    `variance_epsilon`), with the value specialisation recorded: a fake
+    tensor has no value to read. Made inside the fake mode, as its
+    constants, whose `.item()` it answers."""
+    out = {}
+    for p in part.placeholders:
+        items = [u for u in p.users if u.op == "call_method" and u.target == "item"]
+        value = tensor_of(p)
+        if items and value is not None and value.numel() == 1:
+            out[p] = torch.tensor(items[0].meta["longstraw_value"], dtype=value.dtype).reshape(value.shape)
+    return out
 
 
 def fla_families(device: torch.device) -> list[Any]:

@@ -174,9 +174,9 @@ SCALAR_TRACES = {  # how Dynamo hands the float over
 }
 
 
-SCALAR_CI = [
-    *[(region, "default", "exact") for region in SCALAR_REGIONS],
-    ("head", "default", "detached"), ("head", "specialize_float", "exact"), ("head", "dynamic", "exact"),
+SCALAR_CI = [  # the tail and the prompt steps are also covered by the tests above
+    ("head", "default", "exact"), ("head", "default", "detached"), ("head", "specialize_float", "exact"),
+    ("head", "dynamic", "exact"), ("branch", "default", "exact"), ("stage", "default", "exact"),
 ]
 
 
