@@ -152,6 +152,26 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     assert planner.MemoryModel(backend.plans[2], caches[2]).activations("exact", 32, False, cpu, None) == fresh[120]
 
 
+def test_a_dynamic_graph_is_planned_with_the_floats_it_reads():
+    """`dynamic=True` makes a module's float attributes (RMSNorm's
+    `variance_epsilon`) inputs read with `.item()`: the simulation gives
+    them their values, as fake tensors have none, and the step is eager's."""
+    from helpers.reference import eager_loss_and_grads
+
+    model = make_model("qwen3")
+    backend = longstraw.Backend(memory_budget_gb=100.0)
+    step = compile_loss(grpo_loss_f64, backend, dynamic=True)
+    group = make_group(2, 40, R)
+    got = compiled_loss_and_grads(step, model, *group)
+    items = [n for n in backend.plans[-1].partition.graph.nodes if n.op == "call_method" and n.target == "item"]
+    assert items, "the dynamic graph reads no float input: the case this tests is gone"
+    assert backend.plans[-1].options.prefix_chunk_size is not None  # planned, and simulated to plan
+    want = eager_loss_and_grads(grpo_loss_f64, model, *group)
+    assert_close(got[0], want[0], 1e-6, "loss")
+    for name, grad in got[1].items():
+        assert_close(grad, want[1][name], 1e-6, name)
+
+
 @pytest.mark.parametrize("budget", [0, -1.0, "8", True])
 def test_budget_is_validated(budget):
     with pytest.raises(longstraw.LongStrawError, match="memory_budget_gb must be a positive number"):
