@@ -56,7 +56,7 @@ from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
 from grpo.results import git_commit  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
-from longstraw.planner import largest_share  # noqa: E402
+from longstraw.schedule import ChunkSchedule  # noqa: E402
 from longstraw.kernels import fla_causal_conv  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.report import ExplainReport  # noqa: E402
@@ -334,7 +334,8 @@ def one_run(model, layers: int, mode: str, P: int, G: int, R: int, options: dict
         run["chosen"] = {"prefix_chunk_size": chosen.prefix_chunk_size, "recompute_layers": chosen.recompute_layers}
         report = ExplainReport(backend.plans[-1])
         per_position = report.state_bytes_per_position
-        held = P - 1 + R if ranks == 1 else largest_share(P - 1, chosen.prefix_chunk_size, ranks)  # one rank's share
+        # one rank's share
+        held = P - 1 + R if ranks == 1 else ChunkSchedule(P - 1, chosen.prefix_chunk_size, ranks).largest_share
         run["state_gb"] = (per_position * held + report.state_fixed_bytes) / GiB
         run["state_grad_gb"] = per_position * (P - 1 if ranks == 1 else held) / GiB if mode == "exact" else 0.0
         run["floor_gb"] = run["weights_gb"] + run["grads_gb"] + run["state_gb"] + run["state_grad_gb"]

@@ -28,17 +28,17 @@ import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
-from .context_parallel import PLANNING, agree
+from .context_parallel import PLANNING, agree, graph_fingerprint
 from .errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
 from .planner import DEFAULT_CHUNK, MemoryModel, Simulations, available_budget, context_ranks, default_budget
+from .program import StepProgram, compile_program
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
 from .state import SlotKind
-from .stages import stages_of
-from .stepgraph import StepGraph, build_outer, build_tail
+from .stepgraph import StepGraph
 from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
@@ -61,15 +61,22 @@ class Fallback:
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """The typed record of what the backend did with one graph and
-    signature: the partition (claims, axes, regions, state), the generated
-    steps (in `runner`, and the tail) and the options they run with. It
-    does not change between calls; what a call decided from its values is
-    `runner.last_call`."""
+    signature: the program (the partition: claims, axes, regions, state;
+    the generated steps and the tail), the options the planner chose and
+    the runner built from both. It does not change between calls; what a
+    call decided from its values is `runner.last_call`."""
 
-    partition: Partition
+    program: StepProgram
     runner: GroupRunner
-    tail: StepGraph
     options: Options
+
+    @property
+    def partition(self) -> Partition:
+        return self.program.partition
+
+    @property
+    def tail(self) -> StepGraph:
+        return self.program.tail
 
     @property
     def num_branches(self) -> int:
@@ -83,8 +90,9 @@ class GroupPlan:
     def prefix_len(self) -> int | None:
         """Prompt positions captured as state: fixed by the graph, or the
         last call's where it depends on the values (None before a call)."""
-        if all(r.structural_prefix is not None for r in self.partition.roots):
-            return self.runner.prefix_len({})
+        structural = self.program.structural_prefix_len
+        if structural is not None:
+            return structural
         return None if self.runner.last_call is None else self.runner.last_call.prefix_len
 
     @property
@@ -308,10 +316,11 @@ class CompiledGroupLoss:
             special = specialize(self.gm, args)
             guards, gm = special.guards, special.gm
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
-            part = with_state(classify(gm, params, self.backend.passes))
-            runner = GroupRunner(part, self.options, build_outer(part), stages_of(part, self.options.head_chunk_size))
+            program = compile_program(with_state(classify(gm, params, self.backend.passes)), self.options.head_chunk_size)
+            options = _sized(program, self.options, args, self.activations)
+            runner = GroupRunner(program, options)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
-            plan = _sized(GroupPlan(part, runner, build_tail(part), self.options), args, self.activations)
+            plan = GroupPlan(program, runner, options)
         except UnsupportedGraphError as err:
             node = err.node
             if self.partial is not None:
@@ -333,19 +342,18 @@ class CompiledGroupLoss:
         return guards, plan
 
 
-def _sized(plan: GroupPlan, args: Sequence[Any], activations: Simulations) -> GroupPlan:
-    """The plan with `prefix_chunk_size` and `recompute_layers` decided: the
-    user's where given, else the planner's choice (`longstraw.planner`) for
-    `memory_budget_gb`, or on CUDA for the device's free memory, else 8192
-    without recomputation. `activations` caches the planner's simulations.
-    Under context parallelism every rank plans for the smallest budget of
-    the group (`agree`): ranks that chose other chunk sizes would run other
-    collectives."""
-    opts = plan.options
+def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> Options:
+    """The options with `prefix_chunk_size` and `recompute_layers` decided:
+    the user's where given, else the planner's choice (`longstraw.planner`)
+    for `memory_budget_gb`, or on CUDA for the device's free memory, else
+    8192 without recomputation. `activations` caches the planner's
+    simulations. Under context parallelism every rank plans for the
+    smallest budget of the group (`agree`): ranks that chose other chunk
+    sizes would run other collectives."""
     group = opts.context_parallel
     planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
     if not planned and group is None:
-        return plan
+        return opts
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     if not planned:
@@ -356,18 +364,19 @@ def _sized(plan: GroupPlan, args: Sequence[Any], activations: Simulations) -> Gr
         budget = default_budget(device)
     model, others = None, 0
     if budget is not None:
-        model = MemoryModel(plan, activations)
+        model = MemoryModel(program, opts, activations)
         held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        params = [a for p, a in zip(plan.partition.placeholders, args) if p in plan.partition.params and isinstance(a, torch.Tensor)]
+        part = program.partition
+        params = [a for p, a in zip(part.placeholders, args) if p in part.params and isinstance(a, torch.Tensor)]
         grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)
         others = max(held - model.weights - grads, 0)  # what the process holds besides the weights and their grads
     if group is not None:
         own = math.inf if budget is None else float(budget - others)
-        smallest = min(agree(PLANNING, plan.runner.fingerprint, opts, own, group, device))
+        smallest = min(agree(PLANNING, graph_fingerprint(program.partition.graph), opts, own, group, device))
         if budget is not None:
             budget = int(smallest) + others
     if not planned:
-        return plan
+        return opts
     chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
     if budget is None:
         chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
@@ -378,9 +387,7 @@ def _sized(plan: GroupPlan, args: Sequence[Any], activations: Simulations) -> Gr
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB", budget / 1e9, others / 1e9, chunk, recompute,
                  (chosen.peak + others) / 1e9)
-    opts = dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute)
-    plan.runner.options = opts
-    return dataclasses.replace(plan, options=opts)
+    return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute)
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

@@ -152,7 +152,7 @@ def by_rank(per_chunk: Sequence[torch.Tensor], round_: ChunkRound) -> torch.Tens
 @dataclasses.dataclass(frozen=True)
 class PromptShard:
     """This rank's share of the prompt positions: whole prompt chunks,
-    assigned by `assign_chunks` so that every rank holds about as many
+    assigned by `ChunkSchedule.shares` so that every rank holds about as many
     positions and computes about as much attention. The sequence buffers
     hold the share's chunks back to back in position order, so a buffer
     index ("local") grows with the position and the share's positions in
@@ -218,33 +218,6 @@ class PromptShard:
             chunk = torch.empty(shape, dtype=local.dtype, device=local.device)
         self.ranks.broadcast(chunk, owner)
         return chunk
-
-    @classmethod
-    def of(cls, ranks: Ranks, chunks: Sequence[tuple[int, int]]) -> "PromptShard":
-        return cls(ranks, assign_chunks(chunks, ranks.size))
-
-
-def assign_chunks(chunks: Sequence[tuple[int, int]], world: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each rank's prompt chunks: dealt out in rounds of `world`, every
-    other round in reverse rank order (0, 1, ..., W-1, W-1, ..., 1, 0, ...).
-
-    A rank's attention work over earlier keys is, per position it holds,
-    the number of queries after it: with contiguous shares rank 0 would do
-    3/4 of it at W = 2. Dealt this way, every pair of rounds gives each rank
-    one chunk of the pair's earlier round and its mirror in the later, so
-    with equal chunks the positions held and the work both differ by at
-    most one round's worth (equal when the chunks are a multiple of 2W).
-    A chunk is never split: a step's own positions live on one rank."""
-    held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    for i, chunk in enumerate(chunks):
-        round_, seat = divmod(i, world)
-        held[seat if round_ % 2 == 0 else world - 1 - seat].append(chunk)
-    return tuple(tuple(h) for h in held)
-
-
-def held_positions(chunks: Sequence[tuple[int, int]], world: int) -> list[int]:
-    """How many prompt positions each rank holds (`assign_chunks`)."""
-    return [sum(n for _, n in held) for held in assign_chunks(chunks, world)]
 
 
 class ShardKeys(Protocol):

@@ -35,18 +35,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any
 
 import torch
 
-from .context_parallel import held_positions
 from .depth import Depth
 from .nodes import tensor_of
+from .options import Options
+from .program import StepProgram
 from .simulation import (
-    Peak, float_dtype, simulate_phases, simulate_step, simulated_chunks, step_depth, steps_without_middle, tensor_bytes,
-    traced_prefix_len,
+    Peak, float_dtype, simulate_phases, simulate_step, step_depth, steps_without_middle, tensor_bytes,
 )
-from .state import boundaries_on_host, chunk_count, chunk_schedule
+from .schedule import ChunkSchedule
+from .state import boundaries_on_host
 
 log = logging.getLogger("longstraw.planner")
 
@@ -116,18 +116,20 @@ class MemoryPlan:
 
 
 class MemoryModel:
-    """Everything a plan's memory depends on, from the plan (see the module docstring)."""
+    """Everything a program's memory depends on (see the module docstring)."""
 
-    def __init__(self, plan: Any, activations: Simulations | None = None) -> None:
-        """`activations`: the simulations of one compiled graph's plans
-        (`CompiledGroupLoss`), reused for shorter prompts (see `activations`)."""
-        self.plan = plan
-        part = plan.partition
+    def __init__(self, program: StepProgram, options: Options, activations: Simulations | None = None) -> None:
+        """`options`: what the simulations run with, but for the chunk size,
+        recomputation and mode each asks for. `activations`: the
+        simulations of one compiled graph's plans (`CompiledGroupLoss`),
+        reused for shorter prompts (see `activations`)."""
+        self.program, self.options = program, options
+        part = program.partition
         params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
         self.weights = sum(tensor_bytes(v) for v in params)
         self.grads = sum(tensor_bytes(v) for v in params if v.requires_grad)
         self.float_dtype = float_dtype(part)
-        self.prompt_len = traced_prefix_len(plan)
+        self.prompt_len = program.traced_prefix_len
         self.branch_len = part.end - self.prompt_len
         # (mode, chunk, recompute, device, dtype, context) -> {simulated prompt length: activations}
         self._activations: Simulations = {} if activations is None else activations
@@ -143,13 +145,13 @@ class MemoryModel:
         parallelism) the rank with the largest share of the prompt: its
         buffers hold the share and no branch positions; carries are on
         every rank."""
-        slots = self.plan.partition.slots
+        slots = self.program.partition.slots
         prompt = max(P - 1, 0)
-        chunks = chunk_count(prompt, chunk) if chunks is None else chunks
+        chunks = ChunkSchedule(prompt, chunk).count if chunks is None else chunks
         per_position = sum(s.bytes_per_position() * (scale if s.dtype == self.float_dtype else 1) for s in slots)
         fixed = sum(s.fixed_bytes() for s in slots)
         boundaries = chunks + 1 if mode == "exact" and not boundaries_on_host(device) else 1
-        held = prompt + R if ranks == 1 else largest_share(prompt, chunk, ranks)
+        held = prompt + R if ranks == 1 else ChunkSchedule(prompt, chunk, ranks).largest_share
         state = int(per_position * held) + fixed * boundaries
         state_grad = int(per_position * (prompt if ranks == 1 else held)) + 2 * fixed if mode == "exact" else 0
         return state, state_grad
@@ -173,7 +175,7 @@ class MemoryModel:
         peak = self.simulated_peak(mode, chunk, recompute, device, dtype, ranks)
         scale = _scale(self.float_dtype, dtype)
         known = int((self.weights + self.grads) * scale)
-        run = simulated_chunks(chunk_schedule(self.prompt_len, chunk), ranks, self.plan.runner.runs_rounds)
+        run = ChunkSchedule(self.prompt_len, chunk, ranks).sampled(self.program.runs_rounds)
         known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, len(run), ranks))
         simulated[self.prompt_len] = peak.less(known)
         return simulated[self.prompt_len]
@@ -185,20 +187,20 @@ class MemoryModel:
         `EXTRAPOLATE_FROM` periods."""
         depth = self.depth
         if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
-            cut = [steps_without_middle(self.plan, depth, k) for k in (2, 3)]
+            cut = [steps_without_middle(self.program, depth, k) for k in (2, 3)]
             if None not in cut:
-                two, three = (simulate_phases(self.plan, mode, chunk, recompute, device, dtype, steps, ranks)
-                              for steps in cut)
+                two, three = (simulate_phases(self.program, self.options, mode, chunk, recompute, device, dtype, steps,
+                                              ranks) for steps in cut)
                 if two.keys() == three.keys():
                     grown = [Peak.extrapolated(two[p], three[p], depth.periods) for p in two]
                     if None not in grown:
                         return Peak.largest(grown)
-        return simulate_step(self.plan, mode, chunk, recompute, device, dtype, ranks)
+        return simulate_step(self.program, self.options, mode, chunk, recompute, device, dtype, ranks)
 
     @functools.cached_property
     def depth(self) -> Depth | None:
         """The steps' layers and their period (`longstraw.depth`)."""
-        return step_depth(self.plan)
+        return step_depth(self.program)
 
     def predict(
         self, P: int, G: int, R: int, mode: str, chunk: int, recompute: bool, device: torch.device,
@@ -245,7 +247,7 @@ class MemoryModel:
         return best
 
 
-def context_ranks(options: Any) -> int:
+def context_ranks(options: Options) -> int:
     """Ranks the prompt state is sharded over (`Options.context_parallel`)."""
     group = options.context_parallel
     return 1 if group is None else torch.distributed.get_world_size(group)
@@ -255,13 +257,7 @@ def earlier_keys(P: int, chunk: int, ranks: int) -> int:
     """The most prompt positions one rank's attention reads before a step's
     own: the prompt, or over `ranks` the largest share (`Peak.at`)."""
     prompt = max(P - 1, 0)
-    return prompt if ranks == 1 else largest_share(prompt, chunk, ranks)
-
-
-def largest_share(prompt: int, chunk: int, ranks: int) -> int:
-    """The most prompt positions one rank holds under context parallelism
-    (`context_parallel.assign_chunks` of the chunk schedule)."""
-    return max(held_positions(chunk_schedule(prompt, chunk), ranks))
+    return prompt if ranks == 1 else ChunkSchedule(prompt, chunk, ranks).largest_share
 
 
 def default_budget(device: torch.device) -> int | None:

@@ -51,7 +51,7 @@ class ExplainReport:
         part = plan.partition
         self.graph = graph_model(plan)
         self.state = [describe_slot(part, slot) for slot in part.slots]
-        self.memory = MemoryModel(plan, activations)
+        self.memory = MemoryModel(plan.program, plan.options, activations)
         self.weights_bytes, self.grads_bytes = self.memory.weights, self.memory.grads
         self.traced_positions = part.seq_len
         self.traced_group_size = part.group_size

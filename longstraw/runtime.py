@@ -31,18 +31,19 @@ import torch
 from torch import fx
 
 from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, describe_node, module_path
-from .nodes import ancestors, is_random
+from .nodes import ancestors
 from .options import Options
 from .carry import SpanGraphs
 from .context_parallel import (
     PromptShard, all_gathered, check_replicated, graph_fingerprint, raise_together, replicate_from_first,
     summed_carry_grads, summed_over_ranks,
 )
-from .partition import Partition
 from .ranks import Ranks, posting_failures
 from .recompute import LayerwiseStep
 from .stages import Stage
-from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, chunk_schedule, has_values
+from .program import StepProgram
+from .schedule import Chunk, ChunkSchedule
+from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -131,13 +132,28 @@ class CallState:
 
 
 class GroupRunner:
-    def __init__(self, part: Partition, options: Options, outer: StepGraph, stages: Sequence[Stage]) -> None:
+    """Runs one plan's program under its options: the capture, the
+    branches, and in backward the replays and the reverse pass. `ranks`:
+    the collectives of context parallelism (default: over
+    `options.context_parallel`; the planner's simulation gives a
+    `SimulatedRanks`); `sampled`: run only the chunks whose memory can
+    differ (`ChunkSchedule.sampled`), for the simulation."""
+
+    def __init__(self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False) -> None:
+        part = program.partition
+        self.program = program
         self.part = part
         self.options = options
-        self.outer = outer
-        self.stages = list(stages)  # `stages.py`: a frozen scoring stage first, if any; the last is replayed
-        self.prefix = self.stages[-1].prefix
-        self.branch = self.stages[-1].branch
+        group = options.context_parallel
+        self.ranks = ranks if ranks is not None or group is None else Ranks(group)
+        self.sampled = sampled
+        self.outer = program.outer
+        self.stages = list(program.stages)
+        self.prefix = program.prefix
+        self.branch = program.branch
+        self.random = program.random
+        self.runs_rounds = program.runs_rounds
+        self.padding_roots = program.padding_roots
         self.roots = {r.node: r for r in part.roots}
         self.position = {p: i for i, p in enumerate(part.placeholders)}
         self.imports = step_imports(part)
@@ -152,14 +168,7 @@ class GroupRunner:
         self.shared_values = [
             n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding
         ]
-        # roots a padding mask is built from (Gated DeltaNet's `hidden * attention_mask`): checked, not
-        # compared to find the shared prefix (rows that differ would shorten it silently)
-        padding_inputs = ancestors(self.key_padding)
-        self.padding_roots = [r for r in part.roots if r.node in padding_inputs]
         self.last_call: CallRecord | None = None
-        self.random = any(
-            is_random(n) for stage in self.stages for step in (stage.prefix, stage.branch) for n in step.module.graph.nodes
-        )
         self.replayed: dict[str, torch.nn.Module] = {}
 
     def replay_module(self, which: str) -> torch.nn.Module:
@@ -233,14 +242,15 @@ class GroupRunner:
         return ([argument_name(p) for p in self.part.placeholders],
                 [p not in self.part.params for p in self.part.placeholders])
 
-    def _schedule(self, prefix_len: int) -> list[tuple[int, int]]:
-        """The prompt's chunks, which the shards are dealt from."""
-        return chunk_schedule(prefix_len, self.options.prefix_chunk_size)
+    def schedule(self, prefix_len: int) -> ChunkSchedule:
+        """The prompt's chunks, which the capture and the reverse pass run
+        and the shards are dealt from."""
+        return ChunkSchedule(prefix_len, self.options.prefix_chunk_size, 1 if self.ranks is None else self.ranks.size)
 
-    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
-        """The chunks the capture and the reverse pass run: the schedule's
-        (a simulation runs some of them)."""
-        return self._schedule(prefix_len)
+    def _chunks(self, schedule: ChunkSchedule) -> tuple[Chunk, ...]:
+        """The chunks this runner runs: all of them, or for the planner's
+        simulation (`sampled`) those whose memory can differ."""
+        return schedule.sampled(self.runs_rounds) if self.sampled else schedule.chunks
 
     def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
         """The chunks, with a tqdm bar in tokens/s when `options.progress` asks for one."""
@@ -446,14 +456,15 @@ class GroupRunner:
         exact = self.options.prompt_grad == "exact" and backward
         kept = (HostAttentionOutputs(device, self.ranks)
                 if exact and real and self.options.attention_outputs_on_host else None)
-        chunks = self._chunks(group.prefix_len)
-        shard = None if self.ranks is None else PromptShard.of(self.ranks, self._schedule(group.prefix_len))
+        schedule = self.schedule(group.prefix_len)
+        chunks = self._chunks(schedule)
+        shard = None if self.ranks is None else PromptShard(self.ranks, schedule.shares)
         state = PromptState(part.slots, capacity=end, prefix_len=group.prefix_len, device=device, verify=verify,
                             boundaries=exact, span_graphs=SpanGraphs() if graphs else None, attention_outputs=kept,
                             active=stage.active if len(self.stages) > 1 else None,
                             shard=shard)
         what = "capturing prompt chunk" if not again else "capturing again prompt chunk"
-        rounds, rest = ([], chunks) if self.ranks is None else self._rounds(state, chunks)
+        rounds, rest = self._rounds(schedule, chunks)
         for round_, (offset, length) in zip(rounds, self._walk([r.chunks[r.index] for r in rounds], "prompt capture")):
             with _noting(f"{what} [{offset}, {offset + length}) (a capture round)"):
                 ctx = StepContext(state, offset, length, grad_enabled=False, round=round_)
@@ -473,43 +484,19 @@ class GroupRunner:
         self._raise(failure, device)
         return state
 
-    @functools.cached_property
-    def ranks(self) -> Ranks | None:
-        """The context-parallel group the steps' collectives run over
-        (`Options.context_parallel`), or None; the planner's simulation
-        sets a `SimulatedRanks`."""
-        group = self.options.context_parallel
-        return None if group is None else Ranks(group)
-
-    @functools.cached_property
-    def runs_rounds(self) -> bool:
-        """Whether context parallelism divides the steps among the ranks in
-        rounds (`_rounds`, `_branch_turns`): where every claimed operator's
-        pass runs them (`runs_rounds`) and the loss draws no random numbers
-        (the replays restore each step's generator state, recorded where
-        every rank runs every step)."""
-        return not self.random and all(p.runs_rounds for p in self.part.claims.values())
-
-    def _rounds(
-        self, state: PromptState, chunks: Sequence[tuple[int, int]]
-    ) -> tuple[list[ChunkRound], Sequence[tuple[int, int]]]:
-        """Context parallelism's rounds, and the chunks after them. A round
-        is W consecutive chunks, one per rank as `assign_chunks` deals
-        them, run at once by the capture and the reverse pass: each rank
-        computes its own chunk (`StepContext.round`), so the per-position
-        work divides too. The chunks after the last whole round run on
-        every rank."""
-        if not self.runs_rounds:
-            return [], chunks
-        shard = state.shard
-        world = len(shard.chunks)
-        whole = len(chunks) // world * world
+    def _rounds(self, schedule: ChunkSchedule, chunks: tuple[Chunk, ...]) -> tuple[list[ChunkRound], list[Chunk]]:
+        """Context parallelism's rounds of `chunks` (`ChunkSchedule.rounds`),
+        each rank computing its own chunk of a round (`StepContext.round`),
+        so the per-position work divides too; and the chunks after them,
+        which every rank runs. Without rounds, every chunk is after them."""
+        if self.ranks is None or not self.runs_rounds:
+            return [], list(chunks)
+        blocks, rest = schedule.rounds(chunks)
         rounds = []
-        for first in range(0, whole, world):
-            block = tuple(chunks[first:first + world])
-            owners = tuple(shard.owner(offset) for offset, _ in block)
-            rounds.append(ChunkRound(block, owners, owners.index(shard.rank)))
-        return rounds, chunks[whole:]
+        for block in blocks:
+            owners = tuple(schedule.owner(chunk) for chunk in block)
+            rounds.append(ChunkRound(block, owners, owners.index(self.ranks.rank)))
+        return rounds, rest
 
     def _branch_turns(self, state: PromptState, group: Group, branch_len: int) -> list[BranchTurn]:
         """The group's branch steps this rank runs. Under context parallelism
@@ -633,8 +620,8 @@ class GroupRunner:
         if exact and turns[0].round is not None:
             summed_carry_grads(state, prefix_len)
         if exact:
-            chunks = self._chunks(prefix_len)
-            rounds, rest = ([], chunks) if state.shard is None else self._rounds(state, chunks)
+            schedule = self.schedule(prefix_len)
+            rounds, rest = self._rounds(schedule, self._chunks(schedule))
             if rest:
                 parts.replicated()
             for offset, length in self._walk(rest[::-1], "reverse pass"):

@@ -4,14 +4,14 @@
 branches, replays, and in exact mode the reverse pass) at the traced sizes
 on fake tensors (no memory, no compute) while `_LiveBytes`, a dispatch
 mode, samples the bytes of live storages after every operator. Of the
-prompt's chunks it runs those whose memory can differ (`sampled_chunks`):
-the first, and the last two, which see the most earlier positions; the
-chunks between hold what those do, so a step at a million positions costs
-no more to simulate than one at three chunks. Under context parallelism
-(`ranks`) it runs one rank's steps, the rank with the largest share,
-with `SimulatedRanks` in place of the group: the rounds' gathers and
-partials are allocated as on the device, and nothing is exchanged; of
-the rounds it runs the first and the last two (`sampled_rounds`).
+prompt's chunks it runs those whose memory can differ
+(`ChunkSchedule.sampled`): the first, and the last two, which see the
+most earlier positions; the chunks between hold what those do, so a step
+at a million positions costs no more to simulate than one at three
+chunks. Under context parallelism (`ranks`) it runs one rank's steps, the
+rank with the largest share, with `SimulatedRanks` in place of the group:
+the rounds' gathers and partials are allocated as on the device, and
+nothing is exchanged; of the rounds it runs the first and the last two.
 Flash attention's backward workspace, which fake kernels do not allocate,
 is added where it runs (its outputs, allocated before it computes, dK/dV
 expanded to the query heads, the float32 dQ accumulator), and kept as a
@@ -39,60 +39,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .carry import shape_only_spans
-from .context_parallel import held_positions
 from .depth import Depth, depth_of, without_middle
 from .nodes import tensor_of
 from .ranks import SimulatedRanks
+from .options import Options
+from .partition import Partition
+from .program import StepProgram
 from .runtime import Group, GroupRunner, around_steps, phase_of
-from .state import chunk_schedule
+from .schedule import ChunkSchedule
 from .stepgraph import StepGraph
-
-
-def sampled_chunks(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The chunks a simulation runs: the first (no earlier positions, no
-    carry gradient in the reverse pass) and the last two, adjacent so that
-    a carry's gradient passes between them as in every other pair (the
-    last may be shorter; the one before it is then the longest chunk with
-    the most earlier positions)."""
-    return chunks if len(chunks) <= 3 else [chunks[0], *chunks[-2:]]
-
-
-def sampled_rounds(chunks: list[tuple[int, int]], world: int) -> list[tuple[int, int]]:
-    """`sampled_chunks` for context parallelism's rounds: the chunks of the
-    first round and of the last two (whole rounds, so each keeps its chunks'
-    owners), and the chunks after the last round, which every rank runs."""
-    whole = len(chunks) // world * world
-    if whole <= 3 * world:
-        return chunks
-    return [*chunks[:world], *chunks[whole - 2 * world:]]
-
-
-def simulated_chunks(chunks: list[tuple[int, int]], ranks: int, rounds: bool) -> list[tuple[int, int]]:
-    """The prompt chunks a simulation runs: `sampled_rounds` where one
-    rank of `ranks` runs its steps in `rounds`, else `sampled_chunks`."""
-    return sampled_rounds(chunks, ranks) if ranks > 1 and rounds else sampled_chunks(chunks)
-
-
-class _SampledRunner(GroupRunner):
-    """The runtime over `sampled_chunks` of the prompt (fake tensors only:
-    a skipped chunk leaves its carry unwritten, and `PromptState.carry_at`
-    gives a shape-only run the latest earlier one); with `ranks`, one
-    rank's steps over `sampled_rounds`."""
-
-    def __init__(self, part: Any, options: Any, outer: StepGraph, stages: Any, ranks: SimulatedRanks | None) -> None:
-        super().__init__(part, options, outer, stages)
-        self.ranks = ranks
-
-    def _chunks(self, prefix_len: int) -> list[tuple[int, int]]:
-        return simulated_chunks(super()._chunks(prefix_len), 1 if self.ranks is None else self.ranks.size,
-                                self.runs_rounds)
-
-
-def simulated_rank(prompt: int, chunk: int, world: int) -> int:
-    """The rank whose share of the prompt is the largest (the first of
-    those): the one the planner's per-rank peak is for."""
-    held = held_positions(chunk_schedule(prompt, chunk), world)
-    return held.index(max(held))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,34 +256,26 @@ def _signature(x: torch.Tensor | None) -> tuple | None:
     return None if x is None else (tuple(x.shape), x.dtype, x.stride())
 
 
-def traced_prefix_len(plan: Any) -> int:
-    """The traced example's captured prompt positions. Where they depend on
-    values the example does not have (token ids on the meta device), every
-    position before the first the loss reads: the shared prompt of any real
-    group of these shapes, since the responses' own logits start there."""
-    return plan.prefix_len if plan.prefix_len is not None else plan.partition.first_consumed
-
-
-def simulate_step(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                  dtype: torch.dtype | None, ranks: int = 1) -> Peak:
+def simulate_step(program: StepProgram, options: Options, mode: str, chunk: int, recompute: bool,
+                  device: torch.device, dtype: torch.dtype | None, ranks: int = 1) -> Peak:
     """Peak of one step at the traced sizes (at most two branches, per rank: the
     second replay adds its parameter gradients into the first's; the prompt
-    chunks of `sampled_chunks`), run on fake tensors of the example's
+    chunks of `ChunkSchedule.sampled`), run on fake tensors of the example's
     device with the attention kernels `device` would choose; over `ranks`,
     one rank's."""
-    return Peak.largest(simulate_phases(plan, mode, chunk, recompute, device, dtype, ranks=ranks).values())
+    return Peak.largest(simulate_phases(program, options, mode, chunk, recompute, device, dtype, ranks=ranks).values())
 
 
-def step_depth(plan: Any) -> Depth | None:
-    """The layers of the plan's steps, where the prompt's and the branch's agree."""
-    prefix, branch = (depth_of(step.module.graph) for step in (plan.runner.prefix, plan.runner.branch))
+def step_depth(program: StepProgram) -> Depth | None:
+    """The layers of the program's steps, where the prompt's and the branch's agree."""
+    prefix, branch = (depth_of(step.module.graph) for step in (program.prefix, program.branch))
     return prefix if prefix is not None and prefix == branch else None
 
 
-def steps_without_middle(plan: Any, depth: Depth, periods: int) -> tuple[StepGraph, StepGraph] | None:
-    """The plan's prompt and branch steps with `periods` periods of layers
+def steps_without_middle(program: StepProgram, depth: Depth, periods: int) -> tuple[StepGraph, StepGraph] | None:
+    """The program's prompt and branch steps with `periods` periods of layers
     (`longstraw.depth.without_middle`), or None where they cannot be cut."""
-    steps = (plan.runner.prefix, plan.runner.branch)
+    steps = (program.prefix, program.branch)
     cut = [without_middle(step.module, depth, periods) for step in steps]
     if any(module is None for module in cut):
         return None
@@ -336,27 +283,27 @@ def steps_without_middle(plan: Any, depth: Depth, periods: int) -> tuple[StepGra
     return prefix, branch
 
 
-def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: torch.device,
-                    dtype: torch.dtype | None, steps: tuple[StepGraph, StepGraph] | None = None,
-                    ranks: int = 1) -> dict[str, Peak]:
+def simulate_phases(program: StepProgram, options: Options, mode: str, chunk: int, recompute: bool,
+                    device: torch.device, dtype: torch.dtype | None,
+                    steps: tuple[StepGraph, StepGraph] | None = None, ranks: int = 1) -> dict[str, Peak]:
     """`simulate_step`'s peak per runtime phase (`longstraw.runtime.phase_of`;
-    "outside the steps" for the rest), running `steps` (the prompt's and
-    the branch's, e.g. `steps_without_middle`) in place of the plan's;
-    over `ranks` > 1, the steps of the rank `simulated_rank` names."""
+    "outside the steps" for the rest), under `options` but for the mode,
+    the chunk and recomputation asked for, running `steps` (the prompt's
+    and the branch's, e.g. `steps_without_middle`) in place of the program's;
+    over `ranks` > 1, the steps of the rank with the largest share
+    (`ChunkSchedule.largest_rank`)."""
     from longstraw.kernels import attention
 
-    part = plan.partition
+    part = program.partition
     # the group (if any) is simulated: `SimulatedRanks` below
-    options = dataclasses.replace(plan.options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
+    options = dataclasses.replace(options, prompt_grad=mode, prefix_chunk_size=chunk, recompute_layers=recompute,
                                   progress=False, check_finite=False, verify_state=False, context_parallel=None)
-    live = plan.runner.stages[-1]
-    if steps is None:
-        stages = plan.runner.stages
-    else:  # cut to a few layers: the frozen scoring stage (`stages.py`), if any, is left out of the estimate
-        stages = [dataclasses.replace(live, prefix=steps[0], branch=steps[1])]
-    prompt = traced_prefix_len(plan)
-    simulated = None if ranks == 1 else SimulatedRanks(simulated_rank(prompt, chunk, ranks), ranks)
-    runner = _SampledRunner(part, options, plan.runner.outer, stages, simulated)
+    if steps is not None:  # cut to a few layers: the frozen scoring stage (`stages.py`), if any, is left out
+        program = dataclasses.replace(program, stages=(dataclasses.replace(program.stages[-1], prefix=steps[0],
+                                                                            branch=steps[1]),))
+    prompt = program.traced_prefix_len
+    simulated = None if ranks == 1 else SimulatedRanks(ChunkSchedule(prompt, chunk, ranks).largest_rank, ranks)
+    runner = GroupRunner(program, options, ranks=simulated, sampled=True)
     tracker = _LiveBytes()
     cuda = torch.device(device).type == "cuda"
     class _FlashWithWorkspace(attention.FlashKernel):
@@ -389,9 +336,9 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
         requires_grad = node in part.params and value.requires_grad
         return torch.empty(value.shape, dtype=cast, device=value.device, requires_grad=requires_grad)
 
-    # the plan's kernel policy, with fla where the target runs it (`fla_families`);
+    # the options' kernel policy, with fla where the target runs it (`fla_families`);
     # attention's memory is modelled as flash's where a fused kernel applies
-    with plan.options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
+    with options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
             shape_only_spans(_SpansOnce(tracker)), contextlib.ExitStack() as fla, without_cyclic_gc(), \
             FakeTensorMode(allow_non_fake_inputs=True), tracker:
         for family in fla_families(device):
@@ -409,7 +356,7 @@ def simulate_phases(plan: Any, mode: str, chunk: int, recompute: bool, device: t
     return tracker.phase_peaks()
 
 
-def read_scalars(part: Any) -> dict[fx.Node, torch.Tensor]:
+def read_scalars(part: Partition) -> dict[fx.Node, torch.Tensor]:
     """Real one-element tensors for the inputs the steps read with `.item()`
     (a float Dynamo made an input: `dynamic=True` does it to modules'
     `variance_epsilon`), with the value specialisation recorded: a fake
@@ -438,7 +385,7 @@ def fla_families(device: torch.device) -> list[Any]:
     return [f for f in (fla_gated_delta, fla_causal_conv) if f.fla_ops() is not None or not torch.cuda.is_available()]
 
 
-def float_dtype(part: Any) -> torch.dtype:
+def float_dtype(part: Partition) -> torch.dtype:
     floats = [tensor_of(p) for p in part.params if tensor_of(p) is not None and tensor_of(p).is_floating_point()]
     return floats[0].dtype if floats else torch.float32
 

@@ -137,7 +137,7 @@ class PromptState:
         """The carry at a chunk boundary, on the device (a host copy comes back asynchronously)."""
         carries = self.carries[slot]
         if position not in carries and not has_values(next(iter(carries.values()))):
-            # the planner's simulation skips chunks (`simulation.sampled_chunks`): the latest carry has the shape
+            # the planner's simulation skips chunks (`ChunkSchedule.sampled`): the latest carry has the shape
             position = max(carries)
         value = carries[position]
         if value.device != self.device and not has_values(value):  # a simulation: the shape is all there is
@@ -604,18 +604,6 @@ def _on_host(value: torch.Tensor) -> torch.Tensor:
     pinned = has_values(value) and torch.cuda.is_available()
     host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
     return host.copy_(value, non_blocking=pinned)
-
-
-def chunk_schedule(prefix_len: int, size: int) -> list[tuple[int, int]]:
-    """The prompt chunks `(offset, length)` that capture and the reverse pass
-    run (the runtime) and whose boundaries keep carries (the planner)."""
-    return [(o, min(size, prefix_len - o)) for o in range(0, prefix_len, size)]
-
-
-def chunk_count(prefix_len: int, size: int) -> int:
-    """`len(chunk_schedule(prefix_len, size))` without building it (the
-    planner asks for prompts of any length)."""
-    return -(-prefix_len // size)
 
 
 def has_values(tensor: torch.Tensor) -> bool:

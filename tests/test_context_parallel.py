@@ -251,8 +251,8 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
     plan_rounds = runtime.GroupRunner._rounds
 
-    def counting_rounds(self, state, chunks):
-        found, rest = plan_rounds(self, state, chunks)
+    def counting_rounds(self, schedule, chunks):
+        found, rest = plan_rounds(self, schedule, chunks)
         rounds.append((len(found), len(rest)))
         return found, rest
 
@@ -383,8 +383,7 @@ def test_step_matches_one_process(world, tmp_path):
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
     from helpers.reference import eager_loss_and_grads
-    from longstraw.context_parallel import assign_chunks
-    from longstraw.state import chunk_schedule
+    from longstraw.schedule import ChunkSchedule
 
     results = gloo.spawn(_step_worker, world, tmp_path)
     for case in STEP_CASES[world]:
@@ -392,7 +391,7 @@ def test_step_matches_one_process(world, tmp_path):
         model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
         want_loss, want = compiled_loss_and_grads(compile_loss(loss_fn, _backend(case)), model, *inputs)
         captured = case.P - 1  # the last prompt position's logit is read by the loss: it runs in every branch
-        share = [sum(n for _, n in held) for held in assign_chunks(chunk_schedule(captured, 8), world)]
+        share = ChunkSchedule(captured, 8, world).held
         assert all(share)  # no empty share
         for rank in range(world):
             loss, grads, lengths = results[rank][case.name]
@@ -401,7 +400,7 @@ def test_step_matches_one_process(world, tmp_path):
             assert_grads_close(grads, want, STEP_TOL)
         # capture rounds (each rank computes one chunk of W at once) where every pass runs them, padded or not;
         # the chunks after the last whole round run on every rank
-        chunks = len(chunk_schedule(captured, 8))
+        chunks = ChunkSchedule(captured, 8).count
         whole = (chunks // world, chunks % world)
         expected = whole if case.model in ROUND_MODELS else (0, chunks)
         for rank in range(world):
@@ -828,41 +827,17 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
         StepContext(state, 8, 2, grad_enabled=False).visible(0)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
-@pytest.mark.parametrize("prompt", [37, 100, 1000, 8 * 2 * 8 * 5])
-def test_chunks_are_dealt_so_that_positions_and_attention_work_balance(world, prompt):
-    """`assign_chunks`: every chunk on one rank, in position order; the
-    positions held differ by at most one chunk, and the attention over
-    earlier keys (per position held, the prompt positions after it) by at
-    most one chunk's worth, 8 x prompt; both equal when the chunks are a
-    multiple of 2 x world. Contiguous shares would give rank 0 3/4 of the
-    work at world 2."""
-    from longstraw.context_parallel import assign_chunks
-    from longstraw.state import chunk_schedule
-
-    chunks = chunk_schedule(prompt, 8)
-    held = assign_chunks(chunks, world)
-    assert sorted(c for h in held for c in h) == chunks and all(list(h) == sorted(h) for h in held)
-    positions = [sum(n for _, n in h) for h in held]
-    work = [sum(n * (prompt - o - n) for o, n in h) for h in held]
-    assert max(positions) - min(positions) <= 8
-    if len(chunks) >= world:
-        assert max(work) - min(work) <= 8 * prompt
-    if len(chunks) % (2 * world) == 0:
-        assert len(set(positions)) == 1 and len(set(work)) == 1
-
-
 def test_a_share_maps_buffer_indices_to_positions_and_back():
     """A rank's buffer holds its chunks back to back: `held_before`,
     `local_range`, `to_global`, `to_local` and `owner` agree with a table
     built position by position, for shares of separated chunks, a short
     last chunk and a rank with no chunk at all."""
-    from longstraw.context_parallel import PromptShard, assign_chunks
+    from longstraw.context_parallel import PromptShard
     from longstraw.ranks import SimulatedRanks
-    from longstraw.state import chunk_schedule
+    from longstraw.schedule import ChunkSchedule
 
     for prompt, world in ((16, 2), (29, 3), (7, 2), (3, 2)):
-        held = assign_chunks(chunk_schedule(prompt, 4), world)
+        held = ChunkSchedule(prompt, 4, world).shares
         for rank in range(world):
             shard = PromptShard(SimulatedRanks(rank, world), held)
             mine = [p for o, n in held[rank] for p in range(o, o + n)]  # buffer index -> position

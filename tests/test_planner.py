@@ -10,6 +10,7 @@ import transformers
 
 import longstraw
 from longstraw.models import qwen3_5
+from longstraw.planner import MemoryModel
 
 from helpers.compare import assert_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
@@ -26,6 +27,11 @@ def make_hybrid() -> torch.nn.Module:
 
 MODELS = {"qwen3": lambda: make_model("qwen3"), "qwen3_5": make_hybrid}
 P, R = 257, 6  # a branch runs R + 1 positions
+
+
+def memory_model(plan: longstraw.GroupPlan, activations=None) -> MemoryModel:
+    """The planner's model of a plan's program, simulating under the plan's options."""
+    return MemoryModel(plan.program, plan.options, activations)
 
 
 def explain(kind: str, **options) -> longstraw.ExplainReport:
@@ -129,12 +135,12 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
 
     simulated, caches = [], []
     simulate = planner.simulate_step
-    monkeypatch.setattr(planner, "simulate_step", lambda plan, *a: simulated.append(plan) or simulate(plan, *a))
+    monkeypatch.setattr(planner, "simulate_step", lambda program, *a: simulated.append(program) or simulate(program, *a))
 
     class Recorded(planner.MemoryModel):
-        def __init__(self, plan, activations=None):
+        def __init__(self, program, options, activations=None):
             caches.append(activations)
-            super().__init__(plan, activations)
+            super().__init__(program, options, activations)
 
     monkeypatch.setattr(backend_module, "MemoryModel", Recorded)
     backend = longstraw.Backend(memory_budget_gb=100.0, prefix_chunk_size=32)
@@ -144,12 +150,12 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     with torch.no_grad():
         for prompt_len in lengths:
             step(model, *make_group(2, prompt_len, R))
-    assert [planner.traced_prefix_len(p) + 1 for p in simulated] == [70, 120, 55, 150]
+    assert [program.traced_prefix_len + 1 for program in simulated] == [70, 120, 55, 150]
     cpu = torch.device("cpu")
-    fresh = {p: planner.MemoryModel(plan).activations("exact", 32, False, cpu, None) for p, plan in zip(lengths, backend.plans)}
+    fresh = {p: memory_model(plan).activations("exact", 32, False, cpu, None) for p, plan in zip(lengths, backend.plans)}
     assert fresh[55].held < fresh[100].held < fresh[120].held < fresh[150].held  # what a reuse must cover: they grow with P
     assert caches[2] is caches[1] and caches[1] is not caches[0]  # the dynamic graph's plans share one cache
-    assert planner.MemoryModel(backend.plans[2], caches[2]).activations("exact", 32, False, cpu, None) == fresh[120]
+    assert memory_model(backend.plans[2], caches[2]).activations("exact", 32, False, cpu, None) == fresh[120]
 
 
 def test_a_dynamic_graph_is_planned_with_the_floats_it_reads():
@@ -183,19 +189,20 @@ def test_budget_is_validated(budget):
 ])
 def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute, monkeypatch):
     """The simulation runs the first prompt chunk and the last two
-    (`simulation.sampled_chunks`); over a prompt of eight chunks and a
+    (`ChunkSchedule.sampled`); over a prompt of eight chunks and a
     shorter ninth it predicts what running all of them does: the same
     bytes. The hybrid's carries are what a skipped chunk could get wrong;
     its exact mode runs with `-m slow`."""
-    from longstraw import planner, simulation
+    from longstraw import planner
+    from longstraw.schedule import ChunkSchedule
 
     report = explain(kind)
     device = torch.device("cpu")
-    assert len(simulation.sampled_chunks(longstraw.state.chunk_schedule(P - 1, 30))) == 3
-    sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
-    everything = lambda chunks: chunks  # noqa: E731
-    monkeypatch.setattr(simulation, "sampled_chunks", everything)  # for the runner and the planner's state alike
-    full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None)
+    assert len(ChunkSchedule(P - 1, 30).sampled(in_rounds=False)) == 3
+    sampled = memory_model(report.group_plan).activations(mode, 30, recompute, device, None)
+    everything = lambda schedule, in_rounds: schedule.chunks  # noqa: E731
+    monkeypatch.setattr(ChunkSchedule, "sampled", everything)  # for the runner and the planner's state alike
+    full = memory_model(report.group_plan).activations(mode, 30, recompute, device, None)
     assert sampled == full, (sampled, full)
 
 
@@ -217,23 +224,24 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
 
     with qwen3_5.bound():
         report = longstraw.explain(grpo_loss_f64, DEEP[kind](), *make_group(2, 97, R))
-    depth = simulation.step_depth(report.group_plan)
+    depth = simulation.step_depth(report.group_plan.program)
     assert (depth.period, depth.periods) == ((2, 6) if kind == "qwen3_5" else (1, 6))
     simulated = []  # layers of the steps each simulation ran
     phases = simulation.simulate_phases
 
     def simulate(*args):
-        simulated.append(len({layer_of(n) for n in args[6][1].module.graph.nodes} - {None}))
+        simulated.append(len({layer_of(n) for n in args[7][1].module.graph.nodes} - {None}))  # `steps`
         return phases(*args)
 
     monkeypatch.setattr(planner, "simulate_phases", simulate)
-    model = planner.MemoryModel(report.group_plan)
+    model = memory_model(report.group_plan)
     device = torch.device("cpu")
     for ranks in (1, 2):  # also one rank's steps of two (context parallelism's rounds)
         simulated.clear()
         extrapolated = model.simulated_peak(mode, 32, recompute, device, None, ranks)
         assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
-        assert extrapolated == simulation.simulate_step(report.group_plan, mode, 32, recompute, device, None, ranks)
+        plan = report.group_plan
+        assert extrapolated == simulation.simulate_step(plan.program, plan.options, mode, 32, recompute, device, None, ranks)
 
 
 @pytest.mark.parametrize("kind, mode, recompute", [
@@ -242,19 +250,21 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
 def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, monkeypatch):
     """Over two ranks the simulation runs one rank's steps with their
     rounds (`SimulatedRanks`: the gathers allocate, nothing is exchanged)
-    and of the rounds the first and the last two (`sampled_rounds`); over
+    and of the rounds the first and the last two (`ChunkSchedule.sampled`); over
     four rounds and a chunk after them it predicts what running them all
     does: the same bytes."""
-    from longstraw import planner, simulation
+    from longstraw import planner
+    from longstraw.schedule import ChunkSchedule
 
     report = explain(kind)
     device = torch.device("cpu")
-    chunks = longstraw.state.chunk_schedule(P - 1, 30)
-    assert len(chunks) == 9 and simulation.sampled_rounds(chunks, 2) == chunks[:2] + chunks[4:]
-    sampled = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
-    everything = lambda chunks, world: chunks  # noqa: E731
-    monkeypatch.setattr(simulation, "sampled_rounds", everything)  # for the runner and the planner's state alike
-    full = planner.MemoryModel(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
+    schedule = ChunkSchedule(P - 1, 30, 2)
+    chunks = schedule.chunks
+    assert len(chunks) == 9 and schedule.sampled(in_rounds=True) == chunks[:2] + chunks[4:]
+    sampled = memory_model(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
+    everything = lambda schedule, in_rounds: schedule.chunks  # noqa: E731
+    monkeypatch.setattr(ChunkSchedule, "sampled", everything)  # for the runner and the planner's state alike
+    full = memory_model(report.group_plan).activations(mode, 30, recompute, device, None, ranks=2)
     assert sampled == full, (sampled, full)
 
 
@@ -277,7 +287,7 @@ def test_a_rank_is_simulated_with_its_rounds_collectives(monkeypatch):
     assert not torch.distributed.is_initialized()
     report = explain("qwen3", prefix_chunk_size=32)
     device = torch.device("cpu")
-    model = planner.MemoryModel(report.group_plan)
+    model = memory_model(report.group_plan)
     one = model.activations("exact", 32, False, device, None)
     assert not calls
     two = model.activations("exact", 32, False, device, None, ranks=2)  # less each one's share of the state
@@ -296,6 +306,7 @@ def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
 
     report = explain("qwen3_5")
     cpu = torch.device("cpu")
-    once = simulation.simulate_step(report.group_plan, mode, 32, True, cpu, None)
+    plan = report.group_plan
+    once = simulation.simulate_step(plan.program, plan.options, mode, 32, True, cpu, None)
     monkeypatch.setattr(simulation, "shape_only_spans", lambda spans: contextlib.nullcontext())
-    assert once == simulation.simulate_step(report.group_plan, mode, 32, True, cpu, None)
+    assert once == simulation.simulate_step(plan.program, plan.options, mode, 32, True, cpu, None)

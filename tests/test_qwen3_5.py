@@ -230,7 +230,7 @@ def test_carries_do_not_hold_their_chunks(mode):
         report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
                                    options={"prefix_chunk_size": 256})
         plan = report.group_plan
-        peaks.append(simulate_step(plan, mode, 256, False, torch.device("meta"), None).held)
+        peaks.append(simulate_step(plan.program, plan.options, mode, 256, False, torch.device("meta"), None).held)
         reports.append(report)
     per_position = reports[0].state_bytes_per_position * (2 if mode == "exact" else 1)
     state_growth = per_position * 12 * 256 + reports[0].state_fixed_bytes * 12

@@ -422,8 +422,8 @@ def _faulty_chunks(fault: str):
     one position early ("overlap"): a capture that misses or repeats positions."""
     chunks = GroupRunner._chunks
 
-    def faulty(self, prefix_len):
-        first, (offset, length), *rest = chunks(self, prefix_len)
+    def faulty(self, schedule):
+        first, (offset, length), *rest = chunks(self, schedule)
         second = [] if fault == "gap" else [(offset - 1, length + 1)]
         return [first, *second, *rest]
 

@@ -202,7 +202,7 @@ def test_the_simulation_does_not_depend_on_when_python_collects_cycles():
     with qwen3_5.bound():
         report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 16),
                                    options={"prefix_chunk_size": 64, "recompute_layers": True})
-    plan = report.memory.plan
+    memory = report.memory
 
     def simulated(threshold: int | None) -> dict:
         thresholds, enabled = gc.get_threshold(), gc.isenabled()
@@ -212,8 +212,9 @@ def test_the_simulation_does_not_depend_on_when_python_collects_cycles():
         else:
             gc.set_threshold(threshold, 1, 1)
         try:
-            return {p: peak.held for p, peak in simulate_phases(plan, "exact", 64, True, torch.device("cuda"),
-                                                                 torch.bfloat16, ranks=2).items()}
+            phases = simulate_phases(memory.program, memory.options, "exact", 64, True, torch.device("cuda"),
+                                     torch.bfloat16, ranks=2)
+            return {p: peak.held for p, peak in phases.items()}
         finally:
             gc.set_threshold(*thresholds)
             if enabled:

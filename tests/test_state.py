@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import fx
 
-from longstraw.state import PromptState, SlotKind, StateSlot, StepContext, chunk_count, chunk_schedule
+from longstraw.state import PromptState, SlotKind, StateSlot, StepContext
 
 from conftest import raises_longstraw
 
@@ -131,15 +131,6 @@ def test_exact_capture_keeps_every_boundary_on_the_host_of_a_gpu():
         assert reverse.carry_in(0).device.type == "cuda"
         reverse.carry_out(0, reverse.carry_in(0))
         assert state.carries[0][2 * CHUNK].device.type == "cpu"
-
-
-def test_the_planner_counts_the_chunks_the_runtime_runs():
-    for prefix_len in range(0, 40):
-        for size in (1, 3, 8, 64):
-            chunks = chunk_schedule(prefix_len, size)
-            assert len(chunks) == chunk_count(prefix_len, size)
-            assert sum(n for _, n in chunks) == prefix_len and all(0 < n <= size for _, n in chunks)
-            assert [o for o, _ in chunks] == list(range(0, prefix_len, size))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
