@@ -131,6 +131,25 @@ def test_scoring_under_no_grad_equals_trl(example, tmp_path):
     assert len(ours.longstraw_backend.plans) == 2
 
 
+def test_new_lengths_do_not_trace_the_scorer_again(example, tmp_path):
+    """A training loop's micro-batches bring new prompt and completion
+    lengths: Dynamo traces the scorer once, with dynamic sizes, and every
+    length matches TRL."""
+    ours = make(example, tmp_path, LongStrawGRPOTrainer)
+    theirs = make(example, tmp_path, trl.GRPOTrainer)
+    inputs = micro_batch(len(ours.processing_class), ours.processing_class.pad_token_id)
+    torch._dynamo.utils.counters.clear()
+    for cut, keep in ((0, R), (1, R - 1), (2, R), (0, R - 2)):
+        input_ids = torch.cat([inputs["prompt_ids"][:, cut:], inputs["completion_ids"][:, :keep]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"][:, cut:], inputs["completion_mask"][:, :keep]], dim=1)
+        with torch.no_grad():
+            got = ours._get_per_token_logps_and_entropies(ours.model, input_ids, mask, keep, 2)
+            want = theirs._get_per_token_logps_and_entropies(theirs.model, input_ids, mask, keep, 2)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(ours.longstraw_backend.plans) == 4
+
+
 def test_detached_runs(example, tmp_path):
     """Detached mode drops the prompt-state term of the gradient by design:
     it must run and give finite gradients, and differ from TRL's by far more

@@ -102,7 +102,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self.longstraw_backend = Backend(longstraw_options)
         super().__init__(*args, **kwargs)
         _check_settings(self)
-        self._longstraw_scorer = torch.compile(completion_logps_and_entropies, backend=self.longstraw_backend)
+        # dynamic sizes from the first call: every generation brings new prompt and completion lengths,
+        # which LongStraw plans for without Dynamo tracing the scorer again
+        self._longstraw_scorer = torch.compile(completion_logps_and_entropies, backend=self.longstraw_backend,
+                                               dynamic=True)
 
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
         """TRL's `_prepare_inputs` in training, with groups shuffled whole
