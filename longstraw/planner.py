@@ -50,9 +50,9 @@ from .state import boundaries_on_host
 
 log = logging.getLogger("longstraw.planner")
 
-Simulations = dict[tuple, dict[int, Peak]]
+Simulations = dict[tuple, dict[tuple[int, int], Peak]]
 """The activations simulated for one compiled graph's plans: per simulation
-key, per traced prompt length (`MemoryModel.activations`)."""
+key, per traced prompt and branch length (`MemoryModel.activations`)."""
 
 DEFAULT_CHUNK = 8192
 """The chunk when nothing is planned (off CUDA without `memory_budget_gb`)."""
@@ -131,10 +131,10 @@ class MemoryModel:
         self.float_dtype = float_dtype(part)
         self.prompt_len = program.traced_prefix_len
         self.branch_len = part.end - self.prompt_len
-        # (mode, chunk, recompute, device, dtype, context) -> {simulated prompt length: activations}
+        # (mode, chunk, recompute, device, dtype, ranks, context) -> {(simulated P - 1, R): activations}
         self._activations: Simulations = {} if activations is None else activations
-        # what a simulation depends on besides the key and P, among one graph's plans
-        self._context = (self.branch_len, self.float_dtype, self.weights, self.grads)
+        # what a simulation depends on besides the key and the lengths, among one graph's plans
+        self._context = (self.float_dtype, self.weights, self.grads)
 
     def state(self, P: int, R: int, mode: str, chunk: int, device: torch.device, scale: float = 1.0,
               chunks: int | None = None, ranks: int = 1) -> tuple[int, int]:
@@ -160,25 +160,29 @@ class MemoryModel:
                     ranks: int = 1) -> Peak:
         """A simulated step's peak at the traced sizes, less what the formula
         counts there; `Peak.at` gives it for a longer prompt, whose attention
-        workspaces grow until the kernels' key blocks reach their cap. A
-        simulation at a prompt up to twice as long as this one is reused: it
-        holds at least as much. A training loop over many prompt lengths
-        simulates a candidate only when a prompt is longer than every
-        simulated one or less than half of it. Over `ranks`, one rank's
-        (`simulation.simulate_phases`), less its share of the state."""
-        chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
+        workspaces grow until the kernels' key blocks reach their cap.
+
+        One compiled graph's plans share their simulations (a training loop
+        plans every new prompt and completion length): a simulation at a
+        prompt and branches at least as long as these is reused, since it
+        holds at least as much (its chunks too: a prompt shorter than the
+        chunk runs as one chunk of its length). A candidate is simulated
+        again only for a prompt or branches longer than every simulated
+        one's. Over `ranks`, one rank's (`simulation.simulate_phases`),
+        less its share of the state."""
         key = (mode, chunk, recompute, str(device), dtype, ranks, self._context)
         simulated = self._activations.setdefault(key, {})
-        longer = [p for p in simulated if self.prompt_len <= p < 2 * self.prompt_len]
-        if longer:
-            return simulated[min(longer)]
-        peak = self.simulated_peak(mode, chunk, recompute, device, dtype, ranks)
+        covering = [(p, r) for p, r in simulated if p >= self.prompt_len and r >= self.branch_len]
+        if covering:
+            return simulated[min(covering)]
+        run_chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
+        peak = self.simulated_peak(mode, run_chunk, recompute, device, dtype, ranks)
         scale = _scale(self.float_dtype, dtype)
         known = int((self.weights + self.grads) * scale)
-        run = ChunkSchedule(self.prompt_len, chunk, ranks).sampled(self.program.runs_rounds)
-        known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, chunk, device, scale, len(run), ranks))
-        simulated[self.prompt_len] = peak.less(known)
-        return simulated[self.prompt_len]
+        run = ChunkSchedule(self.prompt_len, run_chunk, ranks).sampled(self.program.runs_rounds)
+        known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, run_chunk, device, scale, len(run), ranks))
+        simulated[self.prompt_len, self.branch_len] = peak.less(known)
+        return simulated[self.prompt_len, self.branch_len]
 
     def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
                        dtype: torch.dtype | None, ranks: int = 1) -> Peak:
@@ -209,8 +213,8 @@ class MemoryModel:
         """The peak for these sizes; over `ranks`, the peak of the rank with
         the largest share (its steps simulated with their rounds' gathers)."""
         scale = _scale(self.float_dtype, dtype)
-        chunk = min(chunk, max(P - 1, 1))
         activations = self.activations(mode, chunk, recompute, device, dtype, ranks)
+        chunk = min(chunk, max(P - 1, 1))  # a longer chunk runs the prompt as one
         fixed = int(self.weights * scale), int(self.grads * scale)
         state = lambda p: self.state(p, R, mode, chunk, device, scale, ranks=ranks)  # noqa: E731
         at = lambda p: activations.at(earlier_keys(p, chunk, ranks))  # noqa: E731
@@ -224,7 +228,8 @@ class MemoryModel:
         a given `chunk` or `recompute` is kept. When nothing fits, the
         smallest predicted peak (and a warning: the step may run out of memory)."""
         prompt = max(P - 1, 1)
-        chunks = [chunk] if chunk is not None else sorted({min(c, prompt) for c in CHUNK_CHOICES}, reverse=True)
+        # the chunks asked for (a simulation is keyed on them: shorter prompts reuse it), one per chunk run
+        chunks = [chunk] if chunk is not None else list({min(c, prompt): c for c in reversed(CHUNK_CHOICES)}.values())[::-1]
         candidates = []
         if recompute is not True:
             fast = min(FAST_CHUNK, prompt)  # a chunk of the whole prompt is as fast as it gets
