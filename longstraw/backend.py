@@ -317,8 +317,8 @@ class CompiledGroupLoss:
             guards, gm = special.guards, special.gm
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             program = compile_program(with_state(classify(gm, params, self.backend.passes)), self.options.head_chunk_size)
-            options = _sized(program, self.options, args, self.activations)
-            runner = GroupRunner(program, options)
+            options, state_room = _sized(program, self.options, args, self.activations)
+            runner = GroupRunner(program, options, state_room=state_room)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             plan = GroupPlan(program, runner, options)
         except UnsupportedGraphError as err:
@@ -342,18 +342,21 @@ class CompiledGroupLoss:
         return guards, plan
 
 
-def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> Options:
+def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, int]:
     """The options with `prefix_chunk_size` and `recompute_layers` decided:
     the user's where given, else the planner's choice (`longstraw.planner`)
     for `memory_budget_gb`, or on CUDA for the device's free memory, else
-    8192 without recomputation. `activations` caches the planner's
-    simulations. Under context parallelism every rank plans for the
-    smallest budget of the group (`agree`): ranks that chose other chunk
-    sizes would run other collectives."""
+    8192 without recomputation; and the bytes of earlier groups' prompt
+    states the runner may keep for the backward (`keep_group_states`: the
+    budget's room beside the planned peak). `activations` caches the
+    planner's simulations. Under context parallelism every rank plans for
+    the smallest budget of the group (`agree`): ranks that chose other
+    chunk sizes would run other collectives."""
     group = opts.context_parallel
     planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
+    room = _KEEP_EVERY_STATE if opts.keep_group_states else 0
     if not planned and group is None:
-        return opts
+        return opts, room
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     if not planned:
@@ -376,7 +379,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
         if budget is not None:
             budget = int(smallest) + others
     if not planned:
-        return opts
+        return opts, room
     chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
     if budget is None:
         chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
@@ -384,10 +387,16 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
         chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute,
                               ranks=context_ranks(opts))
         chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
+        if opts.keep_group_states is None and group is None:
+            room = max(budget - others - chosen.peak, 0)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
-                 "recompute_layers=%s, predicted peak %.1f GB", budget / 1e9, others / 1e9, chunk, recompute,
-                 (chosen.peak + others) / 1e9)
-    return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute)
+                 "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states",
+                 budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, room / 1e9)
+    return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute), room
+
+
+_KEEP_EVERY_STATE = 1 << 62
+"""`keep_group_states=True`: room for any number of states."""
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

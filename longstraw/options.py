@@ -51,6 +51,14 @@ class Options:
     grows with depth (the layers' inputs stay), for one more forward of the
     replayed positions. None: planned with the chunk size (off where nothing is planned)."""
 
+    keep_group_states: bool | None = None
+    """A batch of several prompts (groups): keep every group's prompt state
+    from the forward for the backward, instead of freeing it after the
+    group's branches and capturing it again there (one prompt forward per
+    group but the last). Costs the states' memory together. None: planned,
+    kept while the memory budget has room for them beside the planned peak
+    (nothing is kept where nothing is planned, or under context parallelism)."""
+
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss
     (`longstraw/head.py`): the `[R, vocab]` logits never exist whole. At a
@@ -132,6 +140,8 @@ class Options:
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
         if self.recompute_layers not in (None, True, False):
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
+        if self.keep_group_states not in (None, True, False):
+            raise LongStrawError(f"keep_group_states must be a bool or None, got {self.keep_group_states!r}")
         if not isinstance(self.attention_outputs_on_host, bool):
             raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")
         if self.head_chunk_size is not None and (not _is_int(self.head_chunk_size) or self.head_chunk_size < 1):

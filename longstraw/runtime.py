@@ -137,9 +137,14 @@ class GroupRunner:
     the collectives of context parallelism (default: over
     `options.context_parallel`; the planner's simulation gives a
     `SimulatedRanks`); `sampled`: run only the chunks whose memory can
-    differ (`ChunkSchedule.sampled`), for the simulation."""
+    differ (`ChunkSchedule.sampled`), for the simulation; `state_room`: the
+    bytes of earlier groups' prompt states the forward may keep for the
+    backward, which then does not capture them again (`keep_group_states`)."""
 
-    def __init__(self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False) -> None:
+    def __init__(
+        self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
+        state_room: int = 0,
+    ) -> None:
         part = program.partition
         self.program = program
         self.part = part
@@ -147,6 +152,7 @@ class GroupRunner:
         group = options.context_parallel
         self.ranks = ranks if ranks is not None or group is None else Ranks(group)
         self.sampled = sampled
+        self.state_room = state_room
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -398,13 +404,15 @@ class GroupRunner:
         is the traced one except when `longstraw.explain` simulates other
         sizes. Every group but the last frees its state after its branches
         (its backward captures it again), so one group's state is live at a
-        time. Without a `backward` to follow, exact mode keeps nothing for
-        its reverse pass (chunk-boundary carries, attention outputs on the host)."""
+        time, unless `state_room` has room for it: then the backward reads
+        it as the forward left it. Without a `backward` to follow, exact
+        mode keeps nothing for its reverse pass (chunk-boundary carries,
+        attention outputs on the host)."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
-        calls = []
+        calls, kept = [], 0  # bytes of earlier groups' states kept for the backward
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
@@ -423,7 +431,10 @@ class GroupRunner:
                     for seat, got in _seated(turn, outs[:len(stage.outputs)], state):
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
-                if stage is not self.stages[-1] or i < len(groups) - 1:
+                replayed, last = stage is self.stages[-1], i == len(groups) - 1
+                if replayed and not last and backward and kept + state.device_bytes() <= self.state_room:
+                    kept += state.device_bytes()
+                elif not (replayed and last):
                     state.release()
                     state = None
             calls.append(GroupCall(group, state, rng, handed))

@@ -186,6 +186,12 @@ class PromptState:
                     return slot
         return None
 
+    def device_bytes(self) -> int:
+        """Bytes of the buffers and carries held on the state's device (not
+        the chunk-boundary carries offloaded to the host)."""
+        tensors = [*self.buffers.values(), *(c for carries in self.carries.values() for c in carries.values())]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
+
     def release(self) -> None:
         if self.attention_outputs is not None:
             self.attention_outputs.close()
