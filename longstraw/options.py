@@ -140,7 +140,7 @@ class Options:
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
         if self.recompute_layers not in (None, True, False):
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
-        if self.keep_group_states not in (None, True, False):
+        if self.keep_group_states is not None and not isinstance(self.keep_group_states, bool):
             raise LongStrawError(f"keep_group_states must be a bool or None, got {self.keep_group_states!r}")
         if not isinstance(self.attention_outputs_on_host, bool):
             raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")

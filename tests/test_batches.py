@@ -153,3 +153,9 @@ def test_groups_are_reported_per_call():
                             *make_batch([2, 3], P=9, R=3, vocab=model.config.vocab_size))
     record = backend.plans[-1].runner.last_call
     assert sorted(record.group_sizes) == [2, 3] and record.prefix_len == 8
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_keep_group_states_is_validated(value):
+    with pytest.raises(longstraw.LongStrawError, match="keep_group_states must be a bool or None"):
+        longstraw.Backend(keep_group_states=value)
