@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import re
+import time
 import types
 import warnings
 import weakref
@@ -59,6 +60,19 @@ class Fallback:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanSeconds:
+    """Where planning one signature took its time (Dynamo's trace is not in it)."""
+
+    specialize: float  # the graph at these sizes, values recorded (`specialize.py`)
+    analysis: float  # classification, state and the generated steps (`StepProgram`)
+    memory: float  # the planner's choice of chunk and recomputation, its simulations included
+
+    @property
+    def total(self) -> float:
+        return self.specialize + self.analysis + self.memory
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """The typed record of what the backend did with one graph and
     signature: the program (the partition: claims, axes, regions, state;
@@ -69,6 +83,7 @@ class GroupPlan:
     program: StepProgram
     runner: GroupRunner
     options: Options
+    seconds: PlanSeconds | None = None
 
     @property
     def partition(self) -> Partition:
@@ -313,14 +328,18 @@ class CompiledGroupLoss:
         `on_unsupported` like any other."""
         guards: tuple[tuple[int, Any], ...] = ()
         try:
+            start = time.perf_counter()
             special = specialize(self.gm, args)
             guards, gm = special.guards, special.gm
+            specialized = time.perf_counter()
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             program = compile_program(with_state(classify(gm, params, self.backend.passes)), self.options.head_chunk_size)
+            analysed = time.perf_counter()
             options, state_room = _sized(program, self.options, args, self.activations)
             runner = GroupRunner(program, options, state_room=state_room)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
-            plan = GroupPlan(program, runner, options)
+            seconds = PlanSeconds(specialized - start, analysed - specialized, time.perf_counter() - analysed)
+            plan = GroupPlan(program, runner, options, seconds)
         except UnsupportedGraphError as err:
             node = err.node
             if self.partial is not None:

@@ -121,3 +121,14 @@ def test_dynamos_own_refusal_at_the_recompile_limit_is_left_to_it():
         compiled(model, "a", *group)
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             compiled(model, "ab", *group)
+
+
+def test_a_plan_records_where_planning_took_its_time():
+    """`GroupPlan.seconds`: specialising, the analysis and the memory plan,
+    separately (a benchmark reports them beside Dynamo's own compile time)."""
+    model = make_model("plain")
+    backend = longstraw.Backend(memory_budget_gb=100.0)
+    compile_loss(grpo_loss_f64, backend)(model, *make_group(2, 12, 3)).backward()
+    seconds = backend.plans[-1].seconds
+    assert min(seconds.specialize, seconds.analysis, seconds.memory) > 0
+    assert seconds.total == seconds.specialize + seconds.analysis + seconds.memory
