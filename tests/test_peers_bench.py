@@ -43,3 +43,23 @@ def test_peers_compute_trls_loss_and_gradients():
     loss, got = loss_and_grads(model, "longstraw_detached", batch)
     torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
     assert compare(got, want)["max_rel_l2"] > 1e-3  # the prompt's term is dropped by design
+
+
+def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/length_loop_bench.py end to end on tiny shapes: the warm
+    step, the loop of new lengths, and LongStraw's count of Dynamo
+    compiles in the loop (none: the scorer is traced with dynamic sizes)
+    and of plans (one per new length)."""
+    import json
+
+    import length_loop_bench
+
+    argv = ["length_loop_bench.py", "--tiny", "--P", "48", "--G", "2", "--R", "8", "--steps", "2",
+            "--modes", "longstraw_exact", "--out-dir", str(tmp_path), "--name", "loop"]
+    monkeypatch.setattr(sys, "argv", argv)
+    length_loop_bench.main()
+    runs = {run["mode"]: run for run in json.loads((tmp_path / "loop.json").read_text())["runs"]}
+    assert all(run["ok"] for run in runs.values()), runs
+    assert len(runs["longstraw_exact"]["loop_s"]) == 2
+    assert runs["longstraw_exact"]["dynamo_graphs"] == 0 and runs["longstraw_exact"]["plans"] == 2
+    assert "| longstraw_exact | 48 |" in (tmp_path / "loop.md").read_text()

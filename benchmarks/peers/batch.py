@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 PAD_ID, EOS_ID = 0, 1
 
 
-def trl_micro_batch(n_prompts: int, G: int, P: int, R: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+def trl_micro_batch(n_prompts: int, G: int, P: int, R: int, vocab: int, device: torch.device,
+                    lengths: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
     """What `GRPOTrainer._prepare_inputs` hands `compute_loss`: prompts
-    left-padded to the longest (prompt b has P - b * P // 8 tokens), each
-    repeated for its G completions in consecutive rows (TRL's RepeatSampler),
-    completions right-padded to R (lengths from R/2 to R, one full per
-    prompt), advantages, and no old log-probs (one step per generation:
-    TRL's ratio is then exp(logp - logp.detach()))."""
-    gen = torch.Generator().manual_seed(P * 1000 + n_prompts * G)
-    lengths = [P - b * (P // 8) for b in range(n_prompts)]
+    left-padded to the longest (prompt b has `lengths[b]` tokens, by default
+    P - b * P // 8), each repeated for its G completions in consecutive rows
+    (TRL's RepeatSampler), completions right-padded to R (lengths from R/2
+    to R, one full per prompt), advantages, and no old log-probs (one step
+    per generation: TRL's ratio is then exp(logp - logp.detach()))."""
+    gen = torch.Generator().manual_seed(P * 1000 + n_prompts * G + sum(lengths or ()))
+    lengths = [P - b * (P // 8) for b in range(n_prompts)] if lengths is None else list(lengths)
+    P = max(lengths)
     prompt_ids = torch.full((n_prompts, P), PAD_ID, dtype=torch.long)  # [n, P]
     prompt_mask = torch.zeros(n_prompts, P, dtype=torch.long)  # [n, P]
     for b, length in enumerate(lengths):

@@ -1,0 +1,178 @@
+"""A training loop whose prompt and completion lengths change every step.
+
+Real GRPO loops bring new lengths at every generation: TRL left-pads each
+micro-batch's prompts to its longest and right-pads its completions to its
+longest. Per P and mode this runs, on the same model and TRL's layout
+(peers/batch.py: 2 prompts x G completions):
+
+- the warm step at a fixed length (P and P - P/8, completions up to R),
+  after one untimed call;
+- a loop of `--steps` steps, each with prompts of lengths drawn from
+  [P/2, P] and completions from [R/2, R] (the same draws for every mode),
+  timed step by step from the first (what a loop pays, planning included);
+
+and reports the loop's mean step against the warm step, Dynamo's graphs
+and LongStraw's plans (with the time planning took, `GroupPlan.seconds`).
+Modes are peers_bench's (peers/modes.py): `compute_loss` of TRL's trainer.
+
+    python benchmarks/length_loop_bench.py --P 8192,32768,131072 --out-dir $OUT --name length_loop_h200
+
+writes `<out-dir>/<name>.json` and `<name>.md` (the README's table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import transformers
+import trl
+
+from grpo.measure import Clock, is_oom, release, sync
+from longstraw.backend import CompiledGroupLoss
+from grpo.models import build_model
+from grpo.results import git_commit
+from peers.batch import trl_micro_batch
+from peers.modes import PEERS, PeerRunner
+
+LOOP_MODES = ("longstraw_exact", "longstraw_detached", "prefix_grouper", "trl_ckpt")
+
+
+def loop_lengths(P: int, R: int, prompts: int, steps: int, seed: int) -> list[tuple[list[int], int]]:
+    """Per step: the prompts' lengths in [P/2, P] and the completions' padded length in [R/2, R]."""
+    draw = random.Random(seed)
+    return [([draw.randint(P // 2, P) for _ in range(prompts)], draw.randint(R // 2, R)) for _ in range(steps)]
+
+
+def timed_step(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
+    sync()
+    start = time.perf_counter()
+    runner.step(batch)
+    sync()
+    return time.perf_counter() - start
+
+
+def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -> dict:
+    """The warm fixed-length step, then the loop, of one mode at one P."""
+    rows = args.prompts * args.G
+    out: dict = {"mode": mode, "P": P}
+    try:
+        with PeerRunner(model, mode, rows, args.G, args.R) as runner:
+            fixed = trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
+            runner.step(fixed)
+            release(model)
+            out["warm_s"] = min(timed_step(runner, fixed) for _ in range(2))
+            release(model)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            torch._dynamo.utils.counters.clear()
+            seconds = []
+            with counting_plans() as planned:
+                for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
+                    batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
+                    seconds.append(timed_step(runner, batch))
+                    release(model)
+            out["loop_s"] = seconds
+            out["loop_mean_s"] = sum(seconds) / len(seconds)
+            out["loop_over_warm"] = out["loop_mean_s"] / out["warm_s"]
+            out["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # traced in the loop
+            out["plans"] = len(planned)
+            out["plan_s"] = sum(p.seconds.total for p in planned if p is not None)
+            out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+            out["ok"] = True
+    except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
+        out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
+    finally:
+        release(model)
+    return out
+
+
+@contextlib.contextmanager
+def counting_plans() -> Iterator[list]:
+    """Every plan LongStraw makes inside the block (a backend keeps only the last few)."""
+    planned: list = []
+    plan = CompiledGroupLoss._plan
+
+    def recorded(self, args):
+        guards, made = plan(self, args)
+        planned.append(made)
+        return guards, made
+
+    CompiledGroupLoss._plan = recorded
+    try:
+        yield planned
+    finally:
+        CompiledGroupLoss._plan = plan
+
+
+def table(result: dict) -> str:
+    lines = ["| mode | P | warm step s | loop mean s | loop / warm | Dynamo compiles in the loop | plans | planning s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in result["runs"]:
+        if not run.get("ok"):
+            lines.append(f"| {run['mode']} | {run['P']:,} | {'OOM' if run.get('oom') else 'failed'} | - | - | - | - | - |")
+            continue
+        lines.append(f"| {run['mode']} | {run['P']:,} | {run['warm_s']:.2f} | {run['loop_mean_s']:.2f} | "
+                     f"{run['loop_over_warm']:.2f} | {run['dynamo_graphs']} | {run['plans']} | {run['plan_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", default=",".join(LOOP_MODES))
+    parser.add_argument("--P", default="8192,32768,131072", help="the longest prompt of each loop, comma-separated")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--R", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
+    parser.add_argument("--budget-s", type=float, default=540, help="wall-clock budget of the whole command")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--name", default="length_loop_bench")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {PEERS}")
+
+    clock = Clock(args.budget_s)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.model, args.tiny, dtype, device)
+    model.config.use_cache = False
+    argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
+            *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
+    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "steps": args.steps, "dtype": str(dtype),
+              "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+              "command": "python " + " ".join(argv), "commit": git_commit(), "runs": []}
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, args.name)
+    for P in (int(p) for p in args.P.split(",")):
+        for mode in modes:
+            if clock.left() < 30:
+                result["runs"].append({"mode": mode, "P": P, "ok": False, "error": "time budget"})
+                continue
+            run = run_mode(model, mode, P, args, model.config.vocab_size, device)
+            result["runs"].append(run)
+            print(f"  {mode:20} P={P:>8} " + (f"warm {run['warm_s']:.2f} s, loop mean {run['loop_mean_s']:.2f} s "
+                  f"({run['loop_over_warm']:.2f}x), {run['dynamo_graphs']} Dynamo compile(s), {run['plans']} plan(s)"
+                  if run["ok"] else run["error"]), flush=True)
+            with open(stem + ".json", "w") as f:
+                json.dump(result, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(table(result) + "\n")
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
