@@ -215,7 +215,11 @@ USE_BATCHED_MM = (
 
 # HF layers whose operators LongStraw claims only after a model module binds
 # them (class name -> the module whose `bound()` does it).
-_NEEDS_BINDING = {"Qwen3_5GatedDeltaNet": "longstraw.models.qwen3_5", "Qwen3NextGatedDeltaNet": "longstraw.models.qwen3_5"}
+_NEEDS_BINDING = {
+    "Qwen3_5GatedDeltaNet": "longstraw.models.qwen3_5",
+    "Qwen3_5MoeGatedDeltaNet": "longstraw.models.qwen3_5",
+    "Qwen3NextGatedDeltaNet": "longstraw.models.qwen3_5",
+}
 
 
 def binding_hint(node: fx.Node) -> str:

@@ -27,6 +27,7 @@ import types
 
 BINDINGS = {
     "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "longstraw.models.qwen3_5",
     "transformers.models.qwen3_next.modeling_qwen3_next": "longstraw.models.qwen3_5",
     "transformers.integrations.moe": "longstraw.models.moe",
     "transformers.utils.logging": "longstraw.models.hf_logging",

@@ -1,5 +1,6 @@
-"""Qwen3.5 / Qwen3.6 and Qwen3-Next (transformers `qwen3_5`, `qwen3_next`):
-route the linear-attention layers to LongStraw's registered operators.
+"""Qwen3.5 / Qwen3.6, their MoE models and Qwen3-Next (transformers
+`qwen3_5`, `qwen3_5_moe`, `qwen3_next`): route the linear-attention layers
+to LongStraw's registered operators.
 
 HF's Gated DeltaNet layer calls two module-level functions: a causal
 depthwise convolution and a chunked gated delta rule written as a Python
@@ -32,7 +33,11 @@ import torch
 from longstraw.passes.causal_conv import causal_conv1d
 from longstraw.passes.gated_delta import gated_delta_rule
 
-_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next")
+_MODULES = (
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+)
 """HF modeling modules whose Gated DeltaNet layer calls these two functions by these names."""
 
 

@@ -236,3 +236,30 @@ def test_carries_do_not_hold_their_chunks(mode):
     state_growth = per_position * 12 * 256 + reports[0].state_fixed_bytes * 12
     assert peaks[1] - peaks[0] <= 1.1 * state_growth, (peaks, state_growth)
 
+
+
+@pytest.mark.slow
+def test_state_at_qwen3_5_moe_published_shape():
+    """Qwen3.5-MoE at `Qwen3_5MoeTextConfig`'s defaults (35B-A3B: 40 layers,
+    every fourth full attention, 256 experts), on the meta device: the state
+    `explain` plans is K and V of the 10 full-attention layers per position
+    and, fixed, the recurrent state and convolution tail of the 30 Gated
+    DeltaNet layers."""
+    config = transformers.Qwen3_5MoeTextConfig()
+    with torch.device("meta"):
+        model = transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16)
+    model.config.use_cache = False
+    model.set_experts_implementation("grouped_mm")
+    prompt = torch.zeros(128, dtype=torch.long, device="meta")
+    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
+    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
+                               options={"prefix_chunk_size": 64})
+    full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
+    assert (full, linear) == (10, 30)
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4  # float32
+    conv_tail = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 2  # bf16
+    assert report.state_bytes_per_position == full * 2 * config.num_key_value_heads * config.head_dim * 2 == 20_480
+    assert report.state_fixed_bytes == linear * (recurrent + conv_tail) == 64_389_120

@@ -189,6 +189,12 @@ SUPPORTED = [
                              layer_types=["linear_attention", "full_attention"]),
            experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
            note="Gated DeltaNet + gated attention + MoE; its linear attention binds as Qwen3.5's (`longstraw.models.qwen3_5`)"),
+    Family("qwen3_5_moe", _hf(T.Qwen3_5MoeTextConfig, **_MOE, shared_expert_intermediate_size=16,
+                              partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                              layer_types=["linear_attention", "full_attention"]),
+           experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
+           note="Qwen3.5 / 3.6 MoE: Gated DeltaNet + gated attention + MoE with a shared expert; binds as Qwen3.5"),
     Family("glm_moe_dsa", _hf(T.GlmMoeDsaConfig, _DSA), experts="batched_mm", detached=_latent_detached,
            note="GLM-5: MLA + DSA indexer (top-k of 8 positions) + MoE; state: latent, rope key, index key "
                 "(`passes/sparse_index.py`, `tests/test_dsa.py`)"),
