@@ -40,7 +40,7 @@ _SAME_AS_SELF = {
 _BROADCAST = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "maximum", "minimum",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and", "logical_or",
-    "where", "masked_fill", "atan2", "lerp", "addcmul", "addcdiv", "rsub", "iadd", "imul",
+    "where", "masked_fill", "atan2", "lerp", "addcmul", "addcdiv", "rsub", "iadd", "imul", "polar",
 }
 ELEMENTWISE = frozenset(_SAME_AS_SELF | _BROADCAST) - {"to", "type", "type_as", "dropout", "cpu", "cuda"}
 """Operators applied position by position, whose scalar operands may change between calls."""
@@ -323,6 +323,18 @@ def _squeeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     which = arg(node, 1, "dim")
     drop = set(_normalize_dims(which, len(shape))) if which is not None else set(range(len(shape)))
     return [d for i, (d, s) in enumerate(zip(dims, shape)) if not (i in drop and s == 1)]
+
+
+def _view_as_complex(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    """`[..., 2]` real pairs -> `[...]` complex numbers (complex rotary embeddings)."""
+    dims, _ = an._in(node.args[0])
+    return dims[:-1]
+
+
+def _view_as_real(an: DimAnalysis, node: fx.Node) -> list[Dim]:
+    """`[...]` complex numbers -> `[..., 2]` real pairs."""
+    dims, _ = an._in(node.args[0])
+    return dims + [an.fresh(2)]
 
 
 def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
@@ -804,6 +816,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose, "t": _transpose,
     "permute": _permute,
     "unsqueeze": _unsqueeze, "squeeze": _squeeze,
+    "view_as_complex": _view_as_complex, "view_as_real": _view_as_real,
     "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
     "repeat": _expand, "repeat_interleave": _repeat_interleave,
     "getitem": _getitem, "narrow": _narrow, "select": _select, "updated": _updated,

@@ -200,6 +200,9 @@ SUPPORTED = [
                 "(`passes/sparse_index.py`, `tests/test_dsa.py`)"),
     Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
            detached=_latent_detached, note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
+    Family("deepseek_v2", _hf(T.DeepseekV2Config, _MLA, first_k_dense_replace=1, n_shared_experts=1),
+           experts="batched_mm", detached=_latent_detached,
+           note="MLA with complex rotary embeddings (`view_as_complex`), MoE with a shared expert"),
     Family("gpt_bigcode", _hf(T.GPTBigCodeConfig, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0,
                               attn_pdrop=0, bos_token_id=0, eos_token_id=0),
            note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "
@@ -241,6 +244,12 @@ REFUSED = [
            fix=Fix(loss=_arange_positions_loss),
            note="Without position ids it numbers positions with a `cumsum` over the sequence, which no pass claims: "
                 "pass `position_ids`."),
+    Family("llama4_text", _hf(T.Llama4TextConfig, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48,
+                              interleave_moe_layer_step=1, attention_chunk_size=8),
+           refused=r"operator `repeat` .* in module `model\.model\.layers\.0\.feed_forward` .* reduces or drops the sequence "
+                   r"axis\. " + re.escape(NO_FIX),
+           note="Its own MoE routing repeats the tokens per expert, and its chunked attention layers have no pass: "
+                "no fix yet (its complex rotary embeddings have a rule)."),
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
                          chunk_size=4), refused=r"operator `conv1d` .* touches the sequence axis and has no dimension rule",
            attn_implementation="eager",
