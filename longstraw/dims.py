@@ -36,6 +36,7 @@ _SAME_AS_SELF = {
     "sigmoid", "silu", "gelu", "relu", "softplus", "erf", "square", "reciprocal", "sign",
     "logical_not", "invert", "nan_to_num", "clamp", "clamp_min", "clamp_max", "pow",
     "leaky_relu", "elu", "mish", "hardtanh", "relu6", "logit", "float_power",
+    "floor", "ceil", "round", "trunc", "frac",
 }
 _BROADCAST = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "maximum", "minimum",

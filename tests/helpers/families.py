@@ -203,6 +203,7 @@ SUPPORTED = [
     Family("deepseek_v2", _hf(T.DeepseekV2Config, _MLA, first_k_dense_replace=1, n_shared_experts=1),
            experts="batched_mm", detached=_latent_detached,
            note="MLA with complex rotary embeddings (`view_as_complex`), MoE with a shared expert"),
+    Family("ministral3", _hf(T.Ministral3Config), note="Llama 4's position-dependent attention scale (`floor`)"),
     Family("gpt_bigcode", _hf(T.GPTBigCodeConfig, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0,
                               attn_pdrop=0, bos_token_id=0, eos_token_id=0),
            note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "
