@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo.results import git_commit  # noqa: E402
+from grpo.results import provenance  # noqa: E402
 from longstraw.kernels import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
@@ -75,8 +75,7 @@ def main() -> None:
             for name in ("flash", "cudnn"):
                 rows.append(measure(name, n, o, args.repeats))
                 torch.cuda.empty_cache()
-    result = {"command": "python " + " ".join(sys.argv), "commit": git_commit(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": rows}
+    result = {**provenance("python " + " ".join(sys.argv)), "runs": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'kernel':6} {'n':>5} {'o':>7} {'fwd s':>8} {'fwd TF/s':>8} {'bwd s':>8} {'bwd TF/s':>8}")

@@ -52,7 +52,7 @@ from grpo.models import build_model, make_group
 from grpo.modes import Runner
 from grpo.parity import _grads_on_cpu, compare
 from grpo.ranks import agreed, init_rank, spawn
-from grpo.results import git_commit
+from grpo.results import provenance
 
 
 def _step(runner: Runner, group, trace: bool = False) -> dict:
@@ -218,16 +218,13 @@ def main() -> None:
             merged["loss_per_rank"] = [r["runs"][i]["loss"] for r in per_rank]
             merged["phase_peaks_gb_per_rank"] = [r["runs"][i].get("phase_peaks_gb", {}) for r in per_rank]
         runs.append(merged)
+    command = " ".join(["python", "benchmarks/context_parallel_bench.py", *sys.argv[1:]]).replace(
+        str(args.out_dir), "benchmarks/results")
     result = {
-        "model": args.model, "ranks": args.ranks, "backend": per_rank[0]["backend"],
+        **provenance(command), "model": args.model, "ranks": args.ranks, "backend": per_rank[0]["backend"],
         "shared_gpu": per_rank[0]["shared_gpu"], "G": args.G, "R": args.R,
         "dtype": "bfloat16" if torch.cuda.is_available() else "float32", "prefix_chunk_size": args.chunk,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "gpus": torch.cuda.device_count(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "command": " ".join(["python", "benchmarks/context_parallel_bench.py", *sys.argv[1:]]).replace(
-            str(args.out_dir), "benchmarks/results"),
-        "git_commit": git_commit(), "peak_unit": "1e+09 bytes",
+        "gpus": torch.cuda.device_count(), "transformers": transformers.__version__, "peak_unit": "1e+09 bytes",
         "parity_per_rank": [r.get("parity") for r in per_rank], "runs": runs,
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))

@@ -54,7 +54,7 @@ from grpo.flops import PEAK_FLOPS, FlopModel  # noqa: E402
 from grpo.measure import GiB, is_oom, live_at_peak, phase_peaks, phase_seconds, release, sync  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
-from grpo.results import git_commit  # noqa: E402
+from grpo.results import provenance  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
 from longstraw.schedule import ChunkSchedule  # noqa: E402
 from longstraw.kernels import fla_causal_conv  # noqa: E402
@@ -384,13 +384,11 @@ def main() -> None:
     options["attention_outputs_on_host"] = args.attention_on_host
     options["head_chunk_size"] = args.head_chunk or None
     options["kernels"] = {"causal_conv": args.conv}
+    # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",
+                        *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv[1:]]])
     result = {
-        # from the repository's root, the output named where the repository keeps it, whatever folder it ran in
-        "command": " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}",
-                             *[f"benchmarks/results/{Path(a).name}" if a == args.out else a for a in sys.argv[1:]]]),
-        "commit": git_commit(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "lora": not args.no_lora,
+        **provenance(command), "transformers": transformers.__version__, "lora": not args.no_lora,
         "sdpa": args.sdpa, "float32_adapters": not args.bf16_adapters,
         "fla_causal_conv": fla_causal_conv.fla_ops() is not None, "runs": [],
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import transformers
@@ -27,6 +28,7 @@ from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
 
 from grpo.parity import compare as compare_grads
+from grpo.results import provenance
 
 
 def grpo_loss(model, prompt, responses, advantages, mask):
@@ -114,7 +116,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
+    result = {**provenance(f"python benchmarks/gpu_smoke.py --out benchmarks/results/{Path(args.out).name}"),
+              "transformers": transformers.__version__}
     result["dense_parity_fp32"] = dense_parity(device)
     print("dense", result["dense_parity_fp32"], flush=True)
     result["hybrid_parity_fp32"] = hybrid_parity(device)

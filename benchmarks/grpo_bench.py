@@ -99,7 +99,7 @@ from grpo.measure import Clock, memory_floor, peak_breakdown, profile_step
 from grpo.models import build_model
 from grpo.modes import MODES_OF
 from grpo.parity import kernels, parity
-from grpo.results import git_commit, print_table, report
+from grpo.results import print_table, provenance, report
 from grpo.sweep import capture_mfu, gdelta, speed, sweep
 
 
@@ -137,15 +137,12 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     parts = args.parts.split(",")
     modes = [m for m in (args.modes or ",".join(MODES_OF[args.model])).split(",") if m]
-    commit = git_commit()
     # from the repository's root, the output folder named where the repository keeps it, whatever folder it ran in
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
             *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
     command = args.command or "python " + " ".join(argv)
-    result = {"model": args.model, "G": args.G, "R": args.R, "p_speed": args.p_speed, "dtype": "bfloat16",
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "command": command, "git_commit": commit, "peak_tflops": PEAK_FLOPS / 1e12}
+    result = {**provenance(command), "model": args.model, "G": args.G, "R": args.R, "p_speed": args.p_speed,
+              "dtype": "bfloat16", "transformers": transformers.__version__, "peak_tflops": PEAK_FLOPS / 1e12}
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, (args.name or f"grpo_bench_{args.model}") + ".json")
 

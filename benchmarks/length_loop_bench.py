@@ -38,7 +38,7 @@ import trl
 from grpo.measure import Clock, is_oom, release, sync
 from longstraw.backend import CompiledGroupLoss
 from grpo.models import build_model
-from grpo.results import git_commit
+from grpo.results import provenance
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
 
@@ -152,9 +152,8 @@ def main() -> None:
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
             *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
     result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "steps": args.steps, "dtype": str(dtype),
-              "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
-              "command": "python " + " ".join(argv), "commit": git_commit(), "runs": []}
+              "model": args.model, "transformers": transformers.__version__, "trl": trl.__version__,
+              **provenance("python " + " ".join(argv)), "runs": []}
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
     for P in (int(p) for p in args.P.split(",")):

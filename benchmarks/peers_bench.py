@@ -30,7 +30,7 @@ import trl
 
 from grpo.measure import GiB, Clock, describe, measure
 from grpo.models import build_model
-from grpo.results import git_commit
+from grpo.results import provenance
 from grpo.sweep import sweep
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
@@ -106,9 +106,8 @@ def main() -> None:
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
             *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
     result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "dtype": "bfloat16", "model": "dense",
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
-              "command": "python " + " ".join(argv), "git_commit": git_commit()}
+              "transformers": transformers.__version__, "trl": trl.__version__,
+              **provenance("python " + " ".join(argv))}
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import longstraw  # noqa: E402
 from grpo.models import grpo_loss, make_group  # noqa: E402
-from grpo.results import git_commit  # noqa: E402
+from grpo.results import provenance  # noqa: E402
 
 MODELS = {
     "GLM-5.1": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
@@ -106,8 +106,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [measure(name) for name in MODELS]
     result = {
-        "command": f"python benchmarks/state_bytes.py --out benchmarks/results/{Path(args.out).name}",
-        "commit": git_commit(), "torch": torch.__version__, "transformers": transformers.__version__,
+        **provenance(f"python benchmarks/state_bytes.py --out benchmarks/results/{Path(args.out).name}"),
+        "transformers": transformers.__version__,
         "traced": {"G": G, "P": P, "R": R, "prefix_chunk_size": CHUNK, "dtype": "bfloat16", "device": "meta"},
         "models": rows,
     }

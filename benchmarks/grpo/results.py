@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -52,7 +53,7 @@ def summarize(result: dict) -> dict:
         "max_prompt_tokens": {m: d["max_prompt_tokens"] for m, d in sweep_out.items()},
         "max_prompt_limited_by": {m: d["limited_by"] for m, d in sweep_out.items()},
         "command": [s["command"] for s in result["sources"]],
-        "git_commit": [s["git_commit"] for s in result["sources"]],
+        "commit": [s["commit"] for s in result["sources"]],
         "sources": result["sources"],
     }
     gd = result.get("gdelta", {})
@@ -116,6 +117,14 @@ def print_table(kind: str, result: dict) -> None:
             print(f"{key}: {json.dumps(result[key])}")
 
 
+def provenance(command: str) -> dict[str, str]:
+    """The keys every result file starts with (`benchmarks/results_index.py`
+    indexes them): the command, the commit, the device, torch, the date."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"command": command, "commit": git_commit(), "device": device, "torch": torch.__version__,
+            "date": datetime.date.today().isoformat()}
+
+
 def git_commit() -> str:
     """LONGSTRAW_COMMIT when set (a copied working tree may carry a stale .git), else git's HEAD."""
     if os.environ.get("LONGSTRAW_COMMIT"):
@@ -148,7 +157,8 @@ def merge(results: list[dict]) -> dict:
     warm: dict[tuple[str, int], dict] = {}
     for result in results:
         parts = [k for k in result if k in (*MODE_KEYED_PARTS, "gdelta", "capture", "parity", "kernels", "memory_floor", "trace", "profile")]
-        merged["sources"].append({"command": result["command"], "git_commit": result["git_commit"], "parts": parts,
+        merged["sources"].append({"command": result["command"], "commit": result.get("commit", result.get("git_commit")),
+                                  "parts": parts,
                                   "modes": sorted({m for k in MODE_KEYED_PARTS for m in result.get(k, {})})})
         warm.update({(r["mode"], r["P"]): r for r in speed_runs(result)})
         for key, value in result.items():
