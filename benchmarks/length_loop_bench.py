@@ -23,12 +23,10 @@ writes `<out-dir>/<name>.json` and `<name>.md` (the README's table).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,7 +34,6 @@ import transformers
 import trl
 
 from grpo.measure import Clock, is_oom, release, sync
-from longstraw.backend import CompiledGroupLoss
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -64,7 +61,8 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
     rows = args.prompts * args.G
     out: dict = {"mode": mode, "P": P}
     try:
-        with PeerRunner(model, mode, rows, args.G, args.R) as runner:
+        # a plan cache that keeps every plan of the loop, to count them (it is the last few by default)
+        with PeerRunner(model, mode, rows, args.G, args.R, {"plan_cache_size": args.steps + 1}) as runner:
             fixed = trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
             runner.step(fixed)
             release(model)
@@ -73,18 +71,20 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             torch._dynamo.utils.counters.clear()
+            backend = getattr(runner.trainer, "longstraw_backend", None)
+            before = set() if backend is None else {id(p) for p in backend.plans}
             seconds = []
-            with counting_plans() as planned:
-                for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
-                    batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
-                    seconds.append(timed_step(runner, batch))
-                    release(model)
+            for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
+                batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
+                seconds.append(timed_step(runner, batch))
+                release(model)
+            planned = [] if backend is None else [p for p in backend.plans if id(p) not in before]
             out["loop_s"] = seconds
             out["loop_mean_s"] = sum(seconds) / len(seconds)
             out["loop_over_warm"] = out["loop_mean_s"] / out["warm_s"]
             out["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # traced in the loop
             out["plans"] = len(planned)
-            out["plan_s"] = sum(p.seconds.total for p in planned if p is not None)
+            out["plan_s"] = sum(p.seconds.total for p in planned)
             out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
             out["ok"] = True
     except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
@@ -92,24 +92,6 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
     finally:
         release(model)
     return out
-
-
-@contextlib.contextmanager
-def counting_plans() -> Iterator[list]:
-    """Every plan LongStraw makes inside the block (a backend keeps only the last few)."""
-    planned: list = []
-    plan = CompiledGroupLoss._plan
-
-    def recorded(self, args):
-        guards, made = plan(self, args)
-        planned.append(made)
-        return guards, made
-
-    CompiledGroupLoss._plan = recorded
-    try:
-        yield planned
-    finally:
-        CompiledGroupLoss._plan = plan
 
 
 def table(result: dict) -> str:

@@ -117,10 +117,12 @@ def _tokenizer() -> PreTrainedTokenizerFast:
 class PeerRunner:
     """One mode's trainer on a shared model; `step(batch)` runs `compute_loss` and backward."""
 
-    def __init__(self, model, mode: str, rows: int, G: int, R: int) -> None:
+    def __init__(self, model, mode: str, rows: int, G: int, R: int, longstraw_options: dict | None = None) -> None:
+        """`longstraw_options`: the LongStraw modes' options besides `prompt_grad`."""
         if mode not in PEERS:
             raise ValueError(f"unknown mode {mode} (modes: {', '.join(PEERS)})")
         self.model, self.mode, self.rows, self.G, self.R = model, mode, rows, G, R
+        self.longstraw_options = longstraw_options or {}
 
     def __enter__(self) -> PeerRunner:
         model = self.model
@@ -138,7 +140,8 @@ class PeerRunner:
             trainer_cls = PrefixGrouperGRPOTrainer
         elif self.mode.startswith("longstraw"):
             torch._dynamo.reset()
-            trainer_cls, extra = LongStrawGRPOTrainer, {"longstraw_options": {"prompt_grad": self.mode.removeprefix("longstraw_")}}
+            options = {**self.longstraw_options, "prompt_grad": self.mode.removeprefix("longstraw_")}
+            trainer_cls, extra = LongStrawGRPOTrainer, {"longstraw_options": options}
         self.trainer = trainer_cls(model=model, reward_funcs=_no_reward, args=config, processing_class=_tokenizer(),
                                    train_dataset=Dataset.from_dict({"prompt": [""] * self.rows}), **extra)
         self.trainer.current_gradient_accumulation_steps = 1
