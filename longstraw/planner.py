@@ -50,9 +50,9 @@ from .state import boundaries_on_host
 
 log = logging.getLogger("longstraw.planner")
 
-Simulations = dict[tuple, dict[tuple[int, int], Peak]]
+Simulations = dict[tuple, dict[tuple[int, int, int], Peak]]
 """The activations simulated for one compiled graph's plans: per simulation
-key, per traced prompt and branch length (`MemoryModel.activations`)."""
+key, per traced prompt and branch length and the chunk run (`MemoryModel.activations`)."""
 
 DEFAULT_CHUNK = 8192
 """The chunk when nothing is planned (off CUDA without `memory_budget_gb`)."""
@@ -131,7 +131,7 @@ class MemoryModel:
         self.float_dtype = float_dtype(part)
         self.prompt_len = program.traced_prefix_len
         self.branch_len = part.end - self.prompt_len
-        # (mode, chunk, recompute, device, dtype, ranks, context) -> {(simulated P - 1, R): activations}
+        # (mode, recompute, device, dtype, ranks, context) -> {(simulated P - 1, R, chunk run): activations}
         self._activations: Simulations = {} if activations is None else activations
         # what a simulation depends on besides the key and the lengths, among one graph's plans
         self._context = (self.float_dtype, self.weights, self.grads)
@@ -165,24 +165,27 @@ class MemoryModel:
         One compiled graph's plans share their simulations (a training loop
         plans every new prompt and completion length): a simulation at a
         prompt and branches at least as long as these is reused, since it
-        holds at least as much (its chunks too: a prompt shorter than the
-        chunk runs as one chunk of its length). A candidate is simulated
-        again only for a prompt or branches longer than every simulated
-        one's. Over `ranks`, one rank's (`simulation.simulate_phases`),
+        holds at least as much, where it ran the chunk this request would
+        have run at its length (a prompt shorter than the chunk runs as one
+        chunk of its own length: every chunk asked for at least that long
+        shares the simulation). A candidate is simulated again only for a
+        prompt or branches longer than every simulated one's. Over `ranks`, one rank's (`simulation.simulate_phases`),
         less its share of the state."""
-        key = (mode, chunk, recompute, str(device), dtype, ranks, self._context)
+        key = (mode, recompute, str(device), dtype, ranks, self._context)
         simulated = self._activations.setdefault(key, {})
-        covering = [(p, r) for p, r in simulated if p >= self.prompt_len and r >= self.branch_len]
+        # (P - 1, R, the chunk run) of each simulation: a longer chunk runs the prompt as one chunk of its length
+        covering = [(p, r, run) for p, r, run in simulated
+                    if p >= self.prompt_len and r >= self.branch_len and run == min(chunk, max(p, 1))]
         if covering:
             return simulated[min(covering)]
-        run_chunk = min(chunk, max(self.prompt_len, 1))  # longer chunks run the traced prompt as one: the same step
+        run_chunk = min(chunk, max(self.prompt_len, 1))
         peak = self.simulated_peak(mode, run_chunk, recompute, device, dtype, ranks)
         scale = _scale(self.float_dtype, dtype)
         known = int((self.weights + self.grads) * scale)
         run = ChunkSchedule(self.prompt_len, run_chunk, ranks).sampled(self.program.runs_rounds)
         known += sum(self.state(self.prompt_len + 1, self.branch_len, mode, run_chunk, device, scale, len(run), ranks))
-        simulated[self.prompt_len, self.branch_len] = peak.less(known)
-        return simulated[self.prompt_len, self.branch_len]
+        simulated[self.prompt_len, self.branch_len, run_chunk] = peak.less(known)
+        return simulated[self.prompt_len, self.branch_len, run_chunk]
 
     def simulated_peak(self, mode: str, chunk: int, recompute: bool, device: torch.device,
                        dtype: torch.dtype | None, ranks: int = 1) -> Peak:
