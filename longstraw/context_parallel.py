@@ -34,16 +34,18 @@ import contextlib
 import dataclasses
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
-from longstraw.options import Options
 from longstraw.ranks import Ranks
 from longstraw.state import ChunkRound, PromptState, StepContext
+
+if TYPE_CHECKING:  # options import the passes, whose steps import this module
+    from longstraw.options import Options
 
 
 def sharded_attention(
