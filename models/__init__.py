@@ -30,6 +30,16 @@ BINDINGS = {
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "longstraw.models.qwen3_5",
     "transformers.models.qwen3_next.modeling_qwen3_next": "longstraw.models.qwen3_5",
     "transformers.integrations.moe": "longstraw.models.moe",
+    "transformers.models.lfm2.modeling_lfm2": "longstraw.models.lfm2",
+    "transformers.models.lfm2_moe.modeling_lfm2_moe": "longstraw.models.lfm2",
+    **{name: "longstraw.models.mamba2" for name in (
+        "transformers.models.mamba2.modeling_mamba2",
+        "transformers.models.nemotron_h.modeling_nemotron_h",
+        "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+        "transformers.models.falcon_h1.modeling_falcon_h1",
+        "transformers.models.bamba.modeling_bamba",
+        "transformers.models.zamba2.modeling_zamba2",
+    )},
     "transformers.utils.logging": "longstraw.models.hf_logging",
 }
 """HF modeling module -> the binding module that substitutes its functions in traces."""

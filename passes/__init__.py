@@ -17,10 +17,11 @@ from .gated_delta import GatedDeltaPass
 from .mla import LatentAttentionPass
 from .sliding_window import SlidingWindowAttentionPass
 from .sparse_index import SparseLatentAttentionPass
+from .ssd import SSDPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
     CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), SparseLatentAttentionPass(),
-    GatedDeltaPass(), CausalConvPass(),
+    GatedDeltaPass(), CausalConvPass(), SSDPass(),
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "SiteState",
     "SlidingWindowAttentionPass",
     "SparseLatentAttentionPass",
+    "SSDPass",
 ]

@@ -68,7 +68,7 @@ def check_family(name: str, mode: str, shape: tuple, deterministic: bool) -> Non
     backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     detached = functools.partial(family.detached or detached_at_attention, grpo_loss_f64)
     with family.bind(), deterministic_algorithms(deterministic):
-        assert_parity(grpo_loss_f64, backend, detached, model, *group, tol=TOL, what=f"{name} loss")
+        assert_parity(grpo_loss_f64, backend, detached, model, *group, tol=family.tol, what=f"{name} loss")
 
 
 def _cases(deterministic: bool) -> list:

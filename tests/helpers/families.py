@@ -39,6 +39,12 @@ _MLA = dict(
 )
 _DSA = dict(_MLA, q_lora_rank=12, index_head_dim=8, index_n_heads=8, index_topk=8, mlp_layer_types=["dense", "sparse"])
 
+MAMBA_TOL = 5e-5
+"""transformers runs Mamba-2's scan in float32 inside a float64 model
+(`hidden_states.float()`), chunked differently from LongStraw's, and
+`A_log`'s gradient sums a decay over every position: the two agree to
+1e-6..1.3e-5 there, where a missing gradient term is of order one."""
+
 # Messages of the refused families (regular expressions).
 _EAGER = r"explicit matmul and softmax \(HF's attn_implementation='eager'\)"
 EAGER_ATTENTION = _EAGER + r".*load the model with attn_implementation='sdpa'"
@@ -76,7 +82,7 @@ class Family:
     `(loss_fn, model, *group) -> (loss, grads)`; None: the eager loss with
     the prompt's keys and values constants (`reference.detached_at_attention`).
     `train`: build in train mode. `fix`: a refused family's advice as code,
-    None where its message says `NO_FIX`.
+    None where its message says `NO_FIX`. `tol`: the parity tolerance.
     """
 
     name: str
@@ -89,6 +95,7 @@ class Family:
     experts: str = "eager"  # HF's experts implementation for MoE layers (grouped_mm has no float64 kernel)
     train: bool = False
     fix: Fix | None = None
+    tol: float = 1e-6  # relative, loss and every gradient (HF's norms and RoPE round through float32)
 
     def build(self, seed: int = 0) -> torch.nn.Module:
         config = self.config()
@@ -106,6 +113,34 @@ def _qwen3_5_detached(loss_fn, model, prompt, responses, advantages, mask):
     from helpers.reference import hybrid_detached_reference
 
     return hybrid_detached_reference(model, prompt, responses, advantages, mask)
+
+
+def _mamba_detached(loss_fn, model, prompt, responses, advantages, mask):
+    """The detached contract through HF's cache for Mamba-2 models: the
+    prompt[:-1] cache under no_grad, then the branches on [prompt[-1],
+    responses[:, :-1]] with their positions given (Bamba's hybrid cache
+    reports the length of a Mamba layer, 0, so HF would number the branches
+    from 0), the cache under the name the model takes (`cache_params` for
+    Mamba-2 alone)."""
+    from helpers.losses import grpo_tail
+    from helpers.reference import branch_inputs, with_fresh_grads
+
+    G, P, R = responses.shape[0], prompt.shape[0], responses.shape[1]
+
+    def run():
+        with torch.no_grad():
+            out = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True)
+        if hasattr(out, "cache_params"):
+            cache = {"cache_params": out.cache_params, "cache_position": torch.arange(P - 1, P - 1 + R)}
+        else:
+            cache = {"past_key_values": out.past_key_values}
+        positions = torch.arange(P - 1, P - 1 + R)[None].expand(G, -1)
+        logits = model(input_ids=branch_inputs(prompt, responses), position_ids=positions, use_cache=True, **cache).logits
+        loss = grpo_tail(logits, responses, advantages, mask)
+        loss.backward()
+        return loss
+
+    return with_fresh_grads(model, run)
 
 
 def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
@@ -204,6 +239,34 @@ SUPPORTED = [
            experts="batched_mm", detached=_latent_detached,
            note="MLA with complex rotary embeddings (`view_as_complex`), MoE with a shared expert"),
     Family("ministral3", _hf(T.Ministral3Config), note="Llama 4's position-dependent attention scale (`floor`)"),
+    Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
+                         chunk_size=4), attn_implementation="eager", detached=_mamba_detached, tol=MAMBA_TOL,
+           note="No attention: the SSD scan and its convolution are the state (`longstraw.models.mamba2`)"),
+    Family("nemotron_h", _hf(T.NemotronHConfig, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
+                             ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=4,
+                             moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_mamba_kernels=False),
+           detached=_mamba_detached, tol=MAMBA_TOL, note="Mamba-2 + attention + MLP layers (Nemotron-H)"),
+    Family("granitemoehybrid", _hf(T.GraniteMoeHybridConfig, _NO_HEAD_DIM, layer_types=["mamba", "attention"],
+                                   num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16,
+                                   mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8, mamba_d_head=16,
+                                   mamba_chunk_size=4), experts="batched_mm", detached=_mamba_detached,
+           tol=MAMBA_TOL, note="Granite 4.0-H: Mamba-2 + attention + MoE with a shared expert"),
+    Family("falcon_h1", _hf(T.FalconH1Config, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+                            mamba_d_state=8, mamba_chunk_size=4), detached=_mamba_detached, tol=MAMBA_TOL,
+           note="Mamba-2 and attention side by side in every layer"),
+    Family("bamba", _hf(T.BambaConfig, _NO_HEAD_DIM, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                        mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4), detached=_mamba_detached,
+           tol=MAMBA_TOL, note="Mamba-2 + attention layers"),
+    Family("zamba2", _hf(T.Zamba2Config, {k: v for k, v in _NO_HEAD_DIM.items() if k != "num_key_value_heads"},
+                         layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_ngroups=1, n_mamba_heads=4,
+                         mamba_headdim=16, chunk_size=4, num_key_value_heads=4, attention_head_dim=16,
+                         use_mamba_kernels=False), detached=_mamba_detached, tol=MAMBA_TOL,
+           note="Mamba-2 layers and a shared attention block"),
+    Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]), detached=_mamba_detached,
+           note="Short convolution layers (`longstraw.models.lfm2`) + attention"),
+    Family("lfm2_moe", _hf(T.Lfm2MoeConfig, layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, num_dense_layers=1),
+           experts="batched_mm", detached=_mamba_detached, note="LFM2 with MoE layers"),
     Family("gpt_bigcode", _hf(T.GPTBigCodeConfig, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0,
                               attn_pdrop=0, bos_token_id=0, eos_token_id=0),
            note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "
@@ -251,12 +314,6 @@ REFUSED = [
                    r"axis\. " + re.escape(NO_FIX),
            note="Its own MoE routing repeats the tokens per expert, and its chunked attention layers have no pass: "
                 "no fix yet (its complex rotary embeddings have a rule)."),
-    Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
-                         chunk_size=4), refused=r"operator `conv1d` .* touches the sequence axis and has no dimension rule",
-           attn_implementation="eager",
-           note="No attention: a pure state-space model; no pass claims its convolution or its scan."),
-    Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]),
-           refused=r"operator `conv1d` .* has no dimension rule", note="Its short convolution has no pass yet."),
     Family("qwen3_moe (eager experts)", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, fix=_BATCHED_MM,
            note=_ISSUE_MOE),
     Family("mixtral (eager experts)", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
