@@ -145,7 +145,8 @@ class CarryPass(ArchitecturePass):
     index and dimension of the positions; `batch_dim` of the same argument
     holds the group's rows), and implement:
 
-    - `carry(node)`: the carried state's shape with batch 1, and its dtype;
+    - `carry(node)`: the carried state's shape with batch 1, and its dtype
+      (by default, for an operator that returns its final state, that state's);
     - `step_inputs(node)`: the operator's arguments the step passes on
       (tensors or None, in order) and its constant arguments (keywords);
     - `kernel(inputs, **constants)`: a `CarryKernel` for the step's actual
@@ -176,7 +177,12 @@ class CarryPass(ArchitecturePass):
         return [self.carry(node)]
 
     def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
-        raise NotImplementedError
+        """An operator that returns its final state (`returns_state`) carries
+        a state of that state's shape and dtype, with batch 1."""
+        if not self.returns_state:
+            raise NotImplementedError
+        state = node.meta["longstraw_value"][1]
+        return (1, *state.shape[1:]), state.dtype
 
     def step_inputs(self, node: fx.Node) -> tuple[Sequence[Any], dict[str, Any]]:
         raise NotImplementedError

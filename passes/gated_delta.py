@@ -110,10 +110,6 @@ class GatedDeltaPass(CarryPass):
         state = node.meta["longstraw_value"][1]
         return [dq[:2] + dv[2:], [dq[0]] + dims.fresh(state.shape[1:])]
 
-    def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
-        state = node.meta["longstraw_value"][1]
-        return (1, *state.shape[1:]), state.dtype
-
     def unsupported_reason(self, node: fx.Node) -> str | None:
         if arg(node, 5, "initial_state") is not None:
             return "a loss that passes its own initial recurrent state is not supported"

@@ -67,10 +67,6 @@ class SSDPass(CarryPass):
         state = node.meta["longstraw_value"][1]
         return [list(dx), [dx[0]] + dims.fresh(state.shape[1:])]
 
-    def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
-        state = node.meta["longstraw_value"][1]
-        return (1, *state.shape[1:]), state.dtype
-
     def unsupported_reason(self, node: fx.Node) -> str | None:
         if arg(node, 4, "initial_state") is not None:
             return "a loss that passes its own initial state to the scan is not supported"
