@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from longstraw.errors import InputError, LongStrawError
 from longstraw.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
-from longstraw.ranks import Ranks
+from longstraw.ranks import Ranks, raised_on_every_rank
 from longstraw.state import ChunkRound, PromptState, StepContext
 
 if TYPE_CHECKING:  # options import the passes, whose steps import this module
@@ -631,8 +631,7 @@ def raise_together(error: Exception | None, ranks: Ranks, device: torch.device) 
     error = ranks.object_from(error, source, device)
     if ranks.rank != source:
         error.add_note(f"longstraw: raised on rank {source} of the context-parallel group, and so on every rank")
-    error.longstraw_shared = True
-    raise error
+    raise raised_on_every_rank(error)
 
 
 @contextlib.contextmanager
@@ -776,16 +775,10 @@ def agree(
         else:
             what = f"the option `{named[where - 2][0]}` differs between rank 0 and rank {rank}"
             fix = "give every rank the same options (`memory_budget_gb` may differ: the smallest is planned for)"
-        raise _shared(InputError(
+        raise raised_on_every_rank(InputError(
             f"context parallelism: {what}: {fix} (each runs every step and keeps its share of the prompt state)"
         ))
     return rows[:, -1].tolist()
-
-
-def _shared(error: LongStrawError) -> LongStrawError:
-    """An error every rank raises at the same point (from the same gathered values): not a failure to post."""
-    error.longstraw_shared = True
-    return error
 
 
 def check_replicated(
@@ -809,7 +802,9 @@ def check_replicated(
     checked += [(_GENERATOR, _checksum(g, ordered=True)) for g in generators]
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     if len(set(agree(CALLING, fingerprint, options, float(len(checked)), group, device))) > 1:
-        raise _shared(InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss"))
+        raise raised_on_every_rank(
+            InputError("context parallelism: the ranks pass different numbers of inputs to the compiled loss")
+        )
     sums = torch.stack([c.to(device) for _, c in checked])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     Ranks(group).all_gather(gathered, sums)
@@ -820,7 +815,7 @@ def check_replicated(
             fix = ("every rank must call the compiled loss with the same inputs, weights and Python values" if what != _GENERATOR
                    else "the loss draws random numbers (dropout), and every rank must draw the same: seed the group's "
                    "ranks alike, e.g. `torch.manual_seed(seed + data_parallel_rank)`, and draw nothing on one rank alone")
-            raise _shared(InputError(
+            raise raised_on_every_rank(InputError(
                 f"context parallelism: {what} differs between rank {dist.get_rank(group)} and rank {rank} of the "
                 f"group: {fix} (each runs the whole step and keeps its share of the prompt state)"
             ))

@@ -169,8 +169,8 @@ class MemoryModel:
         have run at its length (a prompt shorter than the chunk runs as one
         chunk of its own length: every chunk asked for at least that long
         shares the simulation). A candidate is simulated again only for a
-        prompt or branches longer than every simulated one's. Over `ranks`, one rank's (`simulation.simulate_phases`),
-        less its share of the state."""
+        prompt or branches longer than every simulated one's. Over `ranks`,
+        one rank's (`simulation.simulate_phases`), less its share of the state."""
         key = (mode, recompute, str(device), dtype, ranks, self._context)
         simulated = self._activations.setdefault(key, {})
         # (P - 1, R, the chunk run) of each simulation: a longer chunk runs the prompt as one chunk of its length
@@ -231,8 +231,11 @@ class MemoryModel:
         a given `chunk` or `recompute` is kept. When nothing fits, the
         smallest predicted peak (and a warning: the step may run out of memory)."""
         prompt = max(P - 1, 1)
-        # the chunks asked for (a simulation is keyed on them: shorter prompts reuse it), one per chunk run
-        chunks = [chunk] if chunk is not None else list({min(c, prompt): c for c in reversed(CHUNK_CHOICES)}.values())[::-1]
+        if chunk is not None:
+            chunks = [chunk]
+        else:  # the largest chunk asked for of each chunk run: a prompt shorter than a chunk runs as one
+            runs = [min(c, prompt) for c in CHUNK_CHOICES]
+            chunks = [c for i, c in enumerate(CHUNK_CHOICES) if i == 0 or runs[i] < runs[i - 1]]
         candidates = []
         if recompute is not True:
             fast = min(FAST_CHUNK, prompt)  # a chunk of the whole prompt is as fast as it gets

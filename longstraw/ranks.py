@@ -117,8 +117,7 @@ class Ranks:
             error.add_note(f"longstraw: raised on rank {source} of the context-parallel group inside its step, and "
                            f"so on rank {self.rank}; the group's collectives are out of step now: make a new process "
                            "group before calling the loss again")
-        error.longstraw_shared = True
-        raise error
+        raise raised_on_every_rank(error)
 
     def object_from(self, obj: Any, src: int, device: torch.device) -> Any:
         """Rank `src`'s `obj` (picklable), on every rank."""
@@ -127,11 +126,17 @@ class Ranks:
         return sent[0]
 
 
+def raised_on_every_rank(error: BaseException) -> BaseException:
+    """Mark `error` as one every rank raises at the same point (a check they
+    agreed on, another rank's posted error): not a failure to post."""
+    error.longstraw_shared = True
+    return error
+
+
 @contextlib.contextmanager
 def posting_failures(ranks: Ranks | None) -> Iterator[None]:
     """Post an error raised inside this block to the other ranks, unless
-    every rank raises it anyway (`longstraw_shared`: a check they agreed
-    on, or another rank's posted error)."""
+    every rank raises it anyway (`raised_on_every_rank`)."""
     try:
         yield
     except Exception as error:

@@ -432,8 +432,9 @@ class GroupRunner:
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
                 replayed, last = stage is self.stages[-1], i == len(groups) - 1
-                if replayed and not last and backward and kept + state.device_bytes() <= self.state_room:
-                    kept += state.device_bytes()
+                held = state.device_bytes() if replayed and not last and backward else None
+                if held is not None and kept + held <= self.state_room:
+                    kept += held
                 elif not (replayed and last):
                     state.release()
                     state = None
@@ -558,9 +559,8 @@ class GroupRunner:
     def backward(
         self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
-        if self.ranks is None:
-            return self._backward(call, inputs, grad_outputs)
-        self.ranks.raise_posted()
+        if self.ranks is not None:
+            self.ranks.raise_posted()
         with posting_failures(self.ranks):
             return self._backward(call, inputs, grad_outputs)
 

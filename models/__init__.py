@@ -24,6 +24,9 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Callable
+
+import torch
 
 BINDINGS = {
     "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
@@ -53,6 +56,20 @@ def install_trace_bindings() -> None:
             _substitute(sys.modules[name])
     if not any(isinstance(finder, _BindingFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _BindingFinder())
+
+
+_SUBSTITUTED: set[tuple[str, str]] = set()
+
+
+def substitute_functions(module: types.ModuleType, drop_ins: dict[str, Callable]) -> None:
+    """Have Dynamo trace each drop-in in place of `module`'s function of
+    that name, where the module has one (once per process; eager calls are
+    untouched)."""
+    for attr, drop_in in drop_ins.items():
+        if (module.__name__, attr) in _SUBSTITUTED or not hasattr(module, attr):
+            continue
+        torch.compiler.substitute_in_graph(getattr(module, attr), skip_signature_check=True)(drop_in)
+        _SUBSTITUTED.add((module.__name__, attr))
 
 
 def _substitute(module: types.ModuleType) -> None:

@@ -14,16 +14,9 @@ from __future__ import annotations
 
 import types
 
-import torch
-
+from . import substitute_functions
 from .qwen3_5 import causal_conv1d_fn
-
-_SUBSTITUTED: set[str] = set()
-
 
 def substitute_in_traces(module: types.ModuleType) -> None:
     """Make Dynamo trace the drop-in wherever `module`'s convolution layer calls `causal_conv1d_fn`."""
-    if module.__name__ in _SUBSTITUTED:
-        return
-    torch.compiler.substitute_in_graph(module.causal_conv1d_fn, skip_signature_check=True)(causal_conv1d_fn)
-    _SUBSTITUTED.add(module.__name__)
+    substitute_functions(module, {"causal_conv1d_fn": causal_conv1d_fn})

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from longstraw.passes.ssd import ssd_scan
 
+from . import substitute_functions
 from .qwen3_5 import causal_conv1d_fn
 
 def mamba2_chunk_scan(
@@ -48,15 +49,6 @@ def mamba2_chunk_scan(
     return (y, final_state) if return_final_states else y
 
 
-_BINDINGS = {"causal_conv1d_fn": causal_conv1d_fn, "mamba2_chunk_scan": mamba2_chunk_scan}
-_SUBSTITUTED: set[tuple[str, str]] = set()
-
-
 def substitute_in_traces(module: types.ModuleType) -> None:
-    """Make Dynamo trace the drop-ins wherever `module`'s mixer calls its
-    functions (once per process; eager calls are untouched)."""
-    for attr, drop_in in _BINDINGS.items():
-        if (module.__name__, attr) in _SUBSTITUTED or not hasattr(module, attr):
-            continue
-        torch.compiler.substitute_in_graph(getattr(module, attr), skip_signature_check=True)(drop_in)
-        _SUBSTITUTED.add((module.__name__, attr))
+    """Make Dynamo trace the drop-ins wherever `module`'s mixer calls its functions."""
+    substitute_functions(module, {"causal_conv1d_fn": causal_conv1d_fn, "mamba2_chunk_scan": mamba2_chunk_scan})

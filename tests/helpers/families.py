@@ -109,38 +109,10 @@ def _hf(config_cls: type, base: dict = COMMON, **overrides) -> Callable[[], tran
     return lambda: config_cls(**{**base, **overrides})
 
 
-def _qwen3_5_detached(loss_fn, model, prompt, responses, advantages, mask):
+def _hybrid_detached(loss_fn, model, prompt, responses, advantages, mask):
     from helpers.reference import hybrid_detached_reference
 
     return hybrid_detached_reference(model, prompt, responses, advantages, mask)
-
-
-def _mamba_detached(loss_fn, model, prompt, responses, advantages, mask):
-    """The detached contract through HF's cache for Mamba-2 models: the
-    prompt[:-1] cache under no_grad, then the branches on [prompt[-1],
-    responses[:, :-1]] with their positions given (Bamba's hybrid cache
-    reports the length of a Mamba layer, 0, so HF would number the branches
-    from 0), the cache under the name the model takes (`cache_params` for
-    Mamba-2 alone)."""
-    from helpers.losses import grpo_tail
-    from helpers.reference import branch_inputs, with_fresh_grads
-
-    G, P, R = responses.shape[0], prompt.shape[0], responses.shape[1]
-
-    def run():
-        with torch.no_grad():
-            out = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True)
-        if hasattr(out, "cache_params"):
-            cache = {"cache_params": out.cache_params, "cache_position": torch.arange(P - 1, P - 1 + R)}
-        else:
-            cache = {"past_key_values": out.past_key_values}
-        positions = torch.arange(P - 1, P - 1 + R)[None].expand(G, -1)
-        logits = model(input_ids=branch_inputs(prompt, responses), position_ids=positions, use_cache=True, **cache).logits
-        loss = grpo_tail(logits, responses, advantages, mask)
-        loss.backward()
-        return loss
-
-    return with_fresh_grads(model, run)
 
 
 def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
@@ -191,7 +163,7 @@ SUPPORTED = [
                        bos_token_id=0, eos_token_id=0), note="Conv1D (`addmm` over `[B*T, C]`)"),
     Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2), detached=_latent_detached,
            note="MLA, dense layers; state: the normed KV latent and the rope key (absorbed attention, `tests/test_mla.py`)"),
-    Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_qwen3_5_detached,
+    Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_hybrid_detached,
            note="Gated DeltaNet + gated attention; compiles as is, no binding step"),
     Family("starcoder2", _hf(T.Starcoder2Config)),
     Family("granite", _hf(T.GraniteConfig)),
@@ -222,13 +194,13 @@ SUPPORTED = [
     Family("qwen3_next", _hf(T.Qwen3NextConfig, **_MOE, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=8, linear_value_head_dim=8,
                              layer_types=["linear_attention", "full_attention"]),
-           experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
+           experts="batched_mm", bind=qwen3_5.bound, detached=_hybrid_detached,
            note="Gated DeltaNet + gated attention + MoE; its linear attention binds as Qwen3.5's (`longstraw.models.qwen3_5`)"),
     Family("qwen3_5_moe", _hf(T.Qwen3_5MoeTextConfig, **_MOE, shared_expert_intermediate_size=16,
                               partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
                               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                               layer_types=["linear_attention", "full_attention"]),
-           experts="batched_mm", bind=qwen3_5.bound, detached=_qwen3_5_detached,
+           experts="batched_mm", bind=qwen3_5.bound, detached=_hybrid_detached,
            note="Qwen3.5 / 3.6 MoE: Gated DeltaNet + gated attention + MoE with a shared expert; binds as Qwen3.5"),
     Family("glm_moe_dsa", _hf(T.GlmMoeDsaConfig, _DSA), experts="batched_mm", detached=_latent_detached,
            note="GLM-5: MLA + DSA indexer (top-k of 8 positions) + MoE; state: latent, rope key, index key "
@@ -240,33 +212,33 @@ SUPPORTED = [
            note="MLA with complex rotary embeddings (`view_as_complex`), MoE with a shared expert"),
     Family("ministral3", _hf(T.Ministral3Config), note="Llama 4's position-dependent attention scale (`floor`)"),
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
-                         chunk_size=4), attn_implementation="eager", detached=_mamba_detached, tol=MAMBA_TOL,
+                         chunk_size=4), attn_implementation="eager", detached=_hybrid_detached, tol=MAMBA_TOL,
            note="No attention: the SSD scan and its convolution are the state (`longstraw.models.mamba2`)"),
     Family("nemotron_h", _hf(T.NemotronHConfig, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
                              ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=4,
                              moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_mamba_kernels=False),
-           detached=_mamba_detached, tol=MAMBA_TOL, note="Mamba-2 + attention + MLP layers (Nemotron-H)"),
+           detached=_hybrid_detached, tol=MAMBA_TOL, note="Mamba-2 + attention + MLP layers (Nemotron-H)"),
     Family("granitemoehybrid", _hf(T.GraniteMoeHybridConfig, _NO_HEAD_DIM, layer_types=["mamba", "attention"],
                                    num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16,
                                    mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8, mamba_d_head=16,
-                                   mamba_chunk_size=4), experts="batched_mm", detached=_mamba_detached,
+                                   mamba_chunk_size=4), experts="batched_mm", detached=_hybrid_detached,
            tol=MAMBA_TOL, note="Granite 4.0-H: Mamba-2 + attention + MoE with a shared expert"),
     Family("falcon_h1", _hf(T.FalconH1Config, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
-                            mamba_d_state=8, mamba_chunk_size=4), detached=_mamba_detached, tol=MAMBA_TOL,
+                            mamba_d_state=8, mamba_chunk_size=4), detached=_hybrid_detached, tol=MAMBA_TOL,
            note="Mamba-2 and attention side by side in every layer"),
     Family("bamba", _hf(T.BambaConfig, _NO_HEAD_DIM, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
-                        mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4), detached=_mamba_detached,
+                        mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4), detached=_hybrid_detached,
            tol=MAMBA_TOL, note="Mamba-2 + attention layers"),
     Family("zamba2", _hf(T.Zamba2Config, {k: v for k, v in _NO_HEAD_DIM.items() if k != "num_key_value_heads"},
                          layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_ngroups=1, n_mamba_heads=4,
                          mamba_headdim=16, chunk_size=4, num_key_value_heads=4, attention_head_dim=16,
-                         use_mamba_kernels=False), detached=_mamba_detached, tol=MAMBA_TOL,
+                         use_mamba_kernels=False), detached=_hybrid_detached, tol=MAMBA_TOL,
            note="Mamba-2 layers and a shared attention block"),
-    Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]), detached=_mamba_detached,
+    Family("lfm2", _hf(T.Lfm2Config, layer_types=["conv", "full_attention"]), detached=_hybrid_detached,
            note="Short convolution layers (`longstraw.models.lfm2`) + attention"),
     Family("lfm2_moe", _hf(T.Lfm2MoeConfig, layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=16, num_dense_layers=1),
-           experts="batched_mm", detached=_mamba_detached, note="LFM2 with MoE layers"),
+           experts="batched_mm", detached=_hybrid_detached, note="LFM2 with MoE layers"),
     Family("gpt_bigcode", _hf(T.GPTBigCodeConfig, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0,
                               attn_pdrop=0, bos_token_id=0, eos_token_id=0),
            note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "

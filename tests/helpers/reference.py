@@ -140,15 +140,24 @@ def detached_at_attention(loss_fn, model, prompt, responses, advantages, mask):
 def hybrid_detached_reference(model, prompt, responses, advantages, mask):
     """The detached contract with HF's hybrid cache, which cannot be repeated
     along the batch: the prompt[:-1] cache is built for all G rows under
-    no_grad, then the branches run on [prompt[-1], responses[:, :-1]]."""
-    G = responses.shape[0]
+    no_grad, then the branches run on [prompt[-1], responses[:, :-1]], their
+    positions given (Bamba's hybrid cache reports the length of a Mamba
+    layer, 0, so HF would number them from 0), the cache under the name the
+    model takes (`cache_params` for Mamba-2 alone)."""
+    G, P, R = responses.shape[0], prompt.shape[0], responses.shape[1]
+    positions = torch.arange(P - 1, P - 1 + R)
 
     def run():
-        cache = None
-        if prompt.shape[0] > 1:
+        cache = {}
+        if P > 1:
             with torch.no_grad():
-                cache = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True).past_key_values
-        logits = model(input_ids=branch_inputs(prompt, responses), past_key_values=cache, use_cache=cache is not None).logits
+                out = model(input_ids=prompt[None, :-1].expand(G, -1), use_cache=True)
+            if hasattr(out, "cache_params"):
+                cache = {"cache_params": out.cache_params, "cache_position": positions, "use_cache": True}
+            else:
+                cache = {"past_key_values": out.past_key_values, "use_cache": True}
+        logits = model(input_ids=branch_inputs(prompt, responses), position_ids=positions[None].expand(G, -1),
+                       **cache).logits
         loss = grpo_tail(logits, responses, advantages, mask)
         loss.backward()
         return loss
