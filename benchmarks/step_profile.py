@@ -1,0 +1,177 @@
+"""Where one warm GRPO step's time goes, per mode: device busy time against
+wall time, LongStraw's phases, the heaviest operators, and the host's
+Python profile of LongStraw's step.
+
+Same micro-batch and modes as peers_bench (TRL's `compute_loss`, 2 prompts
+x G completions, R = 1024). Per model and P and mode: the first call
+(LongStraw plans and compiles there), the median of three warm steps, then
+one warm step under `torch.profiler` (sum of kernel time: when it is far
+under the wall time, the step waits on the host) and, for LongStraw, one
+under `phase_seconds` (device-synchronised per runtime phase) and one under
+cProfile.
+
+    python benchmarks/step_profile.py --model dense,hybrid --P 16384 --out-dir $OUT --name step_profile_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from grpo.measure import Clock, is_oom, phase_seconds, release, sync
+from grpo.models import build_model
+from grpo.results import provenance
+from peers.batch import trl_micro_batch
+from peers.modes import PEERS, PeerRunner
+
+
+def timed(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
+    sync()
+    start = time.perf_counter()
+    runner.step(batch)
+    sync()
+    return time.perf_counter() - start
+
+
+def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> tuple[dict, str]:
+    """Kernel time, launches and the heaviest operators of one step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        runner.step(batch)
+        sync()
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6
+    averages = prof.key_averages()
+    text = averages.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=top)
+    by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=top)
+    return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels)}, text + "\n" + by_cpu
+
+
+def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> str:
+    profiler = cProfile.Profile()
+    sync()
+    profiler.enable()
+    runner.step(batch)
+    sync()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def plan_of(runner: PeerRunner) -> dict:
+    backend = getattr(runner.trainer, "longstraw_backend", None)
+    if backend is None or not backend.plans:
+        return {}
+    plan = list(backend.plans)[-1]
+    options = plan.options
+    return {"prefix_chunk_size": options.prefix_chunk_size, "recompute_layers": options.recompute_layers,
+            "keep_group_states": options.keep_group_states,
+            "plan_s": None if plan.seconds is None else plan.seconds.total}
+
+
+def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -> dict:
+    rows = args.prompts * args.G
+    batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device)
+    out: dict = {"model": kind, "mode": mode, "P": P}
+    try:
+        with PeerRunner(model, mode, rows, args.G, args.R) as runner:
+            out["first_s"] = timed(runner, batch)
+            release(model)
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+            out["warm_s"] = statistics.median(timed(runner, batch) for _ in range(3))
+            out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+            release(model)
+            summary, text = device_profile(runner, batch, args.top)
+            out.update(summary)
+            report.append(f"===== {kind} {mode} P={P}: operators (by device time, then host time)\n{text}")
+            release(model)
+            if mode.startswith("longstraw"):
+                out["plan"] = plan_of(runner)
+                with phase_seconds() as phases:
+                    runner.step(batch)
+                out["phases_s"] = phases
+                release(model)
+                report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
+                release(model)
+            out["ok"] = True
+    except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
+        out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
+    finally:
+        release(model)
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| model | mode | P | first s | warm s | kernel s | launches | peak GB | phases s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in runs:
+        if not r.get("ok"):
+            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | |")
+            continue
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
+        lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r['first_s']:.2f} | {r['warm_s']:.3f} | "
+                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r['peak_gb']:.1f} | {phases} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="dense", help="comma-separated: dense, hybrid")
+    parser.add_argument("--modes", default=",".join(PEERS))
+    parser.add_argument("--P", default="16384", help="comma-separated longest prompts")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--R", type=int, default=1024)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--budget-s", type=float, default=300)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--name", default="step_profile")
+    args = parser.parse_args()
+    clock = Clock(args.budget_s)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
+            *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
+    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "dtype": str(dtype),
+              **provenance("python " + " ".join(argv)), "runs": []}
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, args.name)
+    report: list[str] = []
+    for kind in args.model.split(","):
+        model = build_model(kind, args.tiny, dtype, device)
+        model.config.use_cache = False
+        for P in (int(p) for p in args.P.split(",")):
+            for mode in args.modes.split(","):
+                if clock.left() < 20:
+                    result["runs"].append({"model": kind, "mode": mode, "P": P, "ok": False, "error": "time budget"})
+                    continue
+                run = profile_mode(model, kind, mode, P, args, report)
+                result["runs"].append(run)
+                print(table([run]).splitlines()[-1], flush=True)
+                with open(stem + ".json", "w") as f:
+                    json.dump(result, f, indent=2)
+        del model
+        release()
+    with open(stem + ".txt", "w") as f:
+        f.write("\n\n".join(report))
+    print(table(result["runs"]))
+
+
+if __name__ == "__main__":
+    main()
