@@ -59,6 +59,7 @@ class MaskBlock:
 
     def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...]) -> None:
         self.tiles, self.offset, self.length, self.vectors = tiles, offset, length, vectors
+        self._interval: tuple[tuple[int, int] | None] | None = None  # key_interval's answer, once asked
 
     def columns(self, start: int, count: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The block's `[..., n, count]` tile of columns `[start, start+count)`
@@ -91,6 +92,19 @@ class MaskBlock:
             return None
         return keys[0]
 
+    def padding_end(self) -> int | None:
+        """`a` when the left padding ends inside the block's rows: the key
+        mask off before `a` and on from there to the block's end, with
+        `o < a <= o+n`, the positions-only part causal. Then the rows before
+        `a` see no key (their output is zero, as SDPA's) and the rest are
+        causal attention over the keys `[a, o+n)`, which a fused causal
+        kernel computes. None otherwise."""
+        keys = self.key_interval()
+        end = self.offset + self.length
+        if keys is None or not self.offset < keys[0] <= end or keys[1] != end:
+            return None
+        return keys[0]
+
     def key_span(self) -> tuple[int, int] | None:
         """`(a, b)` when the key mask is on exactly over `[a, b)` with
         `a <= o < b < o+n` (left padding before the block's rows, right
@@ -110,7 +124,14 @@ class MaskBlock:
         query before `a` sees nothing, one at or after `b` sees all of
         them). `first_key` and `key_span` are its cases the one-process
         steps run with fused kernels; context parallelism runs all of it.
-        None without a key mask, or for another pattern."""
+        None without a key mask, or for another pattern. Asked once per
+        block: every attention layer of a step reads the same block, and
+        each answer costs device syncs."""
+        if self._interval is None:
+            self._interval = (self._key_interval(),)
+        return self._interval[0]
+
+    def _key_interval(self) -> tuple[int, int] | None:
         keys = self._keys()
         if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
             return None

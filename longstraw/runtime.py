@@ -675,7 +675,7 @@ class GroupRunner:
                      else [state.round_seed(slot, round_) for slot in slots])
             self._accumulate(leaves, outs, seeds)
         if state.attention_outputs is not None:
-            state.attention_outputs.drop(offset)
+            state.attention_outputs.drop(offset, length)
 
     @contextlib.contextmanager
     def _replaying(self, call: GroupCall, key: tuple[str, int], where: str) -> Iterator[None]:
@@ -818,15 +818,23 @@ def _check_is_padding(keys: torch.Tensor, prefix_len: int, name: str) -> None:
 
 def _rows_by_prompt(values: Sequence[tuple[torch.Tensor, int, int]], length: int) -> list[tuple[int, ...]]:
     """Rows equal in every (value, batch dim, token dim) over the first
-    `length` positions, as classes in order of their first row."""
-    labels = []
+    `length` positions, as classes in order of their first row: each class
+    is the rows equal to its first, one comparison (and one sync) per class.
+    (`torch.unique(dim=0)` sorts the rows: 90 ms at 16 rows of 16K positions
+    on an H200.)"""
+    flat = []
     for value, batch_dim, token_dim in values:
         prompt = value.narrow(token_dim, 0, length).movedim(batch_dim, 0)
-        labels.append(torch.unique(prompt.reshape(prompt.shape[0], -1), dim=0, return_inverse=True)[1].tolist())
-    classes: dict[tuple[int, ...], list[int]] = {}
-    for row, key in enumerate(zip(*labels)):
-        classes.setdefault(key, []).append(row)
-    return [tuple(rows) for rows in classes.values()]
+        flat.append(prompt.reshape(prompt.shape[0], -1))
+    left, classes = list(range(flat[0].shape[0])), []
+    while left:
+        first = left[0]
+        same = torch.stack([(rows == rows[first]).all(-1) for rows in flat]).all(0)  # [rows]
+        members = same.nonzero().flatten().tolist()
+        classes.append(tuple(members))
+        taken = set(members)
+        left = [row for row in left if row not in taken]
+    return classes
 
 
 def _shared_prefix(value: torch.Tensor, batch_dim: int | None, token_dim: int) -> int:

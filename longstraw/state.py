@@ -294,14 +294,20 @@ class HostAttentionOutputs:
         self._start(offset)
         return arrival.wait()
 
-    def drop(self, offset: int) -> None:
-        """Forget a chunk's entries once the reverse pass is done with it."""
+    def drop(self, offset: int, length: int) -> None:
+        """Forget the entries of the chunk `[offset, offset+length)` once the
+        reverse pass is done with it (a chunk that ends the left padding keys
+        its entries by the first real position, `_attention_after_padding`)."""
         self.learned = self.learned or bool(self.order)
-        for key in [k for k in self.arriving if k[1] == offset]:
+
+        def ours(key: tuple[int, int]) -> bool:
+            return offset <= key[1] < offset + length
+
+        for key in [k for k in self.arriving if ours(k)]:
             self.arriving.pop(key).wait()  # never read: its memory is reused only after the copy into it
-        for key in [k for k in self.entries if k[1] == offset]:
+        for key in [k for k in self.entries if ours(k)]:
             del self.entries[key]
-        self.elsewhere = {k for k in self.elsewhere if k[1] != offset}
+        self.elsewhere = {k for k in self.elsewhere if not ours(k)}
 
     def close(self) -> None:
         self.entries, self.arriving, self.elsewhere = {}, {}, set()

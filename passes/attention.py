@@ -219,6 +219,8 @@ def attention_step(
         return sharded_causal_attention(ctx, q, k, v, SlotKeys(k_slot, v_slot), scale, *keys)
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
+    elif mask is not None and (left := mask.padding_end()) is not None:
+        return _attention_after_padding(ctx, q, k, v, k_slot, v_slot, scale, left)
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
         return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span)
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
@@ -249,6 +251,27 @@ def _attention_over_span(
     padded = q.narrow(-2, real, q.shape[-2] - real)
     tail = _AttentionOverSpan.apply(real_rows, padded, own_k, own_v, k_slot, v_slot, scale, first)
     return torch.cat([head, tail], dim=-2)
+
+
+def _attention_after_padding(
+    ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slot: int, v_slot: int,
+    scale: float | None, first: int,
+) -> torch.Tensor:
+    """A step whose rows hold the end of the left padding (`MaskBlock.padding_end`),
+    with fused kernels instead of the mask: the padding rows before `first`
+    see no key, so their output is zero (SDPA's for a row with every key
+    masked) and nothing flows back to them; the rows from `first` on are
+    causal over the keys `[first, o+n)`, a step of their own. The padding
+    positions' keys are seen by no query: no gradient."""
+    pad = first - ctx.offset
+    zeros = q.new_zeros(*q.shape[:-2], pad, v.shape[-1])
+    if pad == q.shape[-2]:
+        return zeros
+    real = q.shape[-2] - pad
+    real_rows = dataclasses.replace(ctx, offset=first, length=real)
+    out = _AttentionOverState.apply(real_rows, q.narrow(-2, pad, real), k.narrow(-2, pad, real),
+                                    v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first)
+    return torch.cat([zeros, out], dim=-2)
 
 
 class _AttentionOverSpan(torch.autograd.Function):

@@ -351,24 +351,39 @@ def test_a_padded_block_is_never_remembered_as_causal():
     assert tiles(4, 5, off_later).is_causal()
 
 
-def test_left_padding_runs_causal_over_the_keys_after_it(monkeypatch):
-    """A block whose queries all follow the left padding, with every later
-    key on, is causal attention over the keys from the padding's end: the
-    fused kernels' case. Prompt chunks after the padding and the full-length
-    branches take it; the others read the mask."""
-    found = []
-    first_key = masks.MaskBlock.first_key
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=SLOW)])
+def test_left_padding_runs_causal_over_the_keys_after_it(monkeypatch, mode):
+    """Left padding never costs the explicit mask: a block whose queries all
+    follow it is causal attention over the keys from its end (prompt chunks
+    after the padding, full-length branches); the chunk that ends it runs
+    its padding rows as zeros and the rest causal over the keys from its
+    end; a chunk of padding only is zeros. So on a GPU every prompt chunk
+    runs the fused kernels. Gradients are eager's, with NaN-filled memory."""
+    found, ends, kernels = [], [], []
+    first_key, padding_end, kernel_for = masks.MaskBlock.first_key, masks.MaskBlock.padding_end, attention.kernel_for
 
     def recording(block: masks.MaskBlock) -> int | None:
         found.append((block.offset, first_key(block)))
         return found[-1][1]
 
+    def recording_end(block: masks.MaskBlock) -> int | None:
+        ends.append((block.offset, padding_end(block)))
+        return ends[-1][1]
+
+    def recording_kernel(q, mask):
+        kernels.append(mask is None)
+        return kernel_for(q, mask)
+
     monkeypatch.setattr(masks.MaskBlock, "first_key", recording)
-    check_padding_parity("qwen3", "exact", padded_group(2, 41, 5, 13, [5, 3]), 8)
+    monkeypatch.setattr(masks.MaskBlock, "padding_end", recording_end)
+    monkeypatch.setattr(attention, "kernel_for", recording_kernel)
+    check_padding_parity("qwen3", mode, padded_group(2, 41, 5, 13, [5, 3]), 8)
     assert {f for _, f in found} == {None, 13}
     # the prompt chunks after the padding
     assert all(first == 13 for offset, first in found if 16 <= offset < 40)
-    assert all(first is None for offset, first in found if offset < 13)
+    # [0, 8) is padding only, [8, 16) ends it at 13
+    assert {(offset, end) for offset, end in ends if offset < 13} == {(0, 8), (8, 13)}
+    assert kernels and all(kernels)
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
