@@ -79,17 +79,19 @@ def plan_of(runner: PeerRunner) -> dict:
         return {}
     plan = list(backend.plans)[-1]
     options = plan.options
+    runner = plan.runner
     return {"prefix_chunk_size": options.prefix_chunk_size, "recompute_layers": options.recompute_layers,
-            "keep_group_states": options.keep_group_states,
+            "keeps_graphs": runner.keeps_graphs, "graph_room_gb": runner.graph_room / 1e9,
+            "graph_chunk_gb": runner.graph_chunk_bytes / 1e9, "state_room_gb": runner.state_room / 1e9,
             "plan_s": None if plan.seconds is None else plan.seconds.total}
 
 
 def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -> dict:
     rows = args.prompts * args.G
     batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device)
-    out: dict = {"model": kind, "mode": mode, "P": P}
+    out: dict = {"model": kind, "mode": mode, "P": P, "options": args.options}
     try:
-        with PeerRunner(model, mode, rows, args.G, args.R) as runner:
+        with PeerRunner(model, mode, rows, args.G, args.R, args.options) as runner:
             out["first_s"] = timed(runner, batch)
             release(model)
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--G", type=int, default=8)
     parser.add_argument("--R", type=int, default=1024)
+    parser.add_argument("--options", type=json.loads, default={}, help="LongStraw options (JSON) besides prompt_grad")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")

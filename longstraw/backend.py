@@ -335,8 +335,9 @@ class CompiledGroupLoss:
             params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
             program = compile_program(with_state(classify(gm, params, self.backend.passes)), self.options.head_chunk_size)
             analysed = time.perf_counter()
-            options, state_room = _sized(program, self.options, args, self.activations)
-            runner = GroupRunner(program, options, state_room=state_room)
+            options, room = _sized(program, self.options, args, self.activations)
+            runner = GroupRunner(program, options, state_room=room.states, graph_room=room.graphs,
+                                 graph_chunk_bytes=room.graph_chunk)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             seconds = PlanSeconds(specialized - start, analysed - specialized, time.perf_counter() - analysed)
             plan = GroupPlan(program, runner, options, seconds)
@@ -361,19 +362,33 @@ class CompiledGroupLoss:
         return guards, plan
 
 
-def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, int]:
+@dataclasses.dataclass(frozen=True)
+class KeptRoom:
+    """What the runner may keep for the backward beside the planned peak
+    (`GroupRunner`): bytes of earlier groups' prompt states
+    (`keep_group_states`), bytes of prompt captures' autograd graphs
+    (`keep_prompt_graph`) and the bytes one chunk's graph is counted at."""
+
+    states: int = 0
+    graphs: int = 0
+    graph_chunk: int = 0
+
+
+def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, KeptRoom]:
     """The options with `prefix_chunk_size` and `recompute_layers` decided:
     the user's where given, else the planner's choice (`longstraw.planner`)
     for `memory_budget_gb`, or on CUDA for the device's free memory, else
-    8192 without recomputation; and the bytes of earlier groups' prompt
-    states the runner may keep for the backward (`keep_group_states`: the
-    budget's room beside the planned peak). `activations` caches the
-    planner's simulations. Under context parallelism every rank plans for
-    the smallest budget of the group (`agree`): ranks that chose other
-    chunk sizes would run other collectives."""
+    8192 without recomputation; and what the runner may keep for the
+    backward (`KeptRoom`: where `keep_group_states` or `keep_prompt_graph`
+    is None, the budget's room beside the planned peak, a chunk's graph
+    counted at the planned activations, an upper bound of what one reverse
+    chunk holds). `activations` caches the planner's simulations. Under
+    context parallelism every rank plans for the smallest budget of the
+    group (`agree`): ranks that chose other chunk sizes would run other
+    collectives."""
     group = opts.context_parallel
     planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
-    room = _KEEP_EVERY_STATE if opts.keep_group_states else 0
+    room = KeptRoom(_KEEP_EVERY_STATE if opts.keep_group_states else 0, _KEEP_EVERY_STATE if opts.keep_prompt_graph else 0)
     if not planned and group is None:
         return opts, room
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -406,16 +421,18 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
         chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute,
                               ranks=context_ranks(opts))
         chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
-        if opts.keep_group_states is None and group is None:
-            room = max(budget - others - chosen.peak, 0)
+        spare = max(budget - others - chosen.peak, 0)
+        if group is None:
+            room = KeptRoom(spare if opts.keep_group_states is None else room.states,
+                            spare if opts.keep_prompt_graph is None else room.graphs, chosen.activations)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
-                 "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states",
-                 budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, room / 1e9)
+                 "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
+                 "prompt graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)
     return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute), room
 
 
 _KEEP_EVERY_STATE = 1 << 62
-"""`keep_group_states=True`: room for any number of states."""
+"""`keep_group_states=True` or `keep_prompt_graph=True`: room for any number of states or graphs."""
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

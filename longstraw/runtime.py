@@ -43,7 +43,7 @@ from .recompute import LayerwiseStep
 from .stages import Stage
 from .program import StepProgram
 from .schedule import Chunk, ChunkSchedule
-from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, has_values
+from .state import ChunkRound, HostAttentionOutputs, PromptState, SlotKind, StepContext, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -118,6 +118,17 @@ class GroupCall:
     state: PromptState | None
     rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
     handed: dict[int, dict[Any, torch.Tensor]]  # per row: what a frozen stage handed the replayed one
+    graph: list[KeptChunk] | None = None  # the capture's autograd graph, chunk by chunk (`keep_prompt_graph`)
+
+
+@dataclasses.dataclass
+class KeptChunk:
+    """A prompt chunk captured under autograd: its outputs (what it wrote to
+    the state) still hold their graph, for the backward to differentiate."""
+
+    offset: int
+    length: int
+    outputs: Sequence[torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -129,6 +140,7 @@ class CallState:
     end: int
     device: torch.device  # the outer values': where the states are captured
     real: bool  # the outer values have values (not a shape-only run)
+    leaves: dict[int, torch.Tensor] | None = None  # inputs' aliases the kept prompt graphs lead to, by position
 
 
 class GroupRunner:
@@ -139,11 +151,14 @@ class GroupRunner:
     `SimulatedRanks`); `sampled`: run only the chunks whose memory can
     differ (`ChunkSchedule.sampled`), for the simulation; `state_room`: the
     bytes of earlier groups' prompt states the forward may keep for the
-    backward, which then does not capture them again (`keep_group_states`)."""
+    backward, which then does not capture them again (`keep_group_states`);
+    `graph_room`: the bytes of the prompt captures' autograd graphs it may
+    keep for the backward (`keep_prompt_graph`), `graph_chunk_bytes` those
+    of one chunk's (kept states and graphs share one count of bytes)."""
 
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
-        state_room: int = 0,
+        state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0,
     ) -> None:
         part = program.partition
         self.program = program
@@ -153,6 +168,7 @@ class GroupRunner:
         self.ranks = ranks if ranks is not None or group is None else Ranks(group)
         self.sampled = sampled
         self.state_room = state_room
+        self.graph_room, self.graph_chunk_bytes = graph_room, graph_chunk_bytes
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -186,6 +202,19 @@ class GroupRunner:
         if which not in self.replayed:
             self.replayed[which] = LayerwiseStep(step.module)
         return self.replayed[which]
+
+    @functools.cached_property
+    def keeps_graphs(self) -> bool:
+        """Whether this plan may keep the prompt capture's autograd graph
+        (`Options.keep_prompt_graph`): exact mode, a state of per-position
+        slots only, and none of what changes how the reverse pass runs
+        (layer-wise recomputation, attention outputs on the host, frozen
+        stages, random operators, context parallelism)."""
+        o = self.options
+        return (o.prompt_grad == "exact" and o.keep_prompt_graph is not False and self.graph_room > 0
+                and self.options.context_parallel is None and self.ranks is None and not o.recompute_layers
+                and not o.attention_outputs_on_host and len(self.stages) == 1 and not self.random and not self.sampled
+                and all(slot.kind == SlotKind.SEQUENCE for slot in self.part.slots))
 
     def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
         """Exact mode cannot give per-row gradients to per-row inputs of the
@@ -393,12 +422,30 @@ class GroupRunner:
         self.check_shared_values(values, groups)
         self.check_padding(values, groups)
         self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
+        leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
+        if leaves is not None:
+            inputs = [leaves.get(i, x) for i, x in enumerate(inputs)]
         with posting_failures(self.ranks):
-            return self.run(inputs, values, groups, self.part.end, backward)
+            return self.run(inputs, values, groups, self.part.end, backward, leaves)
+
+    def _graph_leaves(self, inputs: Sequence[Any], values: dict) -> dict[int, torch.Tensor] | None:
+        """Aliases of the inputs that need gradients, for a capture under
+        autograd to lead to and the backward to accumulate into; None where
+        no prompt graph is worth keeping (no trainable input feeds the
+        state) or the steps' data comes through the outer graph with a
+        gradient (it ran without autograd: the backward runs it again)."""
+        wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+        probe = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
+        if probe is None or not has_values(probe) or not any(i in self.state_ancestors for i in wanted):
+            return None
+        if any(i in self.import_ancestors for i in wanted):
+            return None
+        return {i: inputs[i].detach().requires_grad_(True) for i in wanted}
 
     @torch.no_grad()
     def run(
-        self, inputs: Sequence[Any], values: dict, groups: Sequence[Group], end: int, backward: bool = True
+        self, inputs: Sequence[Any], values: dict, groups: Sequence[Group], end: int, backward: bool = True,
+        leaves: dict[int, torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor], CallState]:
         """Capture and branches from the outer values, group by group; `end`
         is the traced one except when `longstraw.explain` simulates other
@@ -407,18 +454,23 @@ class GroupRunner:
         time, unless `state_room` has room for it: then the backward reads
         it as the forward left it. Without a `backward` to follow, exact
         mode keeps nothing for its reverse pass (chunk-boundary carries,
-        attention outputs on the host)."""
+        attention outputs on the host). With `leaves` (`_graph_leaves`) a
+        group whose graph `graph_room` has room for runs its capture under
+        autograd and keeps the graph (and its state) for the backward."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
-        calls, kept = [], 0  # bytes of earlier groups' states kept for the backward
+        calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
+            last = i == len(groups) - 1
+            cost = self._graph_bytes(group.prefix_len, end, last) if leaves is not None else None
+            graph = [] if cost is not None and kept + cost <= self.graph_room else None
             for stage in self.stages:
-                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage)
+                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
                 for turn in self._branch_turns(state, group, branch_len):
                     row = turn.row
                     if self.random:
@@ -431,14 +483,16 @@ class GroupRunner:
                     for seat, got in _seated(turn, outs[:len(stage.outputs)], state):
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
-                replayed, last = stage is self.stages[-1], i == len(groups) - 1
+                replayed = stage is self.stages[-1]
                 held = state.device_bytes() if replayed and not last and backward else None
-                if held is not None and kept + held <= self.state_room:
+                if graph is not None:
+                    kept += cost  # the graph reads the state in the backward: both stay
+                elif held is not None and kept + held <= self.state_room:
                     kept += held
                 elif not (replayed and last):
                     state.release()
                     state = None
-            calls.append(GroupCall(group, state, rng, handed))
+            calls.append(GroupCall(group, state, rng, handed, graph))
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
@@ -448,18 +502,27 @@ class GroupRunner:
             "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all",
             len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
         )
-        return outputs, CallState(values, calls, end, device, real)
+        return outputs, CallState(values, calls, end, device, real, leaves)
+
+    def _graph_bytes(self, prefix_len: int, end: int, last: bool) -> int:
+        """What keeping a group's prompt graph costs: each chunk's graph
+        (`graph_chunk_bytes`), and but for the last group, its state, which
+        the backward would otherwise capture again."""
+        chunks = self.schedule(prefix_len).count
+        state = 0 if last else sum(slot.bytes_per_position() for slot in self.part.slots) * end
+        return chunks * self.graph_chunk_bytes + state
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
         rng: dict[tuple[str, int], RngState], device: torch.device, real: bool, stage: Stage | None = None,
-        again: bool = False,
+        again: bool = False, graph: list[KeptChunk] | None = None,
     ) -> PromptState:
         """The group's prompt state for `stage`'s slots (default: the
         replayed stage), captured chunk by chunk from its first row. `again`
         (in backward) restores each chunk's RNG state from `rng` instead of
         recording it, so the state is the forward's. `device` and `real`:
-        the outer values', as `run` found them (see `CallState`)."""
+        the outer values', as `run` found them (see `CallState`). `graph`:
+        run each chunk under autograd and append it there (`KeptChunk`)."""
         part = self.part
         stage = self.stages[-1] if stage is None else stage
         backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
@@ -485,9 +548,12 @@ class GroupRunner:
             if self.random and not again:
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
-            with _noting(f"{what} [{offset}, {offset + length})"), restored:
+            with _noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
-                stage.prefix.module(ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
+                outputs = stage.prefix.module(
+                    ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
+            if graph is not None:
+                graph.append(KeptChunk(offset, length, outputs))
         failure = state.failure
         if failure is None and verify and (slot := state.unwritten()) is not None:
             failure = LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
@@ -574,7 +640,7 @@ class GroupRunner:
         # where autograd.grad would return a second whole set every branch.
         inputs = list(inputs)
         for i in wanted:
-            inputs[i] = inputs[i].detach().requires_grad_(True)
+            inputs[i] = call.leaves[i] if call.leaves is not None else inputs[i].detach().requires_grad_(True)
         leaves = [inputs[i] for i in wanted]
         values = call.values
         if any(i in self.import_ancestors for i in wanted):
@@ -630,7 +696,9 @@ class GroupRunner:
                 self._accumulate(leaves, outs, slices)
         if exact and turns[0].round is not None:
             summed_carry_grads(state, prefix_len)
-        if exact:
+        if exact and group_call.graph is not None:
+            self._differentiate_kept(state, group_call.graph, leaves)
+        elif exact:
             schedule = self.schedule(prefix_len)
             rounds, rest = self._rounds(schedule, self._chunks(schedule))
             if rest:
@@ -643,7 +711,19 @@ class GroupRunner:
         parts.replicated()
         self._raise(state.failure, call.device)
         state.release()
-        group_call.state = None
+        group_call.state, group_call.graph = None, None
+
+    def _differentiate_kept(self, state: PromptState, graph: list[KeptChunk], leaves: list[torch.Tensor]) -> None:
+        """The reverse pass over a kept prompt graph: each chunk, last to
+        first, differentiated with its d(state), which the branches and the
+        later chunks have completed by then; no forward runs again."""
+        slots = self.stages[-1].slots
+        while graph:
+            chunk = graph.pop()
+            where = f"differentiating the kept prompt chunk [{chunk.offset}, {chunk.offset + chunk.length}); no .grad was changed"
+            with _noting(where):
+                seeds = [state.seed(slot, chunk.offset, chunk.length) for slot in slots]
+                self._accumulate(leaves, chunk.outputs, seeds)
 
     def _reverse_rounds(
         self, state: PromptState, rounds: Sequence[ChunkRound], group_call: GroupCall, inputs: list[Any],

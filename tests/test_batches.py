@@ -121,7 +121,7 @@ def test_a_budget_keeps_the_states_it_has_room_for(monkeypatch):
     def room_for_one_state(program, *args):
         options, _ = sized(program, *args)
         part = program.partition
-        return options, sum(s.bytes_per_position() * part.end + s.fixed_bytes() for s in part.slots)
+        return options, backend_module.KeptRoom(sum(s.bytes_per_position() * part.end + s.fixed_bytes() for s in part.slots))
 
     grads = []
     for room, live in ((None, 3), (room_for_one_state, 2)):

@@ -1,0 +1,167 @@
+"""Exact mode keeping the prompt capture's autograd graph for the backward
+(`Options.keep_prompt_graph`, longstraw/runtime.py `KeptChunk`): the
+reverse pass differentiates each kept chunk, last to first, instead of
+running its forward again. Float64 parity against eager with NaN-filled
+uninitialised memory and `verify_state`; where the graph is not kept (a
+carried state, layer-wise recomputation, no room, outer-graph inputs
+with a gradient) the reverse pass runs as before, with the same gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import longstraw
+from longstraw import backend as backend_module
+from longstraw.runtime import phase_of
+
+from helpers.compare import assert_grads_close
+from helpers.families import FAMILIES
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
+from test_batches import batch_loss, detached_batch_reference, make_batch
+from test_families import deterministic_algorithms
+from test_padding import check_padding_parity, padded_group
+
+TOL = 1e-6
+
+
+@contextlib.contextmanager
+def phases() -> Iterator[list[str]]:
+    """The runtime phases (`longstraw.runtime.phase_of`) of the steps run
+    inside, in order; not the planner's simulation (on fake tensors)."""
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def record(where: str) -> Iterator[None]:
+        if not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+            seen.append(phase_of(where))
+        yield
+
+    with longstraw.around_steps(record):
+        yield seen
+
+
+KEPT, REVERSE = "differentiating the kept prompt", "in the reverse pass"
+
+
+def run_batch(family: str, sizes: list[int], chunk: int, **options) -> list[str]:
+    fam = FAMILIES[family]
+    model = fam.build()
+    batch = make_batch(sizes, P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=chunk, verify_state=True, **options)
+    with fam.bind(), deterministic_algorithms(True), phases() as seen:
+        assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL, what=f"{family} loss")
+    return seen
+
+
+@pytest.mark.parametrize("sizes", [[4], [2, 3, 2]])
+def test_kept_graph_matches_eager_without_the_reverse_forward(sizes):
+    """Every group's prompt, in chunks of 4 of its 12 positions, is
+    differentiated from the capture's graph: no reverse-pass step runs."""
+    seen = run_batch("qwen3", sizes, 4, recompute_layers=False, keep_prompt_graph=True)
+    assert seen.count(KEPT) == 3 * len(sizes) and REVERSE not in seen
+
+
+def test_kept_graph_gives_the_reverse_pass_gradients():
+    """The same gradients as the reverse pass, to rounding (float64)."""
+    fam = FAMILIES["qwen3"]
+    model = fam.build()
+    batch = make_batch([3, 2], P=13, R=3, vocab=model.config.vocab_size)
+    grads = []
+    for keep in (True, False):
+        backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_prompt_graph=keep)
+        with deterministic_algorithms(True):
+            grads.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
+    assert_grads_close(grads[0][1], grads[1][1], 1e-12)
+
+
+def test_kept_graph_with_left_padding_and_ragged_completions():
+    """TRL's layout: the chunk that ends the left padding and the chunks
+    after it are kept and differentiated; gradients are eager's."""
+    with phases() as seen:
+        check_padding_parity("qwen3", "exact", padded_group(2, 41, 5, 13, [5, 3]), 8, deterministic=True)
+    assert REVERSE in seen  # keep_prompt_graph=None: nothing is planned on the CPU, nothing kept
+    seen.clear()
+    with phases() as seen:
+        model = FAMILIES["qwen3"].build()
+        group = padded_group(2, 41, 5, 13, [5, 3])
+        from test_padding import detached_reference, trl_grpo_loss
+
+        backend = longstraw.Backend(prefix_chunk_size=8, keep_prompt_graph=True, verify_state=True)
+        with deterministic_algorithms(True):
+            assert_parity(trl_grpo_loss, backend, detached_reference, model, *group, tol=TOL)
+    assert seen.count(KEPT) == 5 and REVERSE not in seen
+
+
+@pytest.mark.parametrize("why", ["carried state", "layer-wise recomputation", "detached"])
+def test_where_the_graph_is_not_kept_the_reverse_pass_runs(why):
+    """A carried state (Gated DeltaNet), layer-wise recomputation and detached
+    mode keep no graph, asked or not; the gradients are still eager's (or
+    the detached reference's)."""
+    family, options = {
+        "carried state": ("qwen3_5", {"recompute_layers": False}),
+        "layer-wise recomputation": ("qwen3", {"recompute_layers": True}),
+        "detached": ("qwen3", {"recompute_layers": False, "prompt_grad": "detached"}),
+    }[why]
+    seen = run_batch(family, [2, 2], 4, keep_prompt_graph=True, **options)
+    assert KEPT not in seen
+    assert (REVERSE in seen) == (why != "detached")
+
+
+def test_planned_room_decides(monkeypatch):
+    """`keep_prompt_graph=None` with a budget: kept where the room beside the
+    planned peak holds the graph (each chunk counted at the planned
+    activations), and the first group's state with it; with room for one
+    group's graph only, the last group's is kept and the first runs the
+    reverse pass. Gradients are eager's either way."""
+    sized = backend_module._sized
+    seen_rooms = []
+
+    def room_for_the_last_group(program, *args):
+        options, room = sized(program, *args)
+        seen_rooms.append(room)
+        return options, backend_module.KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
+
+    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
+    assert seen.count(KEPT) == 6 and REVERSE not in seen
+    torch._dynamo.reset()
+    monkeypatch.setattr(backend_module, "_sized", room_for_the_last_group)
+    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
+    assert seen_rooms and seen_rooms[0].graph_chunk > 0 and seen_rooms[0].graphs > 3 * seen_rooms[0].graph_chunk
+    assert seen.count(KEPT) == 3 and seen.count(REVERSE) == 3
+    assert seen.index(REVERSE) > max(i for i, p in enumerate(seen) if p == KEPT)  # the last group's backward runs first
+
+
+def test_inputs_embeds_with_a_gradient_keep_no_graph():
+    """Data that needs a gradient and reaches the steps through the outer
+    graph (embeddings computed in the loss from a trainable table passed
+    in): the forward ran the outer graph without autograd, so no graph is
+    kept; the backward runs it again and the gradients are eager's."""
+    fam = FAMILIES["qwen3"]
+    model = fam.build()
+    ids, advantages, mask = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
+    table = model.get_input_embeddings().weight.detach().clone().requires_grad_(True)
+
+    def embeds_loss(model, table, ids, advantages, mask):
+        R = mask.shape[1]
+        out = model(inputs_embeds=torch.nn.functional.embedding(ids, table) * 1.5)
+        from helpers.losses import grpo_tail, logits_of
+
+        return grpo_tail(logits_of(out)[:, -R - 1 : -1], ids[:, -R:], advantages, mask)
+
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_prompt_graph=True)
+    with deterministic_algorithms(True), phases() as seen:
+        assert_parity(embeds_loss, backend, None, model, table, ids, advantages, mask, tol=TOL)
+    assert KEPT not in seen and REVERSE in seen
+
+
+def test_the_option_is_validated():
+    with pytest.raises(longstraw.LongStrawError, match="keep_prompt_graph must be a bool or None"):
+        longstraw.Backend(keep_prompt_graph="yes")
