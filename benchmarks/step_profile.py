@@ -108,8 +108,9 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
                     runner.step(batch)
                 out["phases_s"] = phases
                 release(model)
-                report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
-                release(model)
+                if args.host_profile:
+                    report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
+                    release(model)
             out["ok"] = True
     except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
         out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
@@ -141,6 +142,8 @@ def main() -> None:
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--options", type=json.loads, default={}, help="LongStraw options (JSON) besides prompt_grad")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--no-host-profile", dest="host_profile", action="store_false",
+                        help="skip the cProfile of LongStraw's step")
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
     parser.add_argument("--out-dir", default="benchmarks/results")
