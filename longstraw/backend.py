@@ -134,6 +134,7 @@ class GroupPlan:
             + ", ".join(f"{n.name}{list(n.meta['longstraw_value'].shape)}" for n in part.branch_outputs),
             f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position, "
             f"{self.state_fixed_bytes} bytes fixed",
+            f"  schedule: recompute_layers={self.options.recompute_layers}, {self._kept_graphs()}",
         ]
         for slot in part.slots:
             size = (
@@ -144,6 +145,19 @@ class GroupPlan:
                 f"({size}) for {slot.reason}"
             )
         return "\n".join(lines)
+
+    def _kept_graphs(self) -> str:
+        """What `keep_graphs` keeps for the backward under this plan."""
+        runner = self.runner
+        if not runner.keeps_graphs:
+            return "the backward replays the branches" + (
+                " and runs the reverse pass" if self.options.prompt_grad == "exact" else "")
+        kept = ("the prompt's and the branches' graphs" if runner.keeps_branch_graphs and self.options.prompt_grad == "exact"
+                else "the branches' graphs" if runner.keeps_branch_graphs else "the prompt's graph")
+        if runner.graph_room >= _KEEP_EVERY_STATE:
+            return f"{kept} kept for the backward (keep_graphs=True)"
+        return (f"{kept} kept for the backward while they fit: {runner.graph_room / 1e9:.1f} GB of room, "
+                f"{runner.graph_chunk_bytes / 1e9:.2f} GB counted for each")
 
 
 class PlanningDone(Exception):  # noqa: N818 - control flow, not an error
@@ -367,7 +381,7 @@ class KeptRoom:
     """What the runner may keep for the backward beside the planned peak
     (`GroupRunner`): bytes of earlier groups' prompt states
     (`keep_group_states`), bytes of prompt captures' autograd graphs
-    (`keep_prompt_graph`) and the bytes one chunk's graph is counted at."""
+    (`keep_graphs`) and the bytes one chunk's graph is counted at."""
 
     states: int = 0
     graphs: int = 0
@@ -379,7 +393,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
     the user's where given, else the planner's choice (`longstraw.planner`)
     for `memory_budget_gb`, or on CUDA for the device's free memory, else
     8192 without recomputation; and what the runner may keep for the
-    backward (`KeptRoom`: where `keep_group_states` or `keep_prompt_graph`
+    backward (`KeptRoom`: where `keep_group_states` or `keep_graphs`
     is None, the budget's room beside the planned peak, a chunk's graph
     counted at the planned activations, an upper bound of what one reverse
     chunk holds). `activations` caches the planner's simulations. Under
@@ -388,7 +402,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
     collectives."""
     group = opts.context_parallel
     planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
-    room = KeptRoom(_KEEP_EVERY_STATE if opts.keep_group_states else 0, _KEEP_EVERY_STATE if opts.keep_prompt_graph else 0)
+    room = KeptRoom(_KEEP_EVERY_STATE if opts.keep_group_states else 0, _KEEP_EVERY_STATE if opts.keep_graphs else 0)
     if not planned and group is None:
         return opts, room
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -424,7 +438,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
         spare = max(budget - others - chosen.peak, 0)
         if group is None:
             room = KeptRoom(spare if opts.keep_group_states is None else room.states,
-                            spare if opts.keep_prompt_graph is None else room.graphs, chosen.activations)
+                            spare if opts.keep_graphs is None else room.graphs, chosen.activations)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
                  "prompt graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)
@@ -432,7 +446,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
 
 
 _KEEP_EVERY_STATE = 1 << 62
-"""`keep_group_states=True` or `keep_prompt_graph=True`: room for any number of states or graphs."""
+"""`keep_group_states=True` or `keep_graphs=True`: room for any number of states or graphs."""
 
 
 def _is_module_state(placeholder: fx.Node, value: Any) -> bool:

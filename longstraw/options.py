@@ -59,17 +59,18 @@ class Options:
     kept while the memory budget has room for them beside the planned peak
     (nothing is kept where nothing is planned, or under context parallelism)."""
 
-    keep_prompt_graph: bool | None = None
-    """Exact mode: run the prompt capture under autograd and keep its graph
-    for the backward, which then differentiates each chunk instead of
-    running its forward again (one prompt forward less per step). Costs
-    the prompt's activations, what eager keeps for one row of the prompt.
-    None: planned, kept while the memory budget has room beside the planned
-    peak (nothing is kept where nothing is planned). Applies to prompts
-    whose state is all per-position (attention K/V, latents); carried
-    operators, layer-wise recomputation, attention outputs on the host,
-    frozen stages, random operators and context parallelism run the
-    reverse pass as before."""
+    keep_graphs: bool | None = None
+    """Keep the autograd graphs of the forward's steps for the backward,
+    which then differentiates them instead of running their forward again:
+    the prompt capture's chunks in exact mode (the reverse pass's forward)
+    and the branches in both modes (the replays' forward). Costs their
+    activations, what eager keeps for one row of the prompt and for each
+    completion. None: planned, kept (prompt first, then branch by branch)
+    while the memory budget has room beside the planned peak; nothing is
+    kept where nothing is planned. Applies to steps whose state is all
+    per-position (attention K/V, latents); carried operators, layer-wise
+    recomputation, attention outputs on the host, frozen stages, random
+    operators and context parallelism run the replays as before."""
 
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss
@@ -154,8 +155,8 @@ class Options:
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
         if self.keep_group_states is not None and not isinstance(self.keep_group_states, bool):
             raise LongStrawError(f"keep_group_states must be a bool or None, got {self.keep_group_states!r}")
-        if self.keep_prompt_graph is not None and not isinstance(self.keep_prompt_graph, bool):
-            raise LongStrawError(f"keep_prompt_graph must be a bool or None, got {self.keep_prompt_graph!r}")
+        if self.keep_graphs is not None and not isinstance(self.keep_graphs, bool):
+            raise LongStrawError(f"keep_graphs must be a bool or None, got {self.keep_graphs!r}")
         if not isinstance(self.attention_outputs_on_host, bool):
             raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")
         if self.head_chunk_size is not None and (not _is_int(self.head_chunk_size) or self.head_chunk_size < 1):

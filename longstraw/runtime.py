@@ -118,7 +118,27 @@ class GroupCall:
     state: PromptState | None
     rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
     handed: dict[int, dict[Any, torch.Tensor]]  # per row: what a frozen stage handed the replayed one
-    graph: list[KeptChunk] | None = None  # the capture's autograd graph, chunk by chunk (`keep_prompt_graph`)
+    graph: list[KeptChunk] | None = None  # the capture's autograd graph, chunk by chunk (`keep_graphs`)
+    branches: dict[int, Sequence[torch.Tensor]] = dataclasses.field(default_factory=dict)  # kept branch outputs, by row
+
+
+@dataclasses.dataclass
+class GraphSpending:
+    """One group's share of the runner's `graph_room`: each kept graph costs
+    its bytes, and the first also the group's state (`state`: 0 for the
+    last group), which every kept graph reads in the backward."""
+
+    room: int
+    spent: int  # bytes kept before this graph (earlier groups' too)
+    state: int
+    paid: bool = False
+
+    def take(self, cost: int) -> bool:
+        extra = cost + (0 if self.paid else self.state)
+        if self.spent + extra > self.room:
+            return False
+        self.spent, self.paid = self.spent + extra, True
+        return True
 
 
 @dataclasses.dataclass
@@ -152,9 +172,10 @@ class GroupRunner:
     differ (`ChunkSchedule.sampled`), for the simulation; `state_room`: the
     bytes of earlier groups' prompt states the forward may keep for the
     backward, which then does not capture them again (`keep_group_states`);
-    `graph_room`: the bytes of the prompt captures' autograd graphs it may
-    keep for the backward (`keep_prompt_graph`), `graph_chunk_bytes` those
-    of one chunk's (kept states and graphs share one count of bytes)."""
+    `graph_room`: the bytes of the forward's autograd graphs it may keep
+    for the backward (`keep_graphs`), `graph_chunk_bytes` those of one
+    prompt chunk's or one branch's (kept states and graphs share one count
+    of bytes)."""
 
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
@@ -205,16 +226,21 @@ class GroupRunner:
 
     @functools.cached_property
     def keeps_graphs(self) -> bool:
-        """Whether this plan may keep the prompt capture's autograd graph
-        (`Options.keep_prompt_graph`): exact mode, a state of per-position
-        slots only, and none of what changes how the reverse pass runs
-        (layer-wise recomputation, attention outputs on the host, frozen
-        stages, random operators, context parallelism)."""
+        """Whether this plan may keep the forward's autograd graphs
+        (`Options.keep_graphs`): a state of per-position slots only, and
+        none of what changes how the backward replays (layer-wise
+        recomputation, attention outputs on the host, frozen stages,
+        random operators, context parallelism). Prompt graphs need exact
+        mode; branch graphs, passes that allow them (`branch_graphs_kept`)."""
         o = self.options
-        return (o.prompt_grad == "exact" and o.keep_prompt_graph is not False and self.graph_room > 0
+        return (o.keep_graphs is not False and self.graph_room > 0
                 and self.options.context_parallel is None and self.ranks is None and not o.recompute_layers
                 and not o.attention_outputs_on_host and len(self.stages) == 1 and not self.random and not self.sampled
                 and all(slot.kind == SlotKind.SEQUENCE for slot in self.part.slots))
+
+    @functools.cached_property
+    def keeps_branch_graphs(self) -> bool:
+        return self.keeps_graphs and all(p.branch_graphs_kept for p in set(self.part.claims.values()))
 
     def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
         """Exact mode cannot give per-row gradients to per-row inputs of the
@@ -429,14 +455,13 @@ class GroupRunner:
             return self.run(inputs, values, groups, self.part.end, backward, leaves)
 
     def _graph_leaves(self, inputs: Sequence[Any], values: dict) -> dict[int, torch.Tensor] | None:
-        """Aliases of the inputs that need gradients, for a capture under
+        """Aliases of the inputs that need gradients, for steps run under
         autograd to lead to and the backward to accumulate into; None where
-        no prompt graph is worth keeping (no trainable input feeds the
-        state) or the steps' data comes through the outer graph with a
-        gradient (it ran without autograd: the backward runs it again)."""
+        nothing needs a gradient or the steps' data comes through the outer
+        graph with a gradient (it ran without autograd: the backward runs it again)."""
         wanted = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
         probe = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
-        if probe is None or not has_values(probe) or not any(i in self.state_ancestors for i in wanted):
+        if probe is None or not has_values(probe) or not wanted:
             return None
         if any(i in self.import_ancestors for i in wanted):
             return None
@@ -454,9 +479,10 @@ class GroupRunner:
         time, unless `state_room` has room for it: then the backward reads
         it as the forward left it. Without a `backward` to follow, exact
         mode keeps nothing for its reverse pass (chunk-boundary carries,
-        attention outputs on the host). With `leaves` (`_graph_leaves`) a
-        group whose graph `graph_room` has room for runs its capture under
-        autograd and keeps the graph (and its state) for the backward."""
+        attention outputs on the host). With `leaves` (`_graph_leaves`) the
+        steps whose graphs `graph_room` has room for (a group's prompt in
+        exact mode, then its branches one by one) run under autograd and
+        keep their graphs, and the group's state, for the backward."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
@@ -467,32 +493,41 @@ class GroupRunner:
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             last = i == len(groups) - 1
-            cost = self._graph_bytes(group.prefix_len, end, last) if leaves is not None else None
-            graph = [] if cost is not None and kept + cost <= self.graph_room else None
+            spending = self._spending(kept, end, last) if leaves is not None else None
+            prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
+                            and any(i in self.state_ancestors for i in leaves)
+                            and spending.take(self.schedule(group.prefix_len).count * self.graph_chunk_bytes))
+            graph = [] if prompt_graph else None
+            branches: dict[int, Sequence[torch.Tensor]] = {}
             for stage in self.stages:
                 state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
                 for turn in self._branch_turns(state, group, branch_len):
                     row = turn.row
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
-                    with _noting(f"running branch {row} of {part.group_size}"):
+                    keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
+                            and spending.take(self.graph_chunk_bytes))
+                    with _noting(f"running branch {row} of {part.group_size}"), torch.set_grad_enabled(keep):
                         ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round)
                         inputs_of_row = self._step_inputs(
                             stage.branch, inputs, values, row, group.prefix_len, branch_len, handed[row])
                         outs = stage.branch.module(ctx, *inputs_of_row)
+                    if keep:
+                        branches[row] = outs[:len(stage.outputs)]
+                        outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
                     for seat, got in _seated(turn, outs[:len(stage.outputs)], state):
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
                 replayed = stage is self.stages[-1]
                 held = state.device_bytes() if replayed and not last and backward else None
-                if graph is not None:
-                    kept += cost  # the graph reads the state in the backward: both stay
+                if spending is not None and spending.paid:
+                    kept = spending.spent  # kept graphs read the state in the backward: it stays
                 elif held is not None and kept + held <= self.state_room:
                     kept += held
                 elif not (replayed and last):
                     state.release()
                     state = None
-            calls.append(GroupCall(group, state, rng, handed, graph))
+            calls.append(GroupCall(group, state, rng, handed, graph, branches))
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
@@ -504,13 +539,11 @@ class GroupRunner:
         )
         return outputs, CallState(values, calls, end, device, real, leaves)
 
-    def _graph_bytes(self, prefix_len: int, end: int, last: bool) -> int:
-        """What keeping a group's prompt graph costs: each chunk's graph
-        (`graph_chunk_bytes`), and but for the last group, its state, which
-        the backward would otherwise capture again."""
-        chunks = self.schedule(prefix_len).count
+    def _spending(self, kept: int, end: int, last: bool) -> GraphSpending:
+        """A group's `GraphSpending`: but for the last group, a kept graph
+        keeps its state too, which the backward would otherwise capture again."""
         state = 0 if last else sum(slot.bytes_per_position() for slot in self.part.slots) * end
-        return chunks * self.graph_chunk_bytes + state
+        return GraphSpending(self.graph_room, kept, state)
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
@@ -689,6 +722,11 @@ class GroupRunner:
             ]
             if turn.shadow:
                 slices = [None if s is None else torch.zeros_like(s) for s in slices]
+            kept = group_call.branches.pop(row, None)
+            if kept is not None:
+                with _noting(f"differentiating the kept branch {row} of {part.group_size}; no .grad was changed"):
+                    self._accumulate(leaves, kept, slices)
+                continue
             with self._replaying(group_call, ("branch", row), f"replaying branch {row} of {part.group_size}"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round)
                 outs = self.replay_module("branch")(
@@ -711,7 +749,7 @@ class GroupRunner:
         parts.replicated()
         self._raise(state.failure, call.device)
         state.release()
-        group_call.state, group_call.graph = None, None
+        group_call.state, group_call.graph, group_call.branches = None, None, {}
 
     def _differentiate_kept(self, state: PromptState, graph: list[KeptChunk], leaves: list[torch.Tensor]) -> None:
         """The reverse pass over a kept prompt graph: each chunk, last to

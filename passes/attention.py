@@ -36,6 +36,7 @@ from .sparse_index import claims_selection
 class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
     runs_rounds = True
+    branch_graphs_kept = True  # the backward reads the state before the step only (`_backward_over_blocks`)
 
     def claims(self, node: fx.Node) -> bool:
         # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved

@@ -79,6 +79,12 @@ class ArchitecturePass:
     recompute and differentiate, one chunk each at once, meeting in
     collectives); a plan with any other pass runs every chunk on every
     rank."""
+    branch_graphs_kept = False
+    """Whether a branch step's autograd graph from the forward may be kept
+    for the backward (`Options.keep_graphs`): its backward reads from the
+    state only positions before the step (the prompt's), never the
+    branch's own, which the next branch overwrites. False (the default)
+    replays every branch in the backward."""
 
     def claims(self, node: fx.Node) -> bool:
         """Whether this pass handles `node` (an operator mixing positions)."""

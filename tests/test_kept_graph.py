@@ -1,10 +1,12 @@
-"""Exact mode keeping the prompt capture's autograd graph for the backward
-(`Options.keep_prompt_graph`, longstraw/runtime.py `KeptChunk`): the
-reverse pass differentiates each kept chunk, last to first, instead of
-running its forward again. Float64 parity against eager with NaN-filled
-uninitialised memory and `verify_state`; where the graph is not kept (a
+"""Keeping the forward's autograd graphs for the backward
+(`Options.keep_graphs`, longstraw/runtime.py `KeptChunk`, `GroupCall.branches`):
+the backward differentiates each kept branch instead of replaying it, and
+in exact mode each kept prompt chunk, last to first, instead of running
+its forward again. Float64 parity against eager with NaN-filled
+uninitialised memory and `verify_state`; where a graph is not kept (a
 carried state, layer-wise recomputation, no room, outer-graph inputs
-with a gradient) the reverse pass runs as before, with the same gradients.
+with a gradient) the replays and the reverse pass run as before, with
+the same gradients.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def phases() -> Iterator[list[str]]:
 
 
 KEPT, REVERSE = "differentiating the kept prompt", "in the reverse pass"
+KEPT_BRANCH, REPLAY = "differentiating the kept branch", "replaying branch"
 
 
 def run_batch(family: str, sizes: list[int], chunk: int, **options) -> list[str]:
@@ -62,10 +65,12 @@ def run_batch(family: str, sizes: list[int], chunk: int, **options) -> list[str]
 
 @pytest.mark.parametrize("sizes", [[4], [2, 3, 2]])
 def test_kept_graph_matches_eager_without_the_reverse_forward(sizes):
-    """Every group's prompt, in chunks of 4 of its 12 positions, is
-    differentiated from the capture's graph: no reverse-pass step runs."""
-    seen = run_batch("qwen3", sizes, 4, recompute_layers=False, keep_prompt_graph=True)
+    """Every group's prompt, in chunks of 4 of its 12 positions, and every
+    branch are differentiated from the forward's graphs: no reverse-pass
+    step and no replay runs."""
+    seen = run_batch("qwen3", sizes, 4, recompute_layers=False, keep_graphs=True)
     assert seen.count(KEPT) == 3 * len(sizes) and REVERSE not in seen
+    assert seen.count(KEPT_BRANCH) == sum(sizes) and REPLAY not in seen
 
 
 def test_kept_graph_gives_the_reverse_pass_gradients():
@@ -75,7 +80,7 @@ def test_kept_graph_gives_the_reverse_pass_gradients():
     batch = make_batch([3, 2], P=13, R=3, vocab=model.config.vocab_size)
     grads = []
     for keep in (True, False):
-        backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_prompt_graph=keep)
+        backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=keep)
         with deterministic_algorithms(True):
             grads.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
     assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
@@ -87,40 +92,42 @@ def test_kept_graph_with_left_padding_and_ragged_completions():
     after it are kept and differentiated; gradients are eager's."""
     with phases() as seen:
         check_padding_parity("qwen3", "exact", padded_group(2, 41, 5, 13, [5, 3]), 8, deterministic=True)
-    assert REVERSE in seen  # keep_prompt_graph=None: nothing is planned on the CPU, nothing kept
+    assert REVERSE in seen  # keep_graphs=None: nothing is planned on the CPU, nothing kept
     seen.clear()
     with phases() as seen:
         model = FAMILIES["qwen3"].build()
         group = padded_group(2, 41, 5, 13, [5, 3])
         from test_padding import detached_reference, trl_grpo_loss
 
-        backend = longstraw.Backend(prefix_chunk_size=8, keep_prompt_graph=True, verify_state=True)
+        backend = longstraw.Backend(prefix_chunk_size=8, keep_graphs=True, verify_state=True)
         with deterministic_algorithms(True):
             assert_parity(trl_grpo_loss, backend, detached_reference, model, *group, tol=TOL)
     assert seen.count(KEPT) == 5 and REVERSE not in seen
+    assert seen.count(KEPT_BRANCH) == 2 and REPLAY not in seen
 
 
 @pytest.mark.parametrize("why", ["carried state", "layer-wise recomputation", "detached"])
 def test_where_the_graph_is_not_kept_the_reverse_pass_runs(why):
-    """A carried state (Gated DeltaNet), layer-wise recomputation and detached
-    mode keep no graph, asked or not; the gradients are still eager's (or
-    the detached reference's)."""
+    """A carried state (Gated DeltaNet) and layer-wise recomputation keep no
+    graph, asked or not; detached mode keeps the branches' only. The
+    gradients are still eager's (or the detached reference's)."""
     family, options = {
         "carried state": ("qwen3_5", {"recompute_layers": False}),
         "layer-wise recomputation": ("qwen3", {"recompute_layers": True}),
         "detached": ("qwen3", {"recompute_layers": False, "prompt_grad": "detached"}),
     }[why]
-    seen = run_batch(family, [2, 2], 4, keep_prompt_graph=True, **options)
+    seen = run_batch(family, [2, 2], 4, keep_graphs=True, **options)
     assert KEPT not in seen
     assert (REVERSE in seen) == (why != "detached")
+    assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == ((4, 0) if why == "detached" else (0, 4))
 
 
 def test_planned_room_decides(monkeypatch):
-    """`keep_prompt_graph=None` with a budget: kept where the room beside the
-    planned peak holds the graph (each chunk counted at the planned
-    activations), and the first group's state with it; with room for one
-    group's graph only, the last group's is kept and the first runs the
-    reverse pass. Gradients are eager's either way."""
+    """`keep_graphs=None` with a budget: kept where the room beside the
+    planned peak holds the graphs (each prompt chunk and each branch
+    counted at the planned activations), and the first group's state with
+    them; with room for three only, at most three are kept and the rest
+    replay. Gradients are eager's either way."""
     sized = backend_module._sized
     seen_rooms = []
 
@@ -130,13 +137,13 @@ def test_planned_room_decides(monkeypatch):
         return options, backend_module.KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
 
     seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
-    assert seen.count(KEPT) == 6 and REVERSE not in seen
+    assert seen.count(KEPT) == 6 and REVERSE not in seen and seen.count(KEPT_BRANCH) == 4 and REPLAY not in seen
     torch._dynamo.reset()
     monkeypatch.setattr(backend_module, "_sized", room_for_the_last_group)
     seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
     assert seen_rooms and seen_rooms[0].graph_chunk > 0 and seen_rooms[0].graphs > 3 * seen_rooms[0].graph_chunk
-    assert seen.count(KEPT) == 3 and seen.count(REVERSE) == 3
-    assert seen.index(REVERSE) > max(i for i, p in enumerate(seen) if p == KEPT)  # the last group's backward runs first
+    kept = seen.count(KEPT) + seen.count(KEPT_BRANCH)
+    assert 1 <= kept <= 3 and seen.count(KEPT) + seen.count(REVERSE) == 6 and seen.count(KEPT_BRANCH) + seen.count(REPLAY) == 4
 
 
 def test_inputs_embeds_with_a_gradient_keep_no_graph():
@@ -156,12 +163,25 @@ def test_inputs_embeds_with_a_gradient_keep_no_graph():
 
         return grpo_tail(logits_of(out)[:, -R - 1 : -1], ids[:, -R:], advantages, mask)
 
-    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_prompt_graph=True)
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=True)
     with deterministic_algorithms(True), phases() as seen:
         assert_parity(embeds_loss, backend, None, model, table, ids, advantages, mask, tol=TOL)
-    assert KEPT not in seen and REVERSE in seen
+    assert KEPT not in seen and KEPT_BRANCH not in seen and REVERSE in seen
 
 
 def test_the_option_is_validated():
-    with pytest.raises(longstraw.LongStrawError, match="keep_prompt_graph must be a bool or None"):
-        longstraw.Backend(keep_prompt_graph="yes")
+    with pytest.raises(longstraw.LongStrawError, match="keep_graphs must be a bool or None"):
+        longstraw.Backend(keep_graphs="yes")
+
+
+@pytest.mark.parametrize("keep,mode,says", [
+    (True, "exact", "the prompt's and the branches' graphs kept for the backward (keep_graphs=True)"),
+    (True, "detached", "the branches' graphs kept for the backward (keep_graphs=True)"),
+    (None, "exact", "the backward replays the branches and runs the reverse pass"),
+])
+def test_the_plan_says_what_it_keeps(keep, mode, says):
+    model = FAMILIES["qwen3"].build()
+    batch = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=keep, prompt_grad=mode)
+    compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch)
+    assert f"schedule: recompute_layers=False, {says}" in backend.plans[-1].summary()
