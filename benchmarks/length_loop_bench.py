@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 import torch
 import transformers
 import trl
 
-from grpo.measure import Clock, is_oom, release, sync
+from grpo.measure import Clock, is_oom, release, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -46,14 +45,6 @@ def loop_lengths(P: int, R: int, prompts: int, steps: int, seed: int) -> list[tu
     """Per step: the prompts' lengths in [P/2, P] and the completions' padded length in [R/2, R]."""
     draw = random.Random(seed)
     return [([draw.randint(P // 2, P) for _ in range(prompts)], draw.randint(R // 2, R)) for _ in range(steps)]
-
-
-def timed_step(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
-    sync()
-    start = time.perf_counter()
-    runner.step(batch)
-    sync()
-    return time.perf_counter() - start
 
 
 def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -> dict:

@@ -27,19 +27,11 @@ from pathlib import Path
 
 import torch
 
-from grpo.measure import Clock, is_oom, phase_seconds, release, sync
+from grpo.measure import Clock, is_oom, phase_seconds, release, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
-
-
-def timed(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
-    sync()
-    start = time.perf_counter()
-    runner.step(batch)
-    sync()
-    return time.perf_counter() - start
 
 
 def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> tuple[dict, str]:
@@ -92,10 +84,10 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
     out: dict = {"model": kind, "mode": mode, "P": P, "options": args.options}
     try:
         with PeerRunner(model, mode, rows, args.G, args.R, args.options) as runner:
-            out["first_s"] = timed(runner, batch)
+            out["first_s"] = timed_step(runner, batch)
             release(model)
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-            out["warm_s"] = statistics.median(timed(runner, batch) for _ in range(3))
+            out["warm_s"] = statistics.median(timed_step(runner, batch) for _ in range(3))
             out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
             release(model)
             summary, text = device_profile(runner, batch, args.top)

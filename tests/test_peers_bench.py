@@ -63,3 +63,39 @@ def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert len(runs["longstraw_exact"]["loop_s"]) == 2
     assert runs["longstraw_exact"]["dynamo_graphs"] == 0 and runs["longstraw_exact"]["plans"] == 2
     assert "| longstraw_exact | 48 |" in (tmp_path / "loop.md").read_text()
+
+
+def test_kept_graphs_through_trl_give_trls_gradients():
+    """LongStraw exact and detached with `keep_graphs=True` through TRL's
+    `compute_loss`: exact gives TRL's gradients, detached its own."""
+    model = build_model("dense", True, torch.float64, CPU)
+    batch = trl_micro_batch(N_PROMPTS, G, P, R, model.config.vocab_size, CPU)
+    for mode in ("longstraw_exact", "longstraw_detached"):
+        want_loss, want = loss_and_grads(model, "trl_eager" if mode == "longstraw_exact" else mode, batch)
+        with PeerRunner(model, mode, N_PROMPTS * G, G, R, {"keep_graphs": True, "prefix_chunk_size": 8,
+                                                            "recompute_layers": False}) as runner:
+            loss = runner.step(batch)
+            assert runner.trainer.longstraw_backend.plans[-1].runner.keeps_branch_graphs
+        torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
+        assert compare(grads_of(model), want)["max_rel_l2"] < 1e-6, mode
+
+
+def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/step_profile.py end to end on tiny shapes: per mode the
+    first and warm steps, the operator tables, LongStraw's phases (here
+    the kept graphs' differentiation in place of replays) and its plan."""
+    import json
+
+    import step_profile
+
+    argv = ["step_profile.py", "--tiny", "--P", "48", "--G", "2", "--R", "8", "--modes", "longstraw_exact,prefix_grouper",
+            "--options", '{"keep_graphs": true, "recompute_layers": false, "prefix_chunk_size": 16}', "--top", "3",
+            "--out-dir", str(tmp_path), "--name", "profile"]
+    monkeypatch.setattr(sys, "argv", argv)
+    step_profile.main()
+    runs = {run["mode"]: run for run in json.loads((tmp_path / "profile.json").read_text())["runs"]}
+    assert all(run["ok"] for run in runs.values()), runs
+    exact = runs["longstraw_exact"]
+    assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
+    assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
+    assert "host profile" in (tmp_path / "profile.txt").read_text()

@@ -40,6 +40,15 @@ def sync():
         torch.cuda.synchronize()
 
 
+def timed_step(runner, batch) -> float:
+    """Seconds of one `runner.step(batch)`, device-synchronised before and after."""
+    sync()
+    start = time.perf_counter()
+    runner.step(batch)
+    sync()
+    return time.perf_counter() - start
+
+
 @contextlib.contextmanager
 def phase_seconds() -> Iterator[dict[str, float]]:
     """Seconds per runtime phase (prompt capture, branches, replays, reverse
