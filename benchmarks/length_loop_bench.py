@@ -32,7 +32,7 @@ import torch
 import transformers
 import trl
 
-from grpo.measure import Clock, is_oom, release, timed_step
+from grpo.measure import Clock, recorded_failure, release, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -51,37 +51,31 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
     """The warm fixed-length step, then the loop, of one mode at one P."""
     rows = args.prompts * args.G
     out: dict = {"mode": mode, "P": P}
-    try:
-        # a plan cache that keeps every plan of the loop, to count them (it is the last few by default)
-        with PeerRunner(model, mode, rows, args.G, args.R, {"plan_cache_size": args.steps + 1}) as runner:
-            fixed = trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
-            runner.step(fixed)
-            release(model)
-            out["warm_s"] = min(timed_step(runner, fixed) for _ in range(2))
-            release(model)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            torch._dynamo.utils.counters.clear()
-            backend = getattr(runner.trainer, "longstraw_backend", None)
-            before = set() if backend is None else {id(p) for p in backend.plans}
-            seconds = []
-            for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
-                batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
-                seconds.append(timed_step(runner, batch))
-                release(model)
-            planned = [] if backend is None else [p for p in backend.plans if id(p) not in before]
-            out["loop_s"] = seconds
-            out["loop_mean_s"] = sum(seconds) / len(seconds)
-            out["loop_over_warm"] = out["loop_mean_s"] / out["warm_s"]
-            out["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # traced in the loop
-            out["plans"] = len(planned)
-            out["plan_s"] = sum(p.seconds.total for p in planned)
-            out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
-            out["ok"] = True
-    except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
-        out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
-    finally:
+    options = {"plan_cache_size": args.steps + 1}  # every plan of the loop kept, to count them (default: the last few)
+    with recorded_failure(out, model), PeerRunner(model, mode, rows, args.G, args.R, options) as runner:
+        fixed = trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
+        runner.step(fixed)
         release(model)
+        out["warm_s"] = min(timed_step(runner, fixed) for _ in range(2))
+        release(model)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        torch._dynamo.utils.counters.clear()
+        backend = getattr(runner.trainer, "longstraw_backend", None)
+        before = set() if backend is None else {id(p) for p in backend.plans}
+        seconds = []
+        for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
+            batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
+            seconds.append(timed_step(runner, batch))
+            release(model)
+        planned = [] if backend is None else [p for p in backend.plans if id(p) not in before]
+        out["loop_s"] = seconds
+        out["loop_mean_s"] = sum(seconds) / len(seconds)
+        out["loop_over_warm"] = out["loop_mean_s"] / out["warm_s"]
+        out["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # traced in the loop
+        out["plans"] = len(planned)
+        out["plan_s"] = sum(p.seconds.total for p in planned)
+        out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
     return out
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.measure import Clock, is_oom, phase_seconds, release, sync, timed_step
+from grpo.measure import Clock, phase_seconds, recorded_failure, release, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -82,32 +82,27 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
     rows = args.prompts * args.G
     batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device)
     out: dict = {"model": kind, "mode": mode, "P": P, "options": args.options}
-    try:
-        with PeerRunner(model, mode, rows, args.G, args.R, args.options) as runner:
-            out["first_s"] = timed_step(runner, batch)
-            release(model)
-            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-            out["warm_s"] = statistics.median(timed_step(runner, batch) for _ in range(3))
-            out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
-            release(model)
-            summary, text = device_profile(runner, batch, args.top)
-            out.update(summary)
-            report.append(f"===== {kind} {mode} P={P}: operators (by device time, then host time)\n{text}")
-            release(model)
-            if mode.startswith("longstraw"):
-                out["plan"] = plan_of(runner)
-                with phase_seconds() as phases:
-                    runner.step(batch)
-                out["phases_s"] = phases
-                release(model)
-                if args.host_profile:
-                    report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
-                    release(model)
-            out["ok"] = True
-    except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
-        out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
-    finally:
+    with recorded_failure(out, model), PeerRunner(model, mode, rows, args.G, args.R, args.options) as runner:
+        out["first_s"] = timed_step(runner, batch)
         release(model)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        out["warm_s"] = statistics.median(timed_step(runner, batch) for _ in range(3))
+        out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+        release(model)
+        summary, text = device_profile(runner, batch, args.top)
+        out.update(summary)
+        report.append(f"===== {kind} {mode} P={P}: operators (by device time, then host time)\n{text}")
+        release(model)
+        if mode.startswith("longstraw"):
+            out["plan"] = plan_of(runner)
+            with phase_seconds() as phases:
+                runner.step(batch)
+            out["phases_s"] = phases
+            release(model)
+            if args.host_profile:
+                report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
+                release(model)
     return out
 
 

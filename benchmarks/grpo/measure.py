@@ -40,6 +40,20 @@ def sync():
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def recorded_failure(out: dict, model) -> Iterator[None]:
+    """One mode's measurement: an exception inside is recorded in `out`
+    (`ok`, `oom`, `error`) instead of raised, so the other modes still run;
+    the model's gradients and cached memory are released either way."""
+    try:
+        yield
+        out["ok"] = True
+    except Exception as error:  # noqa: BLE001 - a failing mode is recorded; the others still run
+        out.update(ok=False, oom=is_oom(error), error=f"{type(error).__name__}: {str(error)[:400]}")
+    finally:
+        release(model)
+
+
 def timed_step(runner, batch) -> float:
     """Seconds of one `runner.step(batch)`, device-synchronised before and after."""
     sync()
