@@ -401,6 +401,24 @@ def peers(runs: dict[str, Result], stems: list[str], P: int, before: str) -> lis
     return lines
 
 
+def step_profiles(runs: dict[str, Result], before: str, stems: list[str]) -> list[str]:
+    """One row per (mode, P, options) of `stems`' step profiles, with the warm step of `before` beside it."""
+    earlier = {(r["mode"], r["P"]): r for r in runs[before]["runs"] if r.get("ok")}
+    lines = ["| mode | P | warm s/step | before | kernel s | peak | phases s |", "|---|---|---|---|---|---|---|"]
+    for stem in stems:
+        for r in runs[stem]["runs"]:
+            if not r.get("ok"):
+                continue
+            options = ", ".join(f"`{k}={v}`" for k, v in (r.get("options") or {}).items())
+            mode = r["mode"] + (f" ({options})" if options else "")
+            old = earlier.get((r["mode"], r["P"]))
+            was = f"{old['warm_s']:.2f}" if old else "-"
+            phases = ", ".join(f"{name} {t:.2f}" for name, t in r.get("phases_s", {}).items()) or "-"
+            lines.append(f"| {mode} | {count(r['P'])} | {r['warm_s']:.2f} | {was} | {r['kernel_s']:.2f} | "
+                         f"{gb(r['peak_gb'])} | {phases} |")
+    return lines
+
+
 def depth(runs: dict[str, Result], stems: list[str]) -> list[str]:
     """One row per file: its largest P run."""
     lines = ["| mode | P | peak | floor (weights + grads + state (+ d(state))) | seconds (whole call) |",
@@ -448,6 +466,8 @@ def readme_tables(runs: dict[str, Result]) -> dict[str, str]:
         "state-bytes": "\n".join(state(runs, "state_bytes")),
         "peers": "\n".join(peers(runs, ["peers_bench_speed_h200", "peers_bench_h200", "peers_bench_speed_b_h200"],
                                  16384, before="peers_bench_speed_h200")),
+        "step-profile": "\n".join(step_profiles(runs, "step_profile_dense_h200",
+                                                 ["step_profile_dense_b_h200", "step_profile_dense_nokeep_h200"])),
         "index": "Every result file, with its purpose, command, commit, headline and what\n"
                  "superseded it: [benchmarks/results/INDEX.md](benchmarks/results/INDEX.md).\n"
                  "The tables between `results:` markers in this section are generated from\n"
