@@ -50,8 +50,9 @@ def loop_lengths(P: int, R: int, prompts: int, steps: int, seed: int) -> list[tu
 def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -> dict:
     """The warm fixed-length step, then the loop, of one mode at one P."""
     rows = args.prompts * args.G
-    out: dict = {"mode": mode, "P": P}
-    options = {"plan_cache_size": args.steps + 1}  # every plan of the loop kept, to count them (default: the last few)
+    out: dict = {"mode": mode, "P": P, "options": args.options}
+    # every plan of the loop kept, to count them (default: the last few)
+    options = {**args.options, "plan_cache_size": args.steps + 1}
     with recorded_failure(out, model), PeerRunner(model, mode, rows, args.G, args.R, options) as runner:
         fixed = trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
         runner.step(fixed)
@@ -100,6 +101,8 @@ def main() -> None:
     parser.add_argument("--R", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='LongStraw options (JSON) besides prompt_grad, e.g. \'{"kernels": {"attention": "flash"}}\'')
     parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
     parser.add_argument("--budget-s", type=float, default=540, help="wall-clock budget of the whole command")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
