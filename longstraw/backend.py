@@ -34,7 +34,8 @@ from .errors import LongStrawError, UnsupportedGraphError, module_path, name_arg
 from .options import Options
 from .partition import Partition, classify, with_state
 from .pass_registry import active_passes
-from .planner import DEFAULT_CHUNK, MemoryModel, Simulations, available_budget, context_ranks, default_budget
+from .device_memory import available_budget
+from .planner import DEFAULT_CHUNK, MemoryModel, Simulations, context_ranks, default_budget
 from .program import StepProgram, compile_program
 from .runtime import GroupFunction, GroupRunner
 from .specialize import scalar_of, specialize
@@ -351,7 +352,7 @@ class CompiledGroupLoss:
             analysed = time.perf_counter()
             options, room = _sized(program, self.options, args, self.activations)
             runner = GroupRunner(program, options, state_room=room.states, graph_room=room.graphs,
-                                 graph_chunk_bytes=room.graph_chunk)
+                                 graph_chunk_bytes=room.graph_chunk, step_bytes=room.step)
             runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
             seconds = PlanSeconds(specialized - start, analysed - specialized, time.perf_counter() - analysed)
             plan = GroupPlan(program, runner, options, seconds)
@@ -381,11 +382,15 @@ class KeptRoom:
     """What the runner may keep for the backward beside the planned peak
     (`GroupRunner`): bytes of earlier groups' prompt states
     (`keep_group_states`), bytes of prompt captures' autograd graphs
-    (`keep_graphs`) and the bytes one chunk's graph is counted at."""
+    (`keep_graphs`), the bytes one chunk's graph is counted at, and what the
+    planned step needs beside the weights and gradients (state, d(state),
+    activations), which the runner keeps free at every call
+    (`device_memory.room_now`)."""
 
     states: int = 0
     graphs: int = 0
     graph_chunk: int = 0
+    step: int = 0
 
 
 def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, KeptRoom]:
@@ -438,7 +443,8 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
         spare = max(budget - others - chosen.peak, 0)
         if group is None:
             room = KeptRoom(spare if opts.keep_group_states is None else room.states,
-                            spare if opts.keep_graphs is None else room.graphs, chosen.activations)
+                            spare if opts.keep_graphs is None else room.graphs, chosen.activations,
+                            chosen.state + chosen.state_grad + chosen.activations)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
                  "prompt graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)

@@ -39,6 +39,7 @@ import logging
 import torch
 
 from .depth import Depth
+from .device_memory import available_budget
 from .nodes import tensor_of
 from .options import Options
 from .program import StepProgram
@@ -60,8 +61,6 @@ CHUNK_CHOICES = (8192, 4096, 2048, 1024, 512, 256, 128)
 FAST_CHUNK = 2048
 """Smaller chunks than this cost more speed (smaller matrix products, more
 launches) than recomputing each layer once, so recomputation is preferred."""
-BUDGET_MARGIN = 0.05
-"""Kept free of the device's memory when capping a budget (allocator fragmentation)."""
 EXTRAPOLATE_FROM = 6
 """Periods of layers from which the planner simulates two and three and extrapolates (fewer: it simulates them all)."""
 
@@ -279,15 +278,6 @@ def default_budget(device: torch.device) -> int | None:
     if device.type == "cuda" and torch.cuda.is_available():
         return available_budget(device)
     return None
-
-
-def available_budget(device: torch.device) -> int:
-    """The most a step may hold: on CUDA what is allocated now plus free, less a margin; elsewhere no limit."""
-    if device.type != "cuda":
-        return 1 << 62
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(torch.cuda.memory_allocated(device) + free + cached - BUDGET_MARGIN * total)
 
 
 def _scale(traced: torch.dtype, target: torch.dtype | None) -> float:

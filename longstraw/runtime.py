@@ -34,6 +34,7 @@ from .errors import InputError, LongStrawError, UnsupportedGraphError, argument_
 from .nodes import ancestors
 from .options import Options
 from .carry import SpanGraphs
+from .device_memory import room_now
 from .context_parallel import (
     PromptShard, all_gathered, check_replicated, graph_fingerprint, raise_together, replicate_from_first,
     summed_carry_grads, summed_over_ranks,
@@ -175,11 +176,13 @@ class GroupRunner:
     `graph_room`: the bytes of the forward's autograd graphs it may keep
     for the backward (`keep_graphs`), `graph_chunk_bytes` those of one
     prompt chunk's or one branch's (kept states and graphs share one count
-    of bytes)."""
+    of bytes); `step_bytes`: what the planned step needs beside the weights
+    and gradients, which each call keeps free before it spends `graph_room`
+    (`device_memory.room_now`)."""
 
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
-        state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0,
+        state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0, step_bytes: int = 0,
     ) -> None:
         part = program.partition
         self.program = program
@@ -189,7 +192,7 @@ class GroupRunner:
         self.ranks = ranks if ranks is not None or group is None else Ranks(group)
         self.sampled = sampled
         self.state_room = state_room
-        self.graph_room, self.graph_chunk_bytes = graph_room, graph_chunk_bytes
+        self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -199,6 +202,7 @@ class GroupRunner:
         self.padding_roots = program.padding_roots
         self.roots = {r.node: r for r in part.roots}
         self.position = {p: i for i, p in enumerate(part.placeholders)}
+        self.param_positions = [self.position[p] for p in part.params]
         self.imports = step_imports(part)
         self.state_ancestors = {
             self.position[n] for n in ancestors(s.node for s in part.slots) if n.op == "placeholder"
@@ -449,10 +453,12 @@ class GroupRunner:
         self.check_padding(values, groups)
         self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
         leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
+        room = 0
         if leaves is not None:
+            room = self._graph_room_now(inputs, next(iter(leaves.values())).device)
             inputs = [leaves.get(i, x) for i, x in enumerate(inputs)]
         with posting_failures(self.ranks):
-            return self.run(inputs, values, groups, self.part.end, backward, leaves)
+            return self.run(inputs, values, groups, self.part.end, backward, leaves, room)
 
     def _graph_leaves(self, inputs: Sequence[Any], values: dict) -> dict[int, torch.Tensor] | None:
         """Aliases of the inputs that need gradients, for steps run under
@@ -470,7 +476,7 @@ class GroupRunner:
     @torch.no_grad()
     def run(
         self, inputs: Sequence[Any], values: dict, groups: Sequence[Group], end: int, backward: bool = True,
-        leaves: dict[int, torch.Tensor] | None = None,
+        leaves: dict[int, torch.Tensor] | None = None, graph_room: int = 0,
     ) -> tuple[list[torch.Tensor], CallState]:
         """Capture and branches from the outer values, group by group; `end`
         is the traced one except when `longstraw.explain` simulates other
@@ -482,7 +488,8 @@ class GroupRunner:
         attention outputs on the host). With `leaves` (`_graph_leaves`) the
         steps whose graphs `graph_room` has room for (a group's prompt in
         exact mode, then its branches one by one) run under autograd and
-        keep their graphs, and the group's state, for the backward."""
+        keep their graphs, and the group's state, for the backward
+        (`graph_room`: the room this call found, `_graph_room_now`)."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
@@ -493,7 +500,7 @@ class GroupRunner:
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             last = i == len(groups) - 1
-            spending = self._spending(kept, end, last) if leaves is not None else None
+            spending = self._spending(kept, end, last, graph_room) if leaves is not None else None
             prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
                             and any(i in self.state_ancestors for i in leaves)
                             and spending.take(self.schedule(group.prefix_len).count * self.graph_chunk_bytes))
@@ -539,11 +546,18 @@ class GroupRunner:
         )
         return outputs, CallState(values, calls, end, device, real, leaves)
 
-    def _spending(self, kept: int, end: int, last: bool) -> GraphSpending:
+    def _spending(self, kept: int, end: int, last: bool, room: int) -> GraphSpending:
         """A group's `GraphSpending`: but for the last group, a kept graph
         keeps its state too, which the backward would otherwise capture again."""
         state = 0 if last else sum(slot.bytes_per_position() for slot in self.part.slots) * end
-        return GraphSpending(self.graph_room, kept, state)
+        return GraphSpending(room, kept, state)
+
+    def _graph_room_now(self, inputs: Sequence[Any], device: torch.device) -> int:
+        """`graph_room` as this call finds the device (`device_memory.room_now`):
+        the gradients not allocated yet are counted as needed."""
+        missing = sum(x.numel() * x.element_size() for i in self.param_positions
+                      if isinstance(x := inputs[i], torch.Tensor) and x.requires_grad and x.grad is None)
+        return room_now(device, self.graph_room, self.step_bytes, missing)
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,

@@ -226,3 +226,35 @@ def test_cuda_bf16_fused_kernels_with_padding_are_as_accurate_as_eager(keep):
     _, got = compiled_loss_and_grads(compile_loss(loss_fn, backend), model, *group)
     worst = lambda grads: max(rel_err(grads[n].double(), truth[n]) for n in truth if truth[n] is not None)  # noqa: E731
     assert worst(got) <= 2 * worst(eager), (worst(got), worst(eager))
+
+
+def test_the_room_is_checked_at_every_call(monkeypatch):
+    """The planned room is capped at each call by what the device can still
+    allocate beside what is allocated, the step's own needs and the
+    gradients not allocated yet: a trainer's optimizer states, allocated
+    after the first step, come out of the room, not out of the step's."""
+    from longstraw import device_memory, runtime
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(device_memory, "available_budget", lambda device: 100)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 30)
+    assert device_memory.room_now(cuda, 50, 20, 10) == 40
+    assert device_memory.room_now(cuda, 30, 20, 10) == 30
+    assert device_memory.room_now(cuda, 50, 80, 0) == 0
+    assert device_memory.room_now(cpu, 50, 80, 0) == 50
+
+    missing = []
+
+    def recording(device, planned, step_bytes, missing_grads):
+        missing.append(missing_grads)
+        return planned
+
+    monkeypatch.setattr(runtime, "room_now", recording)
+    model = FAMILIES["qwen3"].build()
+    batch = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
+    compiled = compile_loss(batch_loss, longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=True))
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    compiled(model, *batch).backward()
+    compiled(model, *batch).backward()
+    assert missing == [trainable, 0]

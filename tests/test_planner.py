@@ -76,7 +76,7 @@ def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
 
 def test_off_cuda_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
     """No `memory_budget_gb` on the CPU: chunks of 8192, no recomputation, no simulation at planning."""
-    from longstraw import planner
+    from longstraw import device_memory, planner
 
     assert planner.default_budget(torch.device("cpu")) is None
     monkeypatch.setattr(planner, "simulate_step", lambda *a, **k: pytest.fail("simulated without a budget"))
@@ -112,13 +112,13 @@ def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
 @pytest.mark.gpu
 def test_default_budget_on_cuda():
     """On CUDA the default budget is the device's free memory (what is allocated plus free, less the margin)."""
-    from longstraw import planner
+    from longstraw import device_memory, planner
 
     device = torch.device("cuda")
     held = torch.empty(1 << 28, dtype=torch.uint8, device=device)
     free, total = torch.cuda.mem_get_info(device)
     reserved_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    expected = torch.cuda.memory_allocated(device) + free + reserved_free - planner.BUDGET_MARGIN * total
+    expected = torch.cuda.memory_allocated(device) + free + reserved_free - device_memory.BUDGET_MARGIN * total
     assert abs(planner.default_budget(device) - expected) < 64 << 20
     del held
 
@@ -130,7 +130,7 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     prompt, so they grow with P). A longer prompt, or longer branches, is
     simulated again. (Compiled with dynamic sizes: one Dynamo graph, whose
     plans share one cache.)"""
-    from longstraw import planner
+    from longstraw import device_memory, planner
 
     from longstraw import backend as backend_module
 
@@ -197,7 +197,7 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     shorter ninth it predicts what running all of them does: the same
     bytes. The hybrid's carries are what a skipped chunk could get wrong;
     its exact mode runs with `-m slow`."""
-    from longstraw import planner
+    from longstraw import device_memory, planner
     from longstraw.schedule import ChunkSchedule
 
     report = explain(kind)
@@ -257,7 +257,7 @@ def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, mon
     and of the rounds the first and the last two (`ChunkSchedule.sampled`); over
     four rounds and a chunk after them it predicts what running them all
     does: the same bytes."""
-    from longstraw import planner
+    from longstraw import device_memory, planner
     from longstraw.schedule import ChunkSchedule
 
     report = explain(kind)
