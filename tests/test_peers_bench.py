@@ -99,3 +99,27 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
     assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
     assert "host profile" in (tmp_path / "profile.txt").read_text()
+
+
+def test_trainer_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/trainer_loop_bench.py end to end on tiny shapes: TRL's
+    default and LongStraw train two steps each, generation included, and
+    each step's parts add up to its time."""
+    import json
+
+    import trainer_loop_bench
+
+    argv = ["trainer_loop_bench.py", "--tiny", "--P", "40", "--R", "6", "--steps", "2",
+            "--out-dir", str(tmp_path), "--name", "loop"]
+    monkeypatch.setattr(sys, "argv", argv)
+    trainer_loop_bench.main()
+    runs = {run["mode"]: run for run in json.loads((tmp_path / "loop.json").read_text())["runs"]}
+    assert set(runs) == {"trl_ckpt", "longstraw_exact"} and all(run["ok"] for run in runs.values()), runs
+    for run in runs.values():
+        assert len(run["steps"]) == 2
+        for step in run["steps"]:
+            assert all(step[part] >= 0 for part in trainer_loop_bench.PARTS), step
+            assert abs(sum(step[part] for part in trainer_loop_bench.PARTS) - step["total"]) < 1e-6
+            assert step["generation"] > 0 and step["loss"] > 0 and step["backward"] > 0
+    assert runs["longstraw_exact"]["plans"] >= 1
+    assert "| longstraw_exact | 40 |" in (tmp_path / "loop.md").read_text()
