@@ -4,7 +4,10 @@ The micro-batch is TRL's: 2 prompts x G = 8 completions, prompts left-padded
 (the second is 1/8 shorter), completions right-padded to R = 1024, fed to
 `GRPOTrainer.compute_loss` (see peers/modes.py for what each mode runs).
 The model is grpo_bench's dense slice (4 layers at Qwen3-8B's shapes, bf16,
-random init). Per mode, P (the longer prompt) doubles from --p-min until the
+random init) or, with `--model hybrid`, its Qwen3.5 hybrid slice (three
+Gated DeltaNet layers and one full attention layer), where prefix-grouper
+does not run: it packs a prompt's completions into one row, and a Gated
+DeltaNet layer would run each completion from the one before it. Per mode, P (the longer prompt) doubles from --p-min until the
 step runs out of memory, would exceed the time left, or reaches --p-max,
 then bisects; every run's peak allocated memory and step time are recorded
 (first calls: LongStraw's include planning and compiling). Then every mode's
@@ -73,14 +76,16 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
+    slice_ = "dense 4-layer Qwen3-8B" if result["model"] == "dense" else "Qwen3.5 hybrid 4-layer"
     fig.suptitle(f"one TRL GRPO micro-batch: {result['n_prompts']} prompts x G={result['G']}, R={result['R']}, "
-                 f"dense 4-layer Qwen3-8B slice, bf16")
+                 f"{slice_} slice, bf16")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
     parser.add_argument("--modes", default=",".join(PEERS))
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--G", type=int, default=8)
@@ -97,15 +102,20 @@ def main() -> None:
     args = parser.parse_args()
     args.start = {m: int(p) for m, p in (item.split(":") for item in args.start.split(",") if item)}
     modes = [m for m in args.modes.split(",") if m]
-
+    skipped = {}
+    if args.model == "hybrid" and "prefix_grouper" in modes:
+        modes.remove("prefix_grouper")
+        skipped["prefix_grouper"] = ("not exact on a hybrid: its packed row runs each completion's Gated DeltaNet "
+                                     "layers from the state the completion before it left")
     clock = Clock(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model("dense", args.tiny, torch.bfloat16, device)
+    model = build_model(args.model, args.tiny, torch.bfloat16, device)
     model.config.use_cache = False
     rows, vocab = args.prompts * args.G, model.config.vocab_size
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
             *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
-    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "dtype": "bfloat16", "model": "dense",
+    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "dtype": "bfloat16", "model": args.model,
+              "skipped": skipped,
               "transformers": transformers.__version__, "trl": trl.__version__,
               **provenance("python " + " ".join(argv))}
     os.makedirs(args.out_dir, exist_ok=True)
@@ -121,7 +131,7 @@ def main() -> None:
     def inputs_of(P: int) -> dict[str, torch.Tensor]:
         return trl_micro_batch(args.prompts, args.G, P, args.R, vocab, device)
 
-    sweep(model, "dense", modes, args, clock, None, result.setdefault("sweep", {}), save, runner_of, inputs_of)
+    sweep(model, args.model, modes, args, clock, None, result.setdefault("sweep", {}), save, runner_of, inputs_of)
     p_speed = args.p_speed or result["sweep"].get("trl_ckpt", {}).get("max_prompt_tokens")
     if p_speed:
         result["p_speed"], result["speed"] = p_speed, {}

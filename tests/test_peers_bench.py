@@ -123,3 +123,20 @@ def test_trainer_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
             assert step["generation"] > 0 and step["loss"] > 0 and step["backward"] > 0
     assert runs["longstraw_exact"]["plans"] >= 1
     assert "| longstraw_exact | 40 |" in (tmp_path / "loop.md").read_text()
+
+
+def test_hybrid_peers_compute_trls_loss_and_gradients():
+    """peers_bench --model hybrid: LongStraw exact through TRL on the Qwen3.5
+    hybrid slice (Gated DeltaNet and full attention, left-padded prompts)
+    gives TRL's loss and gradients."""
+    from longstraw.models import qwen3_5
+
+    model = build_model("hybrid", True, torch.float64, CPU)
+    batch = trl_micro_batch(N_PROMPTS, G, P, R, model.config.vocab_size, CPU)
+    with qwen3_5.bound():
+        want_loss, want = loss_and_grads(model, "trl_eager", batch)
+        loss, got = loss_and_grads(model, "longstraw_exact", batch)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
+    # HF's norms round through float32 in both (as in the family tests, 1e-6 there at their smaller
+    # shapes); here the Gated DeltaNet gate's projection gathers 1.04e-6 of it over 24 prompt positions
+    assert compare(got, want)["max_rel_l2"] < 2e-6, compare(got, want)
