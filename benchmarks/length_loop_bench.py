@@ -24,17 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-from pathlib import Path
 
 import torch
-import transformers
-import trl
 
+from grpo.loop import add_loop_arguments, loop_start, run_loops
 from grpo.measure import Clock, recorded_failure, release, timed_step
-from grpo.models import build_model
-from grpo.results import provenance
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
 
@@ -94,54 +89,14 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default=",".join(LOOP_MODES))
-    parser.add_argument("--P", default="8192,32768,131072", help="the longest prompt of each loop, comma-separated")
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--G", type=int, default=8)
-    parser.add_argument("--R", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=20)
+    add_loop_arguments(parser, modes=LOOP_MODES, P="8192,32768,131072", G=8, R=1024, steps=20, name="length_loop_bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--options", type=json.loads, default={},
                         help='LongStraw options (JSON) besides prompt_grad, e.g. \'{"kernels": {"attention": "flash"}}\'')
-    parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
-    parser.add_argument("--budget-s", type=float, default=540, help="wall-clock budget of the whole command")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--name", default="length_loop_bench")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(PEERS)
-    if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {PEERS}")
-
     clock = Clock(args.budget_s)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.model, args.tiny, dtype, device)
-    model.config.use_cache = False
-    argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
-            *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
-    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "steps": args.steps, "dtype": str(dtype),
-              "model": args.model, "transformers": transformers.__version__, "trl": trl.__version__,
-              **provenance("python " + " ".join(argv)), "runs": []}
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, args.name)
-    for P in (int(p) for p in args.P.split(",")):
-        for mode in modes:
-            if clock.left() < 30:
-                result["runs"].append({"mode": mode, "P": P, "ok": False, "error": "time budget"})
-                continue
-            run = run_mode(model, mode, P, args, model.config.vocab_size, device)
-            result["runs"].append(run)
-            print(f"  {mode:20} P={P:>8} " + (f"warm {run['warm_s']:.2f} s, loop mean {run['loop_mean_s']:.2f} s "
-                  f"({run['loop_over_warm']:.2f}x), {run['dynamo_graphs']} Dynamo compile(s), {run['plans']} plan(s)"
-                  if run["ok"] else run["error"]), flush=True)
-            with open(stem + ".json", "w") as f:
-                json.dump(result, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(table(result) + "\n")
-    print(table(result))
-
+    model, modes, result, stem = loop_start(args, PEERS, use_cache=False)
+    run_loops(args, modes, result, stem, clock, lambda P, mode: run_mode(model, mode, P, args, model.config.vocab_size, model.device), table)
 
 if __name__ == "__main__":
     main()

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -40,9 +37,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import TrainerCallback
 
-from grpo.measure import Clock, recorded_failure, release, sync
-from grpo.models import build_model
-from grpo.results import provenance
+from grpo.loop import add_loop_arguments, loop_start, run_loops
+from grpo.measure import Clock, recorded_failure, sync, synced
 from longstraw.integrations.trl import LongStrawGRPOTrainer
 
 MODES = ("trl_ckpt", "longstraw_exact")
@@ -85,15 +81,8 @@ class StepClock(TrainerCallback):
         self.current["other"] = total - sum(self.current[p] for p in PARTS if p != "other")
         self.steps.append({"total": total, **self.current})
 
-    @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            self.current[name] += time.perf_counter() - start
+    def part(self, name: str) -> contextlib.AbstractContextManager:
+        return synced(lambda seconds: self.current.__setitem__(name, self.current[name] + seconds))
 
     def timing(self, fn: Callable, name: str, less: tuple[str, ...] = ()) -> Callable:
         """`fn` timed into `name`, less the parts timed inside it (`less`)."""
@@ -162,50 +151,11 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--P", default="16384,65536", help="the longest prompt of each loop, comma-separated")
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--G", type=int, default=4)
-    parser.add_argument("--R", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
-    parser.add_argument("--budget-s", type=float, default=540, help="wall-clock budget of the whole command")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
-    parser.add_argument("--out-dir", default="benchmarks/results")
-    parser.add_argument("--name", default="trainer_loop_bench")
+    add_loop_arguments(parser, modes=MODES, P="16384,65536", G=4, R=256, steps=4, name="trainer_loop_bench")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES)
-    if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-
     clock = Clock(args.budget_s)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.model, args.tiny, dtype, device)
-    model.config.use_cache = True  # generation's
-    argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
-            *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
-    result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "steps": args.steps, "dtype": str(dtype),
-              "model": args.model, "transformers": transformers.__version__, "trl": trl.__version__,
-              **provenance("python " + " ".join(argv)), "runs": []}
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, args.name)
-    for P in (int(p) for p in args.P.split(",")):
-        for mode in modes:
-            if clock.left() < 30:
-                result["runs"].append({"mode": mode, "P": P, "ok": False, "error": "time budget"})
-                continue
-            run = run_mode(model, mode, P, args)
-            release(model)
-            result["runs"].append(run)
-            print(table({"runs": [run]}).splitlines()[-1], flush=True)
-            with open(stem + ".json", "w") as f:
-                json.dump(result, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(table(result) + "\n")
-    print(table(result))
-
+    model, modes, result, stem = loop_start(args, MODES, use_cache=True)
+    run_loops(args, modes, result, stem, clock, lambda P, mode: run_mode(model, mode, P, args), table)
 
 if __name__ == "__main__":
     main()

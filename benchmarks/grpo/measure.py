@@ -54,13 +54,24 @@ def recorded_failure(out: dict, model) -> Iterator[None]:
         release(model)
 
 
-def timed_step(runner, batch) -> float:
-    """Seconds of one `runner.step(batch)`, device-synchronised before and after."""
+@contextlib.contextmanager
+def synced(record: Callable[[float], None]) -> Iterator[None]:
+    """`record(seconds)` of the block, the device synchronised before and after."""
     sync()
     start = time.perf_counter()
-    runner.step(batch)
-    sync()
-    return time.perf_counter() - start
+    try:
+        yield
+    finally:
+        sync()
+        record(time.perf_counter() - start)
+
+
+def timed_step(runner, batch) -> float:
+    """Seconds of one `runner.step(batch)`, device-synchronised before and after."""
+    seconds = []
+    with synced(seconds.append):
+        runner.step(batch)
+    return seconds[0]
 
 
 @contextlib.contextmanager
@@ -69,16 +80,9 @@ def phase_seconds() -> Iterator[dict[str, float]]:
     pass: `longstraw.runtime.phase_of`) of the steps run inside, device-synchronised."""
     seconds: dict[str, float] = {}
 
-    @contextlib.contextmanager
-    def timed(where: str) -> Iterator[None]:
-        sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            phase = phase_of(where)
-            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+    def timed(where: str) -> contextlib.AbstractContextManager:
+        phase = phase_of(where)
+        return synced(lambda s: seconds.__setitem__(phase, seconds.get(phase, 0.0) + s))
 
     with longstraw.around_steps(timed):
         yield seconds
