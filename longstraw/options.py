@@ -67,10 +67,11 @@ class Options:
     activations, what eager keeps for one row of the prompt and for each
     completion. None: planned, kept (prompt first, then branch by branch)
     while the memory budget has room beside the planned peak; nothing is
-    kept where nothing is planned. Applies to steps whose state is all
-    per-position (attention K/V, latents); carried operators, layer-wise
-    recomputation, attention outputs on the host, frozen stages, random
-    operators and context parallelism run the replays as before."""
+    kept where nothing is planned. Layer-wise recomputation, attention
+    outputs on the host, frozen stages, random operators and context
+    parallelism run the replays as before, and so do the branches of
+    passes that do not allow it (`ArchitecturePass.branch_graphs_kept`:
+    MLA, DSA and sliding windows for now)."""
 
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss

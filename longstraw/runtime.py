@@ -44,7 +44,7 @@ from .recompute import LayerwiseStep
 from .stages import Stage
 from .program import StepProgram
 from .schedule import Chunk, ChunkSchedule
-from .state import ChunkRound, HostAttentionOutputs, PromptState, SlotKind, StepContext, has_values
+from .state import ChunkRound, HostAttentionOutputs, PromptState, StepContext, has_values
 from .stepgraph import StepGraph, step_imports
 
 log = logging.getLogger("longstraw.runtime")
@@ -231,16 +231,16 @@ class GroupRunner:
     @functools.cached_property
     def keeps_graphs(self) -> bool:
         """Whether this plan may keep the forward's autograd graphs
-        (`Options.keep_graphs`): a state of per-position slots only, and
-        none of what changes how the backward replays (layer-wise
-        recomputation, attention outputs on the host, frozen stages,
-        random operators, context parallelism). Prompt graphs need exact
-        mode; branch graphs, passes that allow them (`branch_graphs_kept`)."""
+        (`Options.keep_graphs`): none of what changes how the backward
+        replays (layer-wise recomputation, attention outputs on the host,
+        frozen stages, random operators, context parallelism). Prompt
+        graphs need exact mode (a carried operator's backward reads the
+        chunk boundary's carry, which exact mode's capture keeps); branch
+        graphs, passes that allow them (`branch_graphs_kept`)."""
         o = self.options
         return (o.keep_graphs is not False and self.graph_room > 0
                 and self.options.context_parallel is None and self.ranks is None and not o.recompute_layers
-                and not o.attention_outputs_on_host and len(self.stages) == 1 and not self.random and not self.sampled
-                and all(slot.kind == SlotKind.SEQUENCE for slot in self.part.slots))
+                and not o.attention_outputs_on_host and len(self.stages) == 1 and not self.random and not self.sampled)
 
     @functools.cached_property
     def keeps_branch_graphs(self) -> bool:

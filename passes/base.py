@@ -163,6 +163,10 @@ class CarryPass(ArchitecturePass):
     dimensions of its sequence argument (a convolution, a moving average);
     override it otherwise."""
 
+    branch_graphs_kept = True
+    """A branch's `CarryStep` starts from the prompt's carry, which no branch
+    changes, and reads no per-position state."""
+
     op: Any = None
     sequence: tuple[int, int] = (0, 1)
     batch_dim: int = 0

@@ -106,20 +106,50 @@ def test_kept_graph_with_left_padding_and_ragged_completions():
     assert seen.count(KEPT_BRANCH) == 2 and REPLAY not in seen
 
 
-@pytest.mark.parametrize("why", ["carried state", "layer-wise recomputation", "detached"])
+@pytest.mark.parametrize("why", ["layer-wise recomputation", "detached"])
 def test_where_the_graph_is_not_kept_the_reverse_pass_runs(why):
-    """A carried state (Gated DeltaNet) and layer-wise recomputation keep no
-    graph, asked or not; detached mode keeps the branches' only. The
-    gradients are still eager's (or the detached reference's)."""
-    family, options = {
-        "carried state": ("qwen3_5", {"recompute_layers": False}),
-        "layer-wise recomputation": ("qwen3", {"recompute_layers": True}),
-        "detached": ("qwen3", {"recompute_layers": False, "prompt_grad": "detached"}),
+    """Layer-wise recomputation keeps no graph, asked or not; detached mode
+    keeps the branches' only. The gradients are still eager's (or the
+    detached reference's)."""
+    options = {
+        "layer-wise recomputation": {"recompute_layers": True},
+        "detached": {"recompute_layers": False, "prompt_grad": "detached"},
     }[why]
-    seen = run_batch(family, [2, 2], 4, keep_graphs=True, **options)
+    seen = run_batch("qwen3", [2, 2], 4, keep_graphs=True, **options)
     assert KEPT not in seen
     assert (REVERSE in seen) == (why != "detached")
     assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == ((4, 0) if why == "detached" else (0, 4))
+
+
+# carried state: Gated DeltaNet and a short convolution, Mamba-2's scan, LFM2's convolution; a sliding window
+CARRIED = ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.slow), "lfm2", "mistral"]
+
+
+@pytest.mark.parametrize("family", CARRIED)
+def test_carried_state_keeps_graphs(family):
+    """A carried operator's kept prompt chunk reads the boundary's carry the
+    capture kept, and a kept branch the prompt's carry, as the reverse pass
+    and the replays do: eager's gradients with every graph kept. A sliding
+    window's branches (its own step, `branch_graphs_kept` False) replay."""
+    seen = run_batch(family, [2, 2], 4, keep_graphs=True, recompute_layers=False)
+    assert seen.count(KEPT) == 6 and REVERSE not in seen
+    assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == ((0, 4) if family == "mistral" else (4, 0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_carried_state_detached_kept_branches_give_the_replays_gradients(family):
+    """Detached mode on a hybrid: kept branches against replayed ones, to rounding (float64)."""
+    fam = FAMILIES[family]
+    model = fam.build()
+    batch = make_batch([3, 2], P=13, R=3, vocab=model.config.vocab_size)
+    grads = []
+    for keep in (True, False):
+        backend = longstraw.Backend(prompt_grad="detached", prefix_chunk_size=4, recompute_layers=False,
+                                    keep_graphs=keep)
+        with fam.bind(), deterministic_algorithms(True):
+            grads.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=1e-12, atol=0)
+    assert_grads_close(grads[0][1], grads[1][1], 1e-12)
 
 
 def test_planned_room_decides(monkeypatch):
@@ -258,3 +288,27 @@ def test_the_room_is_checked_at_every_call(monkeypatch):
     compiled(model, *batch).backward()
     compiled(model, *batch).backward()
     assert missing == [trainable, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_cuda_hybrid_kept_graphs_match_the_replays(mode):
+    """The Qwen3.5 hybrid on CUDA in float64 (chunk-boundary carries on the
+    host, the reference kernels' backward as CUDA graphs): every graph kept
+    gives the replays' and the reverse pass's gradients, and eager's in exact mode."""
+    fam = FAMILIES["qwen3_5"]
+    model = fam.build().cuda()
+    batch = tuple(t.cuda() for t in make_batch([3, 2], P=13, R=3, vocab=model.config.vocab_size))
+    grads = []
+    for keep in (True, False):
+        backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4, recompute_layers=False, keep_graphs=keep)
+        with fam.bind(), phases() as seen:
+            grads.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
+        assert (REPLAY in seen) != keep
+    assert_grads_close(grads[0][1], grads[1][1], 1e-12)
+    if mode == "exact":
+        from helpers.reference import eager_loss_and_grads
+
+        with fam.bind():
+            _, want = eager_loss_and_grads(batch_loss, model, *batch)
+        assert_grads_close(grads[0][1], want, TOL)
