@@ -161,7 +161,7 @@ class CallState:
     end: int
     device: torch.device  # the outer values': where the states are captured
     real: bool  # the outer values have values (not a shape-only run)
-    leaves: dict[int, torch.Tensor] | None = None  # inputs' aliases the kept prompt graphs lead to, by position
+    leaves: dict[int, torch.Tensor] | None = None  # inputs' aliases the kept graphs lead to, by position
 
 
 class GroupRunner:
@@ -502,7 +502,7 @@ class GroupRunner:
             last = i == len(groups) - 1
             spending = self._spending(kept, end, last, graph_room) if leaves is not None else None
             prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
-                            and any(i in self.state_ancestors for i in leaves)
+                            and any(position in self.state_ancestors for position in leaves)
                             and spending.take(self.schedule(group.prefix_len).count * self.graph_chunk_bytes))
             graph = [] if prompt_graph else None
             branches: dict[int, Sequence[torch.Tensor]] = {}
@@ -549,7 +549,7 @@ class GroupRunner:
     def _spending(self, kept: int, end: int, last: bool, room: int) -> GraphSpending:
         """A group's `GraphSpending`: but for the last group, a kept graph
         keeps its state too, which the backward would otherwise capture again."""
-        state = 0 if last else sum(slot.bytes_per_position() for slot in self.part.slots) * end
+        state = 0 if last else sum(slot.bytes_per_position() * end + slot.fixed_bytes() for slot in self.part.slots)
         return GraphSpending(room, kept, state)
 
     def _graph_room_now(self, inputs: Sequence[Any], device: torch.device) -> int:
