@@ -19,6 +19,7 @@ the whole sequence and the step reads for its row and visible columns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any
@@ -59,7 +60,6 @@ class MaskBlock:
 
     def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...]) -> None:
         self.tiles, self.offset, self.length, self.vectors = tiles, offset, length, vectors
-        self._interval: tuple[tuple[int, int] | None] | None = None  # key_interval's answer, once asked
 
     def columns(self, start: int, count: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The block's `[..., n, count]` tile of columns `[start, start+count)`
@@ -127,11 +127,10 @@ class MaskBlock:
         None without a key mask, or for another pattern. Asked once per
         block: every attention layer of a step reads the same block, and
         each answer costs device syncs."""
-        if self._interval is None:
-            self._interval = (self._key_interval(),)
-        return self._interval[0]
+        return self._interval
 
-    def _key_interval(self) -> tuple[int, int] | None:
+    @functools.cached_property
+    def _interval(self) -> tuple[int, int] | None:
         keys = self._keys()
         if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
             return None
