@@ -149,12 +149,11 @@ class GroupPlan:
 
     def _kept_graphs(self) -> str:
         """What `keep_graphs` keeps for the backward under this plan."""
-        runner = self.runner
-        if not runner.keeps_graphs:
-            return "the backward replays the branches" + (
-                " and runs the reverse pass" if self.options.prompt_grad == "exact" else "")
-        kept = ("the prompt's and the branches' graphs" if runner.keeps_branch_graphs and self.options.prompt_grad == "exact"
-                else "the branches' graphs" if runner.keeps_branch_graphs else "the prompt's graph")
+        runner, exact = self.runner, self.options.prompt_grad == "exact"
+        kept = [what for what, keeps in (("the prompt's", exact), ("the branches'", runner.keeps_branch_graphs)) if keeps]
+        if not runner.keeps_graphs or not kept:
+            return "the backward replays the branches" + (" and runs the reverse pass" if exact else "")
+        kept = " and ".join(kept) + (" graphs" if len(kept) > 1 else " graph" if exact else " graphs")
         if runner.graph_room >= _KEEP_EVERY_STATE:
             return f"{kept} kept for the backward (keep_graphs=True)"
         return (f"{kept} kept for the backward while they fit: {runner.graph_room / 1e9:.1f} GB of room, "
@@ -381,8 +380,9 @@ class CompiledGroupLoss:
 class KeptRoom:
     """What the runner may keep for the backward beside the planned peak
     (`GroupRunner`): bytes of earlier groups' prompt states
-    (`keep_group_states`), bytes of prompt captures' autograd graphs
-    (`keep_graphs`), the bytes one chunk's graph is counted at, and what the
+    (`keep_group_states`), bytes of the forward's autograd graphs
+    (`keep_graphs`), the bytes one prompt chunk's or one branch's graph is
+    counted at, and what the
     planned step needs beside the weights and gradients (state, d(state),
     activations), which the runner keeps free at every call
     (`device_memory.room_now`)."""
@@ -447,7 +447,7 @@ def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations
                             chosen.state + chosen.state_grad + chosen.activations)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
-                 "prompt graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)
+                 "kept graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)
     return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute), room
 
 

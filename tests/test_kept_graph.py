@@ -312,3 +312,15 @@ def test_cuda_hybrid_kept_graphs_match_the_replays(mode):
         with fam.bind():
             _, want = eager_loss_and_grads(batch_loss, model, *batch)
         assert_grads_close(grads[0][1], want, TOL)
+
+
+def test_the_plan_says_nothing_is_kept_where_nothing_can_be():
+    """Detached mode on a model whose branches replay (a sliding window):
+    `keep_graphs=True` keeps nothing, and the plan says the branches replay."""
+    model = FAMILIES["mistral"].build()
+    batch = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=True, prompt_grad="detached")
+    with phases() as seen:
+        compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch)
+    assert KEPT_BRANCH not in seen and seen.count(REPLAY) == 3
+    assert "schedule: recompute_layers=False, the backward replays the branches\n" in backend.plans[-1].summary() + "\n"
