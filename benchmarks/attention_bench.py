@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo.results import provenance  # noqa: E402
-from longstraw.kernels import attention  # noqa: E402
+from longstraw.runtime.kernels import attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 

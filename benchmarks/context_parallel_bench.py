@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from longstraw import runtime
+from longstraw.runtime import runner as runtime
 
 from grpo.measure import Clock, live_at_peak, phase_peaks, phase_seconds, release, sync
 from grpo.models import build_model, make_group

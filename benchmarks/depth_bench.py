@@ -56,11 +56,11 @@ from grpo.models import grpo_loss, make_group  # noqa: E402
 from grpo.ranks import agreed, init_rank, spawn  # noqa: E402
 from grpo.results import provenance  # noqa: E402
 from longstraw.backend import CompiledGroupLoss  # noqa: E402
-from longstraw.schedule import ChunkSchedule  # noqa: E402
-from longstraw.kernels import fla_causal_conv  # noqa: E402
+from longstraw.runtime.schedule import ChunkSchedule  # noqa: E402
+from longstraw.runtime.kernels import fla_causal_conv  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
-from longstraw.report import ExplainReport  # noqa: E402
-from longstraw.runtime import GroupRunner, phase_of  # noqa: E402
+from longstraw.planning.report import ExplainReport  # noqa: E402
+from longstraw.runtime.runner import GroupRunner, phase_of  # noqa: E402
 
 
 def hybrid_layers(layers: int) -> list[str]:

@@ -22,8 +22,8 @@ import torch
 import transformers
 
 import longstraw
-from longstraw.kernels import fla_gated_delta
-from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.runtime.kernels import fla_gated_delta
+from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
 

@@ -4,16 +4,16 @@
     step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad="detached"))
 """
 
-from .backend import Backend, Fallback, GroupPlan, longstraw_backend
-from .carry import CarryKernel
-from .data_parallel import LossModule
-from .errors import InputError, LongStrawError, UnsupportedGraphError
-from .graph_model import CapturedTensor
-from .report import ExplainReport, MemoryPlan, explain
-from .options import Options
-from .pass_registry import register_pass
-from .runtime import around_steps
-from .models import install_trace_bindings
+from longstraw.backend import Backend, Fallback, GroupPlan, longstraw_backend
+from longstraw.runtime.carry import CarryKernel
+from longstraw.parallel.data_parallel import LossModule
+from longstraw.errors import InputError, LongStrawError, UnsupportedGraphError
+from longstraw.planning.graph_model import CapturedTensor
+from longstraw.planning.report import ExplainReport, MemoryPlan, explain
+from longstraw.options import Options
+from longstraw.pass_registry import register_pass
+from longstraw.runtime.runner import around_steps
+from longstraw.models import install_trace_bindings
 
 install_trace_bindings()
 

@@ -29,19 +29,19 @@ import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
-from .context_parallel import PLANNING, agree, graph_fingerprint
-from .errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
-from .options import Options
-from .partition import Partition, classify, with_state
-from .pass_registry import active_passes
-from .device_memory import available_budget
-from .planner import DEFAULT_CHUNK, MemoryModel, Simulations, context_ranks, default_budget
-from .program import StepProgram, compile_program
-from .runtime import GroupFunction, GroupRunner
-from .specialize import scalar_of, specialize
-from .state import SlotKind
-from .stepgraph import StepGraph
-from .whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
+from longstraw.parallel.context_parallel import PLANNING, agree, graph_fingerprint
+from longstraw.errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
+from longstraw.options import Options
+from longstraw.analysis.partition import Partition, classify, with_state
+from longstraw.pass_registry import active_passes
+from longstraw.runtime.device_memory import available_budget
+from longstraw.planning.planner import DEFAULT_CHUNK, MemoryModel, Simulations, context_ranks, default_budget
+from longstraw.codegen.program import StepProgram, compile_program
+from longstraw.runtime.runner import GroupFunction, GroupRunner
+from longstraw.trace.specialize import scalar_of, specialize
+from longstraw.runtime.state import SlotKind
+from longstraw.codegen.stepgraph import StepGraph
+from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
 
@@ -395,7 +395,7 @@ class KeptRoom:
 
 def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, KeptRoom]:
     """The options with `prefix_chunk_size` and `recompute_layers` decided:
-    the user's where given, else the planner's choice (`longstraw.planner`)
+    the user's where given, else the planner's choice (`longstraw.planning.planner`)
     for `memory_budget_gb`, or on CUDA for the device's free memory, else
     8192 without recomputation; and what the runner may keep for the
     backward (`KeptRoom`: where `keep_group_states` or `keep_graphs`

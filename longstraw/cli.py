@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import LongStrawError
+from longstraw.errors import LongStrawError
 
 
 def load_target(target: str) -> Callable[[], Any]:
@@ -43,7 +43,7 @@ def load_target(target: str) -> Callable[[], Any]:
 
 
 def explain_command(args: argparse.Namespace) -> int:
-    from .report import explain
+    from longstraw.planning.report import explain
 
     made = load_target(args.target)()
     if not isinstance(made, tuple) or len(made) not in (2, 3):

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .nodes import ancestors, is_random, op_name
+from longstraw.nodes import ancestors, is_random, op_name
 
 
 class LongStrawError(RuntimeError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Mapping
 
-from .errors import LongStrawError
-from .kernels import KernelPolicy
+from longstraw.errors import LongStrawError
+from longstraw.runtime.kernels import KernelPolicy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,7 +18,7 @@ class Options:
 
     prefix_chunk_size: int | None = None
     """Prompt positions evaluated per chunk during capture and the reverse
-    pass. None: planned (`longstraw.planner`) for `memory_budget_gb`, or on
+    pass. None: planned (`longstraw.planning.planner`) for `memory_budget_gb`, or on
     CUDA for the device's free memory; elsewhere 8192."""
 
     on_unsupported: Literal["error", "eager"] = "error"
@@ -102,7 +102,7 @@ class Options:
     (`longstraw.register_pass`)."""
 
     kernels: KernelPolicy | Mapping[str, str] = KernelPolicy()
-    """Which kernels the steps run (`longstraw.kernels.KernelPolicy`), e.g.
+    """Which kernels the steps run (`longstraw.runtime.kernels.KernelPolicy`), e.g.
     `{"attention": "cudnn"}` or `{"gated_delta": "torch"}`. Default:
     PyTorch's SDPA rules for attention, fla for Gated DeltaNet and the short
     causal convolution where it applies."""
@@ -129,7 +129,7 @@ class Options:
     keys), MLA, DSA and carries (`longstraw/context_parallel.py`)."""
 
     def __post_init__(self) -> None:
-        from .pass_registry import as_pass  # the passes import the runtime, which imports this module
+        from longstraw.pass_registry import as_pass  # the passes import the runtime, which imports this module
 
         if isinstance(self.passes, (str, bytes)) or not isinstance(self.passes, (list, tuple)):
             raise LongStrawError(f"passes must be a list or tuple of architecture passes, got {self.passes!r}")
@@ -140,7 +140,7 @@ class Options:
                 raise LongStrawError(f"unknown kernels option(s) {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(KernelPolicy)]}")
             object.__setattr__(self, "kernels", KernelPolicy(**self.kernels))
         if not isinstance(self.kernels, KernelPolicy):
-            raise LongStrawError(f"kernels must be a longstraw.kernels.KernelPolicy or a dict, got {self.kernels!r}")
+            raise LongStrawError(f"kernels must be a longstraw.runtime.kernels.KernelPolicy or a dict, got {self.kernels!r}")
         if self.prompt_grad not in ("exact", "detached"):
             raise LongStrawError(f"prompt_grad must be 'exact' or 'detached', got {self.prompt_grad!r}")
         if self.prefix_chunk_size is not None and (not _is_int(self.prefix_chunk_size) or self.prefix_chunk_size < 1):

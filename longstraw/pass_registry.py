@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
-from .errors import LongStrawError
+from longstraw.errors import LongStrawError
 
 log = logging.getLogger("longstraw.passes")
 

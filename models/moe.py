@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from longstraw.carry import recompute_grads
+from longstraw.runtime.carry import recompute_grads
 
 _SUBSTITUTED: set[str] = set()
 

@@ -6,7 +6,7 @@ any head repetition (`repeat_kv`), which the step folds into SDPA's
 `enable_gqa`. A step with queries at positions `[o, o+n)` attends to the
 buffer view `[0, o+n)` (lower-right causal) without copying it. On CUDA in
 fp16/bf16 this is PyTorch's flash attention with native GQA; elsewhere, and
-with an explicit mask that is not plain causal (a `longstraw.mask.MaskBlock`
+with an explicit mask that is not plain causal (a `longstraw.analysis.mask.MaskBlock`
 the step computes one key block at a time), an explicit softmax over key
 blocks. Both keep the log-sum-exp, so backward runs block by block.
 """
@@ -19,13 +19,13 @@ import operator
 import torch
 from torch import fx
 
-from longstraw.context_parallel import SlotKeys, raise_together, round_attention, sharded_causal_attention
+from longstraw.parallel.context_parallel import SlotKeys, raise_together, round_attention, sharded_causal_attention
 from longstraw.errors import LongStrawError
-from longstraw.kernels.attention import AttentionKernel, compute_dtype, kernel_for
-from longstraw.mask import MaskBlock, key_padding_of, reads_input
+from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype, kernel_for
+from longstraw.analysis.mask import MaskBlock, key_padding_of, reads_input
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
-from longstraw.recompute import keep_through_recomputation
-from longstraw.state import StepContext
+from longstraw.codegen.recompute import keep_through_recomputation
+from longstraw.runtime.state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 from .mla import mla_of

@@ -17,8 +17,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.fx as fx
 
-from longstraw.carry import CarryKernel, CarryStep
-from longstraw.dims import Dim, DimRules
+from longstraw.runtime.carry import CarryKernel, CarryStep
+from longstraw.analysis.dims import Dim, DimRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class StepEmitter(Protocol):
 
     def query_key_block(self, node: fx.Node) -> fx.Node:
         """A `[..., L, L]` positions-only tensor (a mask) for the step's rows
-        and all visible columns, as a `longstraw.mask.MaskBlock` that
+        and all visible columns, as a `longstraw.analysis.mask.MaskBlock` that
         computes tiles of it on demand (the whole block can be gigabytes)."""
 
     def carry_output(self, slot: int, node: fx.Node) -> None:
@@ -69,7 +69,7 @@ class ArchitecturePass:
     `candidates` (default: capture the claimed input itself),
     `positional_inputs` (default: none), `per_position_inputs` (default:
     none), `carries` (default: none),
-    `dim_rule` (default: the built-in rules of `longstraw.dims`).
+    `dim_rule` (default: the built-in rules of `longstraw.analysis.dims`).
     """
 
     name = "pass"
@@ -101,7 +101,7 @@ class ArchitecturePass:
     def carries(self, node: fx.Node) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Fixed-size states (shape with batch 1, dtype) carried from one
         position range to the next; the step reads and writes them through
-        `StepContext.carry_in` / `carry_out` (see `longstraw.carry.CarryStep`)."""
+        `StepContext.carry_in` / `carry_out` (see `longstraw.runtime.carry.CarryStep`)."""
         return []
 
     def dim_rule(self, dims: DimRules, node: fx.Node) -> list[Dim] | list[list[Dim]] | None:

@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryKernel, recompute_grads
-from longstraw.kernels import fla_causal_conv
+from longstraw.runtime.carry import CarryKernel, recompute_grads
+from longstraw.runtime.kernels import fla_causal_conv
 
 from .base import CarryPass
 

@@ -7,7 +7,7 @@ it, so Dynamo records one node per layer instead of a loop unrolled over
 64-token chunks, and `GatedDeltaPass` can run it chunk by chunk: the state
 carried between position ranges is the recurrent matrix `[Hv, Dk, Dv]`.
 
-The kernels are in `longstraw.kernels`: the chunked PyTorch rule
+The kernels are in `longstraw.runtime.kernels`: the chunked PyTorch rule
 (`gated_delta`) and fla's (`fla_gated_delta`).
 """
 
@@ -18,9 +18,9 @@ import functools
 import torch
 import torch.fx as fx
 
-from longstraw.carry import CarryKernel, recompute_grads
-from longstraw.kernels import fla_gated_delta
-from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.runtime.carry import CarryKernel, recompute_grads
+from longstraw.runtime.kernels import fla_gated_delta
+from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.nodes import arg
 
 from .base import CarryPass, DimRules

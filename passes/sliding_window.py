@@ -5,7 +5,7 @@ the sliding layers of Gemma3-style models that alternate sliding and full
 attention. A position more than W-1 back is never read again, so the state
 a later position needs is the keys and values of the last W-1 positions:
 fixed bytes, whatever the prompt length. This pass claims SDPA calls whose
-mask `longstraw.mask.band_of` proves to be such a window (from the
+mask `longstraw.analysis.mask.band_of` proves to be such a window (from the
 operators that build it, for every length) and runs them as a `CarryPass`:
 the carry is those W-1 keys and values, packed with a validity flag so the
 positions before the sequence start count as absent.
@@ -22,9 +22,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.carry import CarryKernel
-from longstraw.dims import DimRules
-from longstraw.mask import band_of
+from longstraw.runtime.carry import CarryKernel
+from longstraw.analysis.dims import DimRules
+from longstraw.analysis.mask import band_of
 from longstraw.nodes import arg, is_sdpa, tensor_of
 
 from .base import CarryPass

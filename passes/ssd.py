@@ -1,7 +1,7 @@
 """Mamba-2's state-space scan (SSD) as one operator.
 
 `longstraw::ssd_scan(x, dA, B, C, initial_state)` runs the scan of
-`longstraw.kernels.ssd` over a whole sequence from an initial state and
+`longstraw.runtime.kernels.ssd` over a whole sequence from an initial state and
 returns `(y, final_state)`. Model bindings (`longstraw.models.mamba2`)
 route transformers' `mamba2_chunk_scan` to it, after the step `dt` is
 folded into `x` and `A` and `B`, `C` are repeated to the heads as
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from longstraw.carry import CarryKernel, recompute_grads
-from longstraw.kernels.ssd import ssd_scan_reference
+from longstraw.runtime.carry import CarryKernel, recompute_grads
+from longstraw.runtime.kernels.ssd import ssd_scan_reference
 from longstraw.nodes import arg
 
 from .base import CarryPass, DimRules

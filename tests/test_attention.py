@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from test_parity_dense import check_parity
 
 import longstraw
-from longstraw.kernels import attention as attention_kernels
+from longstraw.runtime.kernels import attention as attention_kernels
 
 
 class _Materialised:
-    """A mask block held as one tensor, standing in for `longstraw.mask.MaskBlock`."""
+    """A mask block held as one tensor, standing in for `longstraw.analysis.mask.MaskBlock`."""
 
     def __init__(self, block: torch.Tensor) -> None:
         self.block = block
@@ -243,7 +243,7 @@ def test_attention_outputs_arrive_before_they_are_read(monkeypatch):
     """After the first reverse chunk (which teaches the order of reads),
     every read finds its entry on the way, and the device holds one entry
     besides the one being read."""
-    from longstraw import state
+    from longstraw.runtime import state
 
     reads: list[tuple[int, bool]] = []
     get = state.HostAttentionOutputs.get
@@ -281,11 +281,11 @@ def test_attention_outputs_on_host_on_cuda(dtype, monkeypatch):
 
 def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplog):
     """Short of host memory, nothing is kept: the reverse pass recomputes, with a warning."""
-    from longstraw import state
+    from longstraw.runtime import state
 
     monkeypatch.setattr(state, "host_memory", lambda: (1 << 20, 1 << 30))
     loss, grads, without = _attention_run(monkeypatch, "qwen3", False)
-    with caplog.at_level("WARNING", logger="longstraw.state"):
+    with caplog.at_level("WARNING", logger="longstraw.runtime.state"):
         kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", False, attention_outputs_on_host=True)
     assert kept.prompt == without.prompt
     assert torch.equal(loss, kept_loss) and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
@@ -295,7 +295,7 @@ def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplo
 def test_verify_state_checks_the_kept_attention_outputs(monkeypatch):
     """With `verify_state`, a kept output that differs from the recomputed
     one (a step that is not deterministic) raises, and no .grad changes."""
-    from longstraw import state
+    from longstraw.runtime import state
 
     keep = state.HostAttentionOutputs.keep
     monkeypatch.setattr(state.HostAttentionOutputs, "keep",

@@ -67,8 +67,8 @@ def _inputs(case: Case, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
-    from longstraw.context_parallel import sharded_attention
-    from longstraw.kernels import attention
+    from longstraw.parallel.context_parallel import sharded_attention
+    from longstraw.runtime.kernels import attention
 
     attention.MATH_BLOCK_SCORES = 64  # blocks of 64 // (Hq * n) keys
     res = {}
@@ -216,7 +216,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
 
-    from longstraw import state as state_module
+    from longstraw.runtime import state as state_module
 
     lengths: list[set[int]] = []  # per PromptState made: the token lengths of its sequence buffers
     held: list[int] = []  # per PromptState made: bytes of its buffers, then of its d(state)
@@ -231,7 +231,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         allocate_grads(self)
         held.append(sum(g.numel() * g.element_size() for g in self.grads.values()))
 
-    from longstraw import context_parallel
+    from longstraw.parallel import context_parallel
 
     merges = []  # the sharded attention's merges across the ranks (attention_outputs_on_host skips the reverse pass's)
     merge_partials = context_parallel.merge_partials
@@ -246,7 +246,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         kept.append(1)
         return to_host(self, tensors)
 
-    from longstraw import runtime
+    from longstraw.runtime import runner as runtime
 
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
     plan_rounds = runtime.GroupRunner._rounds
@@ -383,7 +383,7 @@ def test_step_matches_one_process(world, tmp_path):
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
     from helpers.reference import eager_loss_and_grads
-    from longstraw.schedule import ChunkSchedule
+    from longstraw.runtime.schedule import ChunkSchedule
 
     results = gloo.spawn(_step_worker, world, tmp_path)
     for case in STEP_CASES[world]:
@@ -460,7 +460,7 @@ CYCLE_CASES = [(StepCase("hybrid", "exact", layerwise=True, host=True), True), (
 def _left_in_cycles(run) -> tuple[int, list[str]]:
     """Bytes of the tensors, and the names of longstraw's autograd nodes,
     that `run()` (Python's cyclic collector off) left in reference cycles."""
-    from longstraw.simulation import without_cyclic_gc
+    from longstraw.planning.simulation import without_cyclic_gc
 
     with without_cyclic_gc():
         run()
@@ -524,8 +524,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from longstraw.context_parallel import CALLING, PLANNING, agree, raise_together
-    from longstraw.ranks import Ranks
+    from longstraw.parallel.context_parallel import CALLING, PLANNING, agree, raise_together
+    from longstraw.parallel.ranks import Ranks
     from longstraw.errors import InputError, LongStrawError
 
     def error_of(run) -> str:
@@ -591,7 +591,7 @@ def _steps_with_rank_1_rounding_apart(rank: int, cp: dict, *group) -> tuple[str,
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_model
-    from longstraw import runtime
+    from longstraw.runtime import runner as runtime
 
     backward_group = runtime.GroupRunner._backward_group
 
@@ -712,7 +712,7 @@ def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from longstraw import runtime
+    from longstraw.runtime import runner as runtime
 
     store = dist.distributed_c10d._get_default_store()
     prompt, responses, advantages, mask = make_group(2, 30, 4)
@@ -785,7 +785,7 @@ def test_options_are_compared_by_value():
     other settings differs), not the progress bars or the budget, which may
     differ per rank (the smallest is planned for)."""
     from longstraw import Options
-    from longstraw.context_parallel import _option_fingerprints
+    from longstraw.parallel.context_parallel import _option_fingerprints
     from longstraw.passes import ArchitecturePass
 
     class Plain(ArchitecturePass):
@@ -812,10 +812,10 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
     is refused, naming the slot."""
     from torch import fx
 
-    from longstraw.context_parallel import PromptShard
+    from longstraw.parallel.context_parallel import PromptShard
     from longstraw.errors import LongStrawError
-    from longstraw.ranks import SimulatedRanks
-    from longstraw.state import PromptState, SlotKind, StateSlot, StepContext
+    from longstraw.parallel.ranks import SimulatedRanks
+    from longstraw.runtime.state import PromptState, SlotKind, StateSlot, StepContext
 
     node = fx.Graph().placeholder("keys")
     slot = StateSlot(0, SlotKind.SEQUENCE, node, token_dim=2, batch_dim=0, shape=(1, 2, 8, 4), dtype=torch.float64,
@@ -832,9 +832,9 @@ def test_a_share_maps_buffer_indices_to_positions_and_back():
     `local_range`, `to_global`, `to_local` and `owner` agree with a table
     built position by position, for shares of separated chunks, a short
     last chunk and a rank with no chunk at all."""
-    from longstraw.context_parallel import PromptShard
-    from longstraw.ranks import SimulatedRanks
-    from longstraw.schedule import ChunkSchedule
+    from longstraw.parallel.context_parallel import PromptShard
+    from longstraw.parallel.ranks import SimulatedRanks
+    from longstraw.runtime.schedule import ChunkSchedule
 
     for prompt, world in ((16, 2), (29, 3), (7, 2), (3, 2)):
         held = ChunkSchedule(prompt, 4, world).shares
@@ -917,7 +917,7 @@ def test_a_checksum_upcasts_a_block_at_a_time(monkeypatch):
     10 GB at Qwen3.5-27B's embedding, outside the plan."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from longstraw import context_parallel
+    from longstraw.parallel import context_parallel
 
     monkeypatch.setattr(context_parallel, "CHECKSUM_BLOCK", 1000)
     t = torch.randn(7, 1001, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The short causal convolution through fla (`longstraw.kernels.fla_causal_conv`):
+"""The short causal convolution through fla (`longstraw.runtime.kernels.fla_causal_conv`):
 GPU only (fla's kernels are Triton). Forward, carry and gradients are
 checked against the PyTorch kernel in float64 on the same 16-bit inputs;
 end to end, the hybrid's gradients with fla's convolution are as accurate
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw.kernels import KernelPolicy, fla_causal_conv
+from longstraw.runtime.kernels import KernelPolicy, fla_causal_conv
 from longstraw.passes import causal_conv
 
 from helpers.fused_kernels import assert_fused_as_accurate, relative_error

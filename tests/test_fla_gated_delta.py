@@ -1,4 +1,4 @@
-"""Gated DeltaNet's backward through fla (`longstraw.kernels.fla_gated_delta`):
+"""Gated DeltaNet's backward through fla (`longstraw.runtime.kernels.fla_gated_delta`):
 GPU only (fla's kernels are Triton). Its gradients are checked against
 autograd through the PyTorch kernel in float64 on the same 16-bit inputs,
 next to fla's own forward error on them; end to end, the hybrid's
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw import carry
-from longstraw.kernels import fla_gated_delta
-from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.runtime import carry
+from longstraw.runtime.kernels import fla_gated_delta
+from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.passes import gated_delta
 
 from helpers.fused_kernels import assert_fused_as_accurate, relative_error

@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import longstraw
-from longstraw.functionalize import functionalize, is_updated, updated
-from longstraw.specialize import specialize
+from longstraw.trace.functionalize import functionalize, is_updated, updated
+from longstraw.trace.specialize import specialize
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close

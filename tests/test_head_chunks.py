@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
 from longstraw.models import qwen3_5
-from longstraw.runtime import GroupRunner
+from longstraw.runtime.runner import GroupRunner
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import longstraw
 from longstraw import backend as backend_module
-from longstraw.runtime import phase_of
+from longstraw.runtime.runner import phase_of
 
 from helpers.compare import assert_grads_close
 from helpers.families import FAMILIES
@@ -35,7 +35,7 @@ TOL = 1e-6
 
 @contextlib.contextmanager
 def phases() -> Iterator[list[str]]:
-    """The runtime phases (`longstraw.runtime.phase_of`) of the steps run
+    """The runtime phases (`longstraw.runtime.runner.phase_of`) of the steps run
     inside, in order; not the planner's simulation (on fake tensors)."""
     seen: list[str] = []
 
@@ -263,7 +263,7 @@ def test_the_room_is_checked_at_every_call(monkeypatch):
     allocate beside what is allocated, the step's own needs and the
     gradients not allocated yet: a trainer's optimizer states, allocated
     after the first step, come out of the room, not out of the step's."""
-    from longstraw import device_memory, runtime
+    from longstraw.runtime import device_memory, runner as runtime
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(device_memory, "available_budget", lambda device: 100)

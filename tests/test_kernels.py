@@ -1,4 +1,4 @@
-"""The kernel policy (`longstraw.kernels.KernelPolicy`, `Options.kernels`):
+"""The kernel policy (`longstraw.runtime.kernels.KernelPolicy`, `Options.kernels`):
 validated with the options, and the steps of a compiled loss choose their
 attention and Gated DeltaNet kernels through it, not through module globals."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
+from longstraw.runtime.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
 
 from conftest import raises_longstraw
 from helpers.harness import compile_loss, compiled_loss_and_grads

@@ -13,8 +13,8 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
-from longstraw import mask as masks
-from longstraw.kernels import attention as attention_kernels
+from longstraw.analysis import mask as masks
+from longstraw.runtime.kernels import attention as attention_kernels
 
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64

@@ -16,7 +16,7 @@ import transformers
 from torch import nn
 
 import longstraw
-from longstraw.kernels import attention as attention_kernels
+from longstraw.runtime.kernels import attention as attention_kernels
 from longstraw.nodes import is_sdpa
 from longstraw.passes import DEFAULT_PASSES, CausalAttentionPass, LatentAttentionPass
 from longstraw.passes.mla import latent_attention_step, mla_of

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longstraw.dims import DimAnalysis
-from longstraw.functionalize import is_updated
+from longstraw.analysis.dims import DimAnalysis
+from longstraw.trace.functionalize import is_updated
 from longstraw.nodes import is_sdpa, op_name
-from longstraw.partition import classify, with_state
+from longstraw.analysis.partition import classify, with_state
 from longstraw.passes import DEFAULT_PASSES
-from longstraw.specialize import specialize
-from longstraw.stepgraph import build_outer, build_step, build_tail
+from longstraw.trace.specialize import specialize
+from longstraw.codegen.stepgraph import build_outer, build_step, build_tail
 
 G, P, R, C, HEADS, DIM, VOCAB = 3, 10, 4, 8, 2, 4, 16
 

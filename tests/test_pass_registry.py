@@ -11,7 +11,7 @@ from torch import nn
 
 import longstraw
 from longstraw import pass_registry
-from longstraw.carry import recompute_grads
+from longstraw.runtime.carry import recompute_grads
 from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference
 
 from conftest import raises_longstraw

@@ -10,14 +10,14 @@ import transformers
 
 import longstraw
 from longstraw.models import qwen3_5
-from longstraw.planner import MemoryModel
+from longstraw.planning.planner import MemoryModel
 
 from helpers.compare import assert_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.tiny_models import make_group, make_model, make_qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
-from longstraw.recompute import layer_of
+from longstraw.codegen.recompute import layer_of
 
 
 def make_hybrid() -> torch.nn.Module:
@@ -66,7 +66,7 @@ def test_a_budget_chooses_the_chunk_and_recomputation():
 
 def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
     report = explain("qwen3")
-    with caplog.at_level("WARNING", logger="longstraw.planner"):
+    with caplog.at_level("WARNING", logger="longstraw.planning.planner"):
         plan = report.plan(P=P, budget_gb=1e-6)
     assert not plan.fits
     candidates = [report.plan(P=P, prefix_chunk_size=c, recompute_layers=r) for c in (P - 1, 128) for r in (False, True)]
@@ -76,7 +76,8 @@ def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
 
 def test_off_cuda_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
     """No `memory_budget_gb` on the CPU: chunks of 8192, no recomputation, no simulation at planning."""
-    from longstraw import device_memory, planner
+    from longstraw.runtime import device_memory
+    from longstraw.planning import planner
 
     assert planner.default_budget(torch.device("cpu")) is None
     monkeypatch.setattr(planner, "simulate_step", lambda *a, **k: pytest.fail("simulated without a budget"))
@@ -112,7 +113,8 @@ def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
 @pytest.mark.gpu
 def test_default_budget_on_cuda():
     """On CUDA the default budget is the device's free memory (what is allocated plus free, less the margin)."""
-    from longstraw import device_memory, planner
+    from longstraw.runtime import device_memory
+    from longstraw.planning import planner
 
     device = torch.device("cuda")
     held = torch.empty(1 << 28, dtype=torch.uint8, device=device)
@@ -130,7 +132,8 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     prompt, so they grow with P). A longer prompt, or longer branches, is
     simulated again. (Compiled with dynamic sizes: one Dynamo graph, whose
     plans share one cache.)"""
-    from longstraw import device_memory, planner
+    from longstraw.runtime import device_memory
+    from longstraw.planning import planner
 
     from longstraw import backend as backend_module
 
@@ -197,8 +200,9 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     shorter ninth it predicts what running all of them does: the same
     bytes. The hybrid's carries are what a skipped chunk could get wrong;
     its exact mode runs with `-m slow`."""
-    from longstraw import device_memory, planner
-    from longstraw.schedule import ChunkSchedule
+    from longstraw.runtime import device_memory
+    from longstraw.planning import planner
+    from longstraw.runtime.schedule import ChunkSchedule
 
     report = explain(kind)
     device = torch.device("cpu")
@@ -222,9 +226,9 @@ DEEP = {
 ])
 def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, recompute, monkeypatch):
     """A model of six periods of identical layers is simulated at two and
-    three (`longstraw.depth`), each phase's peak extrapolated to the full
+    three (`longstraw.planning.depth`), each phase's peak extrapolated to the full
     depth: the same bytes as simulating every layer."""
-    from longstraw import planner, simulation
+    from longstraw.planning import planner, simulation
 
     with qwen3_5.bound():
         report = longstraw.explain(grpo_loss_f64, DEEP[kind](), *make_group(2, 97, R))
@@ -257,8 +261,9 @@ def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, mon
     and of the rounds the first and the last two (`ChunkSchedule.sampled`); over
     four rounds and a chunk after them it predicts what running them all
     does: the same bytes."""
-    from longstraw import device_memory, planner
-    from longstraw.schedule import ChunkSchedule
+    from longstraw.runtime import device_memory
+    from longstraw.planning import planner
+    from longstraw.runtime.schedule import ChunkSchedule
 
     report = explain(kind)
     device = torch.device("cpu")
@@ -280,7 +285,8 @@ def test_a_rank_is_simulated_with_its_rounds_collectives(monkeypatch):
     the activations are that rank's, not one process's. (Which is larger
     depends on the kernels: on the CPU the explicit softmax holds scores
     over every earlier key, and a rank attends over half of them.)"""
-    from longstraw import planner, ranks
+    from longstraw.planning import planner
+    from longstraw.parallel import ranks
 
     calls = []
     for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
@@ -306,7 +312,7 @@ def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
     rest without running them: the same bytes as running every span."""
     import contextlib
 
-    from longstraw import simulation
+    from longstraw.planning import simulation
 
     report = explain("qwen3_5")
     cpu = torch.device("cpu")

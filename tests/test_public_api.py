@@ -68,14 +68,14 @@ def test_clients_use_public_names_only(folder):
 @pytest.mark.parametrize(
     "source, flagged",
     [
-        ("from longstraw.runtime import _noting", True),
+        ("from longstraw.runtime.runner import _noting", True),
         ("from longstraw import runtime\nruntime._noting", True),
         ("import longstraw.passes.attention as a\na.kernel_for._cache", True),
         ("from .attention import _split", True),
         ("from longstraw._internal import x", True),
-        ("from longstraw.carry import CarryKernel\nCarryKernel.__name__", False),
+        ("from longstraw.runtime.carry import CarryKernel\nCarryKernel.__name__", False),
         ("import torch\ntorch._dynamo.reset()", False),
-        ("from longstraw.kernels import attention\nattention.kernel_for", False),
+        ("from longstraw.runtime.kernels import attention\nattention.kernel_for", False),
     ],
 )
 def test_the_check_sees_private_names(source, flagged):

@@ -18,11 +18,11 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import longstraw
-from longstraw.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule
-from longstraw.simulation import simulate_step
+from longstraw.planning.simulation import simulate_step
 
 from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss

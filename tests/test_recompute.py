@@ -10,9 +10,9 @@ import torch
 import transformers
 
 import longstraw
-from longstraw.kernels import attention as attention_kernels
+from longstraw.runtime.kernels import attention as attention_kernels
 from longstraw.models import qwen3_5
-from longstraw.recompute import LayerwiseStep, segment_ids
+from longstraw.codegen.recompute import LayerwiseStep, segment_ids
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
@@ -101,7 +101,7 @@ def test_every_segment_but_the_last_is_recomputed(monkeypatch):
     """Each checkpointed segment runs twice (forward, recomputation in
     backward); the last one (the last layer and the head) once: it is
     differentiated right after its forward, so recomputing it saves nothing."""
-    from longstraw import recompute
+    from longstraw.codegen import recompute
 
     calls: list[int] = []
     original = recompute.checkpoint
@@ -119,7 +119,7 @@ def test_attention_forward_is_kept_through_recomputation(monkeypatch):
     """Selective checkpointing keeps the causal attention forward's outputs:
     under recomputation a replayed step runs it once per layer, as without
     (over a long prompt it is most of an attention layer's forward)."""
-    from longstraw import recompute
+    from longstraw.codegen import recompute
 
     calls: list[int] = []
     original = attention_kernels.MathKernel.forward

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from longstraw.schedule import ChunkSchedule
+from longstraw.runtime.schedule import ChunkSchedule
 
 
 def test_the_chunks_cover_the_prompt_once_and_are_counted():

@@ -1,5 +1,5 @@
 """The simulated step's peak as a function of the keys attention reads
-(`longstraw.simulation.Peak`), and fla's kernels in the simulation (their
+(`longstraw.planning.simulation.Peak`), and fla's kernels in the simulation (their
 fake entry points)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw
-from longstraw.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
+from longstraw.runtime.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
 from longstraw.models import qwen3_5
 from longstraw.passes import gated_delta
-from longstraw.simulation import Peak, fla_families
+from longstraw.planning.simulation import Peak, fla_families
 
 from helpers.losses import grpo_loss_f64
 
@@ -189,7 +189,7 @@ def test_the_simulation_does_not_depend_on_when_python_collects_cycles():
     over depth turned that into several GB at 64 layers)."""
     import gc
 
-    from longstraw.simulation import simulate_phases
+    from longstraw.planning.simulation import simulate_phases
 
     meta = torch.device("meta")
     config = qwen3_5.tiny_config(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])

@@ -1,4 +1,4 @@
-"""Sliding-window attention: `longstraw.mask.band_of` proves a mask is a
+"""Sliding-window attention: `longstraw.analysis.mask.band_of` proves a mask is a
 window from the operators that build it, and `SlidingWindowAttentionPass`
 keeps only the last W-1 keys and values (fixed bytes, none per position),
 with eager parity in both modes for Mistral and Gemma3's alternating layers."""
@@ -13,7 +13,7 @@ import transformers
 from transformers import masking_utils
 
 import longstraw
-from longstraw.mask import band_of
+from longstraw.analysis.mask import band_of
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads

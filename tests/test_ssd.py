@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.kernels.ssd import CHUNK, ssd_scan_reference
+from longstraw.runtime.kernels.ssd import CHUNK, ssd_scan_reference
 from longstraw.passes.ssd import ssd_scan
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import longstraw
-from longstraw.runtime import phase_of
+from longstraw.runtime.runner import phase_of
 
 from .models import Group, grpo_loss, make_group
 from .modes import Runner, eager_step
@@ -77,7 +77,7 @@ def timed_step(runner, batch) -> float:
 @contextlib.contextmanager
 def phase_seconds() -> Iterator[dict[str, float]]:
     """Seconds per runtime phase (prompt capture, branches, replays, reverse
-    pass: `longstraw.runtime.phase_of`) of the steps run inside, device-synchronised."""
+    pass: `longstraw.runtime.runner.phase_of`) of the steps run inside, device-synchronised."""
     seconds: dict[str, float] = {}
 
     def timed(where: str) -> contextlib.AbstractContextManager:
@@ -145,7 +145,7 @@ def describe(result: dict) -> str:
 @contextlib.contextmanager
 def phase_peaks() -> Iterator[dict[str, float]]:
     """Peak allocated memory (GB) per runtime phase of the steps run inside
-    (`longstraw.runtime.phase_of`), "outside the steps" for the rest: the
+    (`longstraw.runtime.runner.phase_of`), "outside the steps" for the rest: the
     allocator's peak is read and reset as each step starts and ends (its
     counts are kept on the host: no synchronisation needed)."""
     peaks: dict[str, float] = {}

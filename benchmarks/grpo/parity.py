@@ -99,7 +99,7 @@ def kernels(device) -> dict:
     explicit-softmax kernel: forward, and the block-wise backward assembled
     as the step does; then each fused forward's speed at a capture chunk
     (8192 queries after 253,952 keys, Qwen3-8B heads)."""
-    from longstraw.kernels import attention
+    from longstraw.runtime.kernels import attention
 
     gen = torch.Generator().manual_seed(0)
     n, o, hq, hkv, d = 1024, 3 * 65536 + 100, 32, 8, 128

@@ -26,9 +26,9 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from ..backend import Backend
-from ..errors import InputError, LongStrawError
-from ..options import Options
+from longstraw.backend import Backend
+from longstraw.errors import InputError, LongStrawError
+from longstraw.options import Options
 
 
 def completion_logps_and_entropies(

@@ -1,0 +1,629 @@
+"""Captured prompt state: what later tokens need, where it lives at run time.
+
+Two kinds of `StateSlot` are decided at compile time:
+
+- `sequence`: one tensor per position (attention K/V), the cut chosen by
+  `boundary.py`. At run time it gets one buffer holding the prompt
+  positions `[0, s)` followed by scratch room for the positions of the step
+  being run, so a step attends to `buffer[:o + n]` without copying. The
+  prompt region is written once, during capture; branch replays only write
+  the scratch region.
+- `carry`: a fixed-size state carried from one position range to the next
+  (a recurrent matrix, a convolution's last inputs), produced by a claimed
+  operator. At run time the capture keeps the latest on the device; in
+  exact mode the earlier chunk boundaries are kept too, for the reverse
+  pass restarts each chunk from its own (on a GPU in pinned host memory:
+  at Qwen3.5-27B shapes they are 151 MB per boundary, 7 GB for 393K
+  positions in chunks of 8192). Branches read the one at `s` and never
+  write it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from longstraw.errors import LongStrawError, module_path
+
+if TYPE_CHECKING:
+    from longstraw.runtime.carry import SpanGraphs
+    from longstraw.parallel.context_parallel import PromptShard
+    from longstraw.parallel.ranks import Ranks
+
+log = logging.getLogger("longstraw.runtime.state")
+
+
+class SlotKind(enum.StrEnum):
+    """How a slot's state grows: per prompt position, or a fixed-size carry."""
+
+    SEQUENCE = "sequence"
+    CARRY = "carry"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """One captured tensor: a graph node and the layout of its state."""
+
+    index: int
+    kind: SlotKind
+    node: fx.Node  # sequence: the captured node; carry: the claimed operator
+    token_dim: int | None  # sequence slots only
+    batch_dim: int | None
+    shape: tuple[int, ...]  # with batch 1; a sequence slot's token dim holds the traced length
+    dtype: torch.dtype
+    reason: str  # which operator needs it, for summaries and reports
+
+    def bytes_per_position(self) -> int:
+        if self.kind != SlotKind.SEQUENCE:
+            return 0
+        return math.prod(s for i, s in enumerate(self.shape) if i != self.token_dim) * self.dtype.itemsize
+
+    def fixed_bytes(self) -> int:
+        if self.kind != SlotKind.CARRY:
+            return 0
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def label(self) -> str:
+        """The slot and the layer it belongs to, for messages."""
+        return f"state slot {self.index} ({self.reason}) of `{module_path(self.node) or self.node.name}`"
+
+
+class PromptState:
+    """Buffers and carries for all slots of one call, and (exact mode) their gradients."""
+
+    def __init__(
+        self, slots: list[StateSlot], capacity: int, prefix_len: int, device: torch.device, verify: bool = False,
+        boundaries: bool = True, span_graphs: "SpanGraphs | None" = None,
+        attention_outputs: "HostAttentionOutputs | None" = None, active: Collection[int] | None = None,
+        shard: "PromptShard | None" = None,
+    ) -> None:
+        self.slots = slots  # every slot of the plan, indexed by `StateSlot.index`; `active` ones get memory
+        self.span_graphs = span_graphs  # CUDA graphs of carried operators' spanwise backward (carry.py)
+        self.attention_outputs = attention_outputs  # exact mode: the capture's attention outputs, for the reverse pass
+        self.prefix_len = prefix_len
+        self.shard = shard  # context parallelism: the sequence buffers hold this rank's share of the prompt only
+        self.verify = verify
+        self.device = device
+        self.boundaries = boundaries  # keep the carries at every chunk boundary (exact mode's reverse pass)
+        self.offload = boundaries and boundaries_on_host(device)
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.carries: dict[int, dict[int, torch.Tensor]] = {}
+        for slot in slots:
+            if active is not None and slot.index not in active:
+                continue
+            if slot.kind == SlotKind.SEQUENCE:
+                shape = list(slot.shape)
+                shape[slot.token_dim] = capacity if shard is None else shard.size
+                if verify and slot.dtype.is_floating_point:
+                    buffer = torch.full(shape, float("nan"), dtype=slot.dtype, device=device)
+                else:
+                    buffer = torch.empty(shape, dtype=slot.dtype, device=device)
+                self.buffers[slot.index] = buffer
+            else:
+                self.carries[slot.index] = {0: torch.zeros(slot.shape, dtype=slot.dtype, device=device)}
+        self.grads: dict[int, torch.Tensor] | None = None
+        self.carry_grads: dict[int, dict[int, torch.Tensor]] | None = None
+        # context parallelism: a `verify_state` failure on this rank's share, raised on every rank together
+        # (`context_parallel.raise_together`) where the runtime checks, not mid-step, where the others would wait
+        self.failure: LongStrawError | None = None
+
+    def allocate_grads(self) -> None:
+        """d(state) of the prompt, accumulated by replays in backward."""
+        self.grads = {i: torch.zeros_like(self.prompt_part(self.slots[i])) for i in self.buffers}
+        self.carry_grads = {i: {} for i in self.carries}
+
+    def keep_carry(self, slot: int, position: int, value: torch.Tensor) -> None:
+        """Keep a carry the capture produced at `position` (a copy: it is often
+        a slice of a chunk-sized tensor, a conv tail, and a view would keep
+        that storage alive). The one it supersedes is dropped, or kept as a
+        boundary (on the host on a GPU)."""
+        carries = self.carries[slot]
+        latest = max(carries)
+        if not self.boundaries:
+            del carries[latest]
+        elif self.offload:
+            carries[latest] = _on_host(carries[latest])
+        carries[position] = value.detach().clone()
+
+    def carry_at(self, slot: int, position: int) -> torch.Tensor:
+        """The carry at a chunk boundary, on the device (a host copy comes back asynchronously)."""
+        carries = self.carries[slot]
+        if position not in carries and not has_values(next(iter(carries.values()))):
+            # the planner's simulation skips chunks (`ChunkSchedule.sampled`): the latest carry has the shape
+            position = max(carries)
+        value = carries[position]
+        if value.device != self.device and not has_values(value):  # a simulation: the shape is all there is
+            return torch.empty(value.shape, dtype=value.dtype, device=self.device)
+        return value.to(self.device, non_blocking=True)
+
+    def prompt_part(self, slot: StateSlot) -> torch.Tensor:
+        """The prompt positions of a sequence slot held here: `[0, prefix_len)`,
+        or this rank's share under context parallelism."""
+        length = self.prefix_len if self.shard is None else self.shard.size
+        return self.buffers[slot.index].narrow(slot.token_dim, 0, length)
+
+    def seed(self, slot: StateSlot, offset: int, length: int) -> torch.Tensor | None:
+        """The accumulated gradient of what a prompt chunk `[offset, offset+length)`
+        produced. A carry's gradient is handed over once: the reverse pass
+        reaches each chunk once, and keeping them all would grow with P.
+        Under context parallelism every rank replays the chunk: its owner
+        broadcasts the chunk's d(state) (in a round only the owner replays
+        it: `round_seed`)."""
+        if slot.kind == SlotKind.CARRY:
+            return self.carry_grads[slot.index].pop(offset + length, None)
+        if self.shard is None:
+            return self.grads[slot.index].narrow(slot.token_dim, offset, length)
+        return self.shard.broadcast_chunk(self.grads[slot.index], slot.token_dim, offset, length)
+
+    def round_seed(self, slot: StateSlot, round_: ChunkRound) -> torch.Tensor | None:
+        """`seed` for this rank's chunk of a reverse-pass round: its d(state)
+        is its own; the carry's gradient at the round's end (every rank has
+        it) seeds the last chunk's carry, and zeros the others' (theirs
+        pass on inside the round, `carry._round_grads`): a seed on one rank
+        and none on another would run the carried operator's backward, and
+        its collectives, on one rank alone (a last layer's carry that
+        nothing in the step reads)."""
+        offset, length = round_.chunks[round_.index]
+        if slot.kind == SlotKind.CARRY:
+            last = self.carry_grads[slot.index].pop(round_.chunks[-1][0] + round_.chunks[-1][1], None)
+            return last if last is None or round_.index == len(round_.chunks) - 1 else torch.zeros_like(last)
+        return self.grads[slot.index].narrow(slot.token_dim, self.shard.held_before(offset), length)
+
+    def unwritten(self) -> StateSlot | None:
+        """`Options.verify_state`: a slot with a prompt position the capture never wrote."""
+        for slot in self.slots:
+            buffer = self.buffers.get(slot.index)
+            if buffer is not None and buffer.is_floating_point():
+                if bool(self.prompt_part(slot).isnan().any()):
+                    return slot
+        return None
+
+    def device_bytes(self) -> int:
+        """Bytes of the buffers and carries held on the state's device (not
+        the chunk-boundary carries offloaded to the host)."""
+        tensors = [*self.buffers.values(), *(c for carries in self.carries.values() for c in carries.values())]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device == self.device)
+
+    def release(self) -> None:
+        if self.attention_outputs is not None:
+            self.attention_outputs.close()
+        self.buffers, self.carries, self.span_graphs, self.attention_outputs = {}, {}, None, None
+        self.grads = self.carry_grads = None
+
+
+HOST_RESERVE = 0.1
+"""Fraction of the host's memory `HostAttentionOutputs` leaves available."""
+
+
+class HostAttentionOutputs:
+    """`Options.attention_outputs_on_host`: the output and log-sum-exp of
+    each causal attention layer over each prompt chunk, from the capture,
+    kept in host memory by (state slot, chunk offset). The reverse pass
+    recomputes a chunk with the same inputs, so it reads them instead of
+    running attention's forward over every earlier position again. An entry
+    that would leave less than `HOST_RESERVE` of the host's memory available
+    is not kept: its chunk runs the forward as without the option.
+
+    Copies go through `HostCopier`, off the compute stream. The device holds
+    the entry being read and the next one only: with layer-wise
+    recomputation every entry is read twice per reverse chunk (the forward,
+    then the layer's recomputation in the backward), and holding each from
+    its first read to its second held every attention layer's output for the
+    chunk (1.5 GB at Qwen3.5-27B's depth and 8,192 positions). The order of
+    reads is the same in every chunk: it is learned from the first chunk the
+    reverse pass reads, and each read starts the copy of the next.
+
+    Under context parallelism (`ranks`) the outputs are the same on every
+    rank, so only the rank that holds a chunk keeps its entries; the others
+    note that it did (`elsewhere`), and the reverse pass broadcasts them
+    from there (`context_parallel._kept_or_merged`). In a round only the
+    chunk's rank computes them, keeps them (`keep_round`) and reads them."""
+
+    def __init__(self, device: torch.device, ranks: Ranks | None = None) -> None:
+        self.device = device
+        self.ranks = ranks
+        self.copier = HostCopier(device)
+        self.entries: dict[tuple[int, int], Landing] = {}
+        self.elsewhere: set[tuple[int, int]] = set()  # entries the chunk's rank keeps (context parallelism)
+        self.arriving: dict[tuple[int, int], Arrival] = {}  # the next reads' entries, on their way
+        self.order: list[int] = []  # slots in the order a reverse chunk reads them (learned)
+        self.learned = False
+        self.reads = 0  # in the chunk being run
+        self.refused = False
+
+    def keep(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor, owner: int = 0) -> None:
+        """Keep an entry; under context parallelism on `owner` only (the
+        chunk's rank), which tells the others whether it did: a rank that
+        read an entry where another recomputed it would skip collectives
+        the other calls."""
+        here = self.ranks is None or self.ranks.rank == owner
+        fits = here and self._room_for((out, lse), offset)
+        if self.ranks is not None:
+            fits = bool(self.ranks.ints([fits], self.device)[owner][0])
+        if fits and here:
+            self.entries[slot, offset] = self.copier.to_host((out, lse))
+        elif fits:
+            self.elsewhere.add((slot, offset))
+
+    def keep_round(self, slot: int, offset: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Keep this rank's entry of a round (context parallelism), where
+        every rank of the round has room for its own: all or none, so that
+        the reverse pass's round reads them, or attends, on every rank alike."""
+        if all(room for (room,) in self.ranks.ints([self._room_for((out, lse), offset)], self.device)):
+            self.entries[slot, offset] = self.copier.to_host((out, lse))
+
+    def _room_for(self, tensors: tuple[torch.Tensor, ...], offset: int) -> bool:
+        """Whether copying `tensors` leaves `HOST_RESERVE` of the host's memory available (warns once when not)."""
+        new_bytes = self.copier.host_bytes_to_take(tensors)
+        available, total = host_memory()
+        if new_bytes and available - new_bytes < HOST_RESERVE * total:
+            if not self.refused:
+                log.warning("longstraw: host memory is short (%.1f of %.1f GB available): attention outputs from "
+                            "position %d on are recomputed in the reverse pass", available / 1e9, total / 1e9, offset)
+                self.refused = True
+            return False
+        return True
+
+    def has(self, slot: int, offset: int) -> bool:
+        """Whether the capture kept the entry, here or on its chunk's rank."""
+        return (slot, offset) in self.entries or (slot, offset) in self.elsewhere
+
+    def prefetch(self, offset: int) -> None:
+        """The reverse pass starts the chunk at `offset`: start bringing its first read back."""
+        self.reads = 0
+        self._start(offset)
+
+    def get(self, slot: int, offset: int) -> tuple[torch.Tensor, ...] | None:
+        """The kept entry, in new device memory (each read its own copy),
+        or None where nothing was kept."""
+        key = (slot, offset)
+        if key not in self.entries:
+            return None
+        if not self.learned:
+            self.order.append(slot)
+        arrival = self.arriving.pop(key, None) or self.copier.to_device(self.entries[key])
+        self.reads += 1
+        self._start(offset)
+        return arrival.wait()
+
+    def drop(self, offset: int, length: int) -> None:
+        """Forget the entries of the chunk `[offset, offset+length)` once the
+        reverse pass is done with it (a chunk that ends the left padding keys
+        its entries by the first real position, `_attention_after_padding`)."""
+        self.learned = self.learned or bool(self.order)
+
+        def ours(key: tuple[int, int]) -> bool:
+            return offset <= key[1] < offset + length
+
+        for key in [k for k in self.arriving if ours(k)]:
+            self.arriving.pop(key).wait()  # never read: its memory is reused only after the copy into it
+        for key in [k for k in self.entries if ours(k)]:
+            del self.entries[key]
+        self.elsewhere = {k for k in self.elsewhere if not ours(k)}
+
+    def close(self) -> None:
+        self.entries, self.arriving, self.elsewhere = {}, {}, set()
+        self.copier.close()
+
+    def _start(self, offset: int) -> None:
+        """Start copying the entry of the chunk's next read, where the order is known."""
+        if not self.learned or self.reads >= len(self.order):
+            return
+        key = (self.order[self.reads], offset)
+        if key in self.entries and key not in self.arriving:
+            self.arriving[key] = self.copier.to_device(self.entries[key])
+
+
+PINNED_SLAB = 1 << 30
+"""Bytes of pinned host memory `HostCopier` asks for at a time: PyTorch's
+pinned allocator rounds every block up to a power of two, so one block per
+100 MB attention output would take 128 MB."""
+_ALIGN = 512
+
+
+@dataclasses.dataclass
+class Landing:
+    """Host copies of device tensors (on CUDA, written by the copier's side
+    stream, so a copy back issued there later reads them complete)."""
+
+    host: tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass
+class Arrival:
+    """Device tensors being filled from a `Landing`; `wait` makes the caller's stream wait for them."""
+
+    tensors: tuple[torch.Tensor, ...]
+    done: "torch.cuda.Event | None"
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensors[0].device).wait_event(self.done)
+        return self.tensors
+
+
+class HostCopier:
+    """Copies between the device and host memory that do not hold up the
+    compute stream. On CUDA the host side is pinned memory, handed out of
+    `PINNED_SLAB`-sized blocks, and the copies run on a side stream ordered
+    by events. A pageable copy instead blocks the thread that issues it and,
+    issued from a worker thread, still held up the compute thread's launches:
+    each 100 MB attention output stalled an H200 for ~38 ms. Off CUDA, plain copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.slabs: list[torch.Tensor] = []
+        self.used = PINNED_SLAB  # bytes handed out of the last slab: a first copy takes a new one
+
+    def host_bytes_to_take(self, tensors: tuple[torch.Tensor, ...]) -> int:
+        """New host memory copies of `tensors` would take (whole slabs on CUDA)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if self.stream is None:
+            return sum(sizes)
+        taken, used = 0, self.used
+        for nbytes in sizes:
+            if nbytes > PINNED_SLAB:
+                taken += nbytes
+            elif _aligned(used) + nbytes > PINNED_SLAB:
+                taken, used = taken + PINNED_SLAB, nbytes
+            else:
+                used = _aligned(used) + nbytes
+        return max(taken - reusable_pinned_bytes(), 0)
+
+    def to_host(self, tensors: tuple[torch.Tensor, ...]) -> Landing:
+        """Host copies of `tensors` as they are now (the side stream copies
+        a device copy, so later in-place writes cannot reach it), with
+        their strides: flash attention's output is a transposed layout, and
+        the backward kernels are handed the kept output in place of it."""
+        tensors = tuple(t.detach().clone() for t in tensors)
+        if self.stream is None:
+            return Landing(tensors)
+        ready = _event()
+        host = tuple(self._pinned(t) for t in tensors)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for target, source in zip(host, tensors):
+                target.copy_(source, non_blocking=True)
+                source.record_stream(self.stream)  # its memory is not reused before the copy is done
+            return Landing(host)
+
+    def to_device(self, landing: Landing) -> Arrival:
+        """Device tensors, allocated on the caller's stream, that the side
+        stream fills from `landing` (after its copy to the host: the same stream)."""
+        if self.stream is None:
+            return Arrival(tuple(t.clone() for t in landing.host), None)
+        tensors = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device) for t in landing.host)
+        allocated = _event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(allocated)
+            for target, source in zip(tensors, landing.host):
+                target.copy_(source, non_blocking=True)
+            return Arrival(tensors, _event())
+
+    def close(self) -> None:
+        """Give the slabs back (to PyTorch's pinned cache, which keeps them for the next step)."""
+        self.slabs, self.used = [], PINNED_SLAB
+
+    def _pinned(self, like: torch.Tensor) -> torch.Tensor:
+        """Pinned memory laid out like `like` (dense: a clone's layout)."""
+        nbytes = like.numel() * like.element_size()
+        if nbytes > PINNED_SLAB:
+            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, pin_memory=True)
+        start = _aligned(self.used)
+        if start + nbytes > PINNED_SLAB:
+            self.slabs.append(torch.empty(PINNED_SLAB, dtype=torch.uint8, pin_memory=True))
+            start = 0
+        self.used = start + nbytes
+        return self.slabs[-1][start:start + nbytes].view(like.dtype).as_strided(like.shape, like.stride())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _event() -> "torch.cuda.Event":
+    """An event at the current stream's position."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def reusable_pinned_bytes() -> int:
+    """Pinned host memory PyTorch's allocator holds cached and free (host
+    memory that is not available to the system, but is to a new slab)."""
+    if not torch.cuda.is_available():
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    return max(stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0), 0)
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory from /proc/meminfo; (0, 0) where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()}
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRound:
+    """Under context parallelism, steps the ranks run at once, one each,
+    meeting in collectives: prompt chunks in the capture and the reverse
+    pass, `chunks` (offset, length) in position order, one run of
+    positions; or (`branches`) the group's branches, each rank its own row
+    over the same positions (every chunk `(s, R)`), none reading another's
+    keys. `owners` the rank of each chunk; `index` this rank's."""
+
+    chunks: tuple[tuple[int, int], ...]
+    owners: tuple[int, ...]
+    index: int
+    branches: bool = False
+
+    @property
+    def before(self) -> int:
+        """How many of the round's chunks this rank's queries see whole:
+        those before its own in a prompt round, none among branches."""
+        return 0 if self.branches else self.index
+
+    def sees(self, j: int) -> bool:
+        """Whether chunk `j`'s queries see this rank's own keys: its own
+        chunk, and in a prompt round the later chunks."""
+        return j == self.index or (not self.branches and j > self.index)
+
+    @property
+    def start(self) -> int:
+        """The round's first position."""
+        return self.chunks[0][0]
+
+    @property
+    def longest(self) -> int:
+        """The longest chunk's length: what the round's gathers pad to."""
+        return max(n for _, n in self.chunks)
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What a step graph needs besides tensors: where its positions start,
+    how many there are, and the state it reads and writes; under context
+    parallelism's rounds, the `round` it is one step of."""
+
+    state: PromptState
+    offset: int
+    length: int
+    grad_enabled: bool
+    round: ChunkRound | None = None
+
+    # sequence slots
+
+    def write(self, slot: int, value: torch.Tensor) -> torch.Tensor:
+        """Store the step's new positions of a slot; returns `value` unchanged.
+        Under context parallelism only the owner of a prompt chunk stores it
+        (the sharded attention reads a step's own keys from its arguments)."""
+        token_dim = self.state.slots[slot].token_dim
+        offset, shard = self.offset, self.state.shard
+        if shard is not None:
+            if offset >= self.state.prefix_len or shard.owner(offset) != shard.rank:
+                return value
+            offset = shard.held_before(offset)
+        region = self.state.buffers[slot].narrow(token_dim, offset, self.length)
+        if self.state.verify and self.offset < self.state.prefix_len:
+            self._verify_write(slot, region, value)
+        region.copy_(value.detach())
+        return value
+
+    def _verify_write(self, slot: int, region: torch.Tensor, value: torch.Tensor) -> None:
+        """`Options.verify_state`: the capture writes only unwritten (NaN)
+        positions; a replay of a prompt chunk writes exactly what is there."""
+        where = f"{self.state.slots[slot].label()}, positions [{self.offset}, {self.offset + self.length})"
+        failure = None
+        if not self.grad_enabled and not bool(region.isnan().all()):
+            failure = LongStrawError(f"verify_state: the prompt capture wrote {where} twice")
+        if self.grad_enabled and not torch.equal(region, value.detach()):
+            failure = LongStrawError(f"verify_state: the reverse pass recomputed {where} with other values than the capture")
+        if failure is not None and self.state.shard is None:
+            raise failure
+        self.state.failure = self.state.failure or failure
+
+    def visible(self, slot: int) -> torch.Tensor:
+        """All positions up to the end of this step: `[0, offset + length)`."""
+        self._refuse_on_a_shard(slot)
+        token_dim = self.state.slots[slot].token_dim
+        return self.state.buffers[slot].narrow(token_dim, 0, self.offset + self.length)
+
+    def accumulate_grad(self, slot: int, grad: torch.Tensor, start: int = 0) -> None:
+        """Add the gradient of positions `[start, start + len)` into d(state);
+        the part at or after this step's own positions is not state."""
+        self._refuse_on_a_shard(slot)  # a position is not a buffer index there (`accumulate_shard_grad`)
+        grads = self.state.grads
+        token_dim = self.state.slots[slot].token_dim
+        length = min(grad.shape[token_dim], self.offset - start)
+        if grads is None or length <= 0:
+            return
+        grads[slot].narrow(token_dim, start, length).add_(grad.narrow(token_dim, 0, length))
+
+    def _refuse_on_a_shard(self, slot: int) -> None:
+        """Reading or differentiating the state by prompt position needs every
+        earlier position on this rank, which context parallelism does not keep."""
+        if self.state.shard is not None:
+            raise LongStrawError(
+                f"context parallelism: {self.state.slots[slot].label()} is read by an operator that needs every "
+                "earlier position on this rank, but a sharded prompt holds only this rank's share; the built-in "
+                "passes read it through longstraw.parallel.context_parallel's sharded attention. Run this model without "
+                "context_parallel, or make the pass's step merge partials over the shards as those do."
+            )
+
+    def accumulate_shard_grad(self, slot: int, grad: torch.Tensor, local: int) -> None:
+        """Context parallelism: add the gradient of this rank's share at
+        buffer indices `[local, local + len)` (positions before the step)
+        into d(state), which is sharded like the state."""
+        if self.state.grads is not None:
+            token_dim = self.state.slots[slot].token_dim
+            self.state.grads[slot].narrow(token_dim, local, grad.shape[token_dim]).add_(grad)
+
+    # carry slots
+
+    @property
+    def prompt_round(self) -> ChunkRound | None:
+        """`round` where it is one of prompt chunks (whose carried operators
+        pass the carry from chunk to chunk); None among branches, which
+        each start from the prompt's carry."""
+        return self.round if self.round is not None and not self.round.branches else None
+
+    def carry_in(self, slot: int) -> torch.Tensor:
+        """The carry at the start of this step (the prompt's, for a branch)."""
+        return self.state.carry_at(slot, min(self.offset, self.state.prefix_len))
+
+    def carry_out(self, slot: int, value: torch.Tensor) -> None:
+        """Keep the carry at the end of a prompt chunk during the capture;
+        branches keep nothing, and the reverse pass recomputes what the
+        capture kept."""
+        end = self.offset + self.length
+        if end <= self.state.prefix_len and not self.grad_enabled:
+            self.state.keep_carry(slot, end, value)
+
+    def accumulate_carry_grad(self, slot: int, grad: torch.Tensor | None) -> None:
+        """Add the gradient of the carry this step started from (in a round,
+        the round's: `carry._round_grads`). Kept as a copy, like the carry:
+        it is often a slice of the gradient of a chunk-sized tensor (a conv
+        tail's, of `cat([tail, x])`)."""
+        grads = self.state.carry_grads
+        start = self.offset if self.prompt_round is None else self.round.start
+        if grads is None or grad is None or start == 0:
+            return
+        at = grads[slot]
+        at[start] = grad.clone() if start not in at else at[start] + grad
+
+
+def boundaries_on_host(device: torch.device) -> bool:
+    """Where exact mode keeps its earlier chunk-boundary carries: in pinned
+    host memory on a GPU (the runtime and the memory planner both ask)."""
+    return torch.device(device).type == "cuda"
+
+
+def _on_host(value: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy in pinned host memory (plain memory for shape-only tensors)."""
+    pinned = has_values(value) and torch.cuda.is_available()
+    host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+    return host.copy_(value, non_blocking=pinned)
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """False on meta and fake tensors: shape-only runs (meta models,
+    `longstraw.explain`'s simulation), where value checks cannot run."""
+    return tensor.device.type != "meta" and not isinstance(tensor, FakeTensor)
+
+
+def write_state(ctx: StepContext, slot: int, value: torch.Tensor) -> torch.Tensor:
+    """Graph-level call emitted after every captured node (see stepgraph.py)."""
+    return ctx.write(slot, value)
