@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from longstraw.runtime import runner as runtime
+from longstraw.runtime import backward as runtime_backward
 
 from grpo.measure import Clock, live_at_peak, phase_peaks, phase_seconds, release, sync
 from grpo.models import build_model, make_group
@@ -98,11 +98,11 @@ def _parity(args, rank: int, device: torch.device) -> dict:
         sharded_loss = float(runner.step(group))
         sharded = _grads_on_cpu(model)
         ranks_apart = _ranks_apart(sharded, device)
-        broadcast, runtime.replicate_from_first = runtime.replicate_from_first, lambda tensors, group: None
+        broadcast, runtime_backward.replicate_from_first = runtime_backward.replicate_from_first, lambda tensors, group: None
         try:
             runner.step(group)
         finally:
-            runtime.replicate_from_first = broadcast
+            runtime_backward.replicate_from_first = broadcast
         drift = _ranks_apart(_grads_on_cpu(model), device)
     with Runner(model, args.model, "longstraw_exact", prefix_chunk_size=args.chunk) as runner:
         alone_loss = float(runner.step(group))

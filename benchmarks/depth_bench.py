@@ -60,7 +60,8 @@ from longstraw.runtime.schedule import ChunkSchedule  # noqa: E402
 from longstraw.runtime.kernels import fla_causal_conv  # noqa: E402
 from longstraw.models import qwen3_5  # noqa: E402
 from longstraw.planning.report import ExplainReport  # noqa: E402
-from longstraw.runtime.runner import GroupRunner, phase_of  # noqa: E402
+from longstraw.runtime.runner import GroupRunner  # noqa: E402
+from longstraw.runtime.phases import phase_of  # noqa: E402
 
 
 def hybrid_layers(layers: int) -> list[str]:

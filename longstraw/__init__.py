@@ -12,7 +12,7 @@ from longstraw.planning.graph_model import CapturedTensor
 from longstraw.planning.report import ExplainReport, MemoryPlan, explain
 from longstraw.options import Options
 from longstraw.pass_registry import register_pass
-from longstraw.runtime.runner import around_steps
+from longstraw.runtime.phases import around_steps
 from longstraw.models import install_trace_bindings
 
 install_trace_bindings()

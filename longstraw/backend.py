@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from longstraw.passes import ArchitecturePass
 
-from longstraw.parallel.context_parallel import PLANNING, agree, graph_fingerprint
+from longstraw.parallel.agreement import PLANNING, agree, graph_fingerprint
 from longstraw.errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
 from longstraw.options import Options
 from longstraw.analysis.partition import Partition, classify, with_state
@@ -37,9 +37,10 @@ from longstraw.pass_registry import active_passes
 from longstraw.runtime.device_memory import available_budget
 from longstraw.planning.planner import DEFAULT_CHUNK, MemoryModel, Simulations, context_ranks, default_budget
 from longstraw.codegen.program import StepProgram, compile_program
-from longstraw.runtime.runner import GroupFunction, GroupRunner
+from longstraw.runtime.autograd_boundary import GroupFunction
+from longstraw.runtime.runner import GroupRunner
 from longstraw.trace.specialize import scalar_of, specialize
-from longstraw.runtime.state import SlotKind
+from longstraw.analysis.slots import SlotKind
 from longstraw.codegen.stepgraph import StepGraph
 from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 

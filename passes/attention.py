@@ -19,13 +19,16 @@ import operator
 import torch
 from torch import fx
 
-from longstraw.parallel.context_parallel import SlotKeys, raise_together, round_attention, sharded_causal_attention
+from longstraw.parallel.shards import SlotKeys
+from longstraw.parallel.collectives import raise_together
+from longstraw.parallel.sharded_attention import round_attention, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype, kernel_for
-from longstraw.analysis.mask import MaskBlock, key_padding_of, reads_input
+from longstraw.runtime.mask_block import MaskBlock
+from longstraw.analysis.mask_bands import key_padding_of, reads_input
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.codegen.recompute import keep_through_recomputation
-from longstraw.runtime.state import StepContext
+from longstraw.runtime.prompt_state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
 from .mla import mla_of

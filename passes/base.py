@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from longstraw.runtime.carry import CarryKernel, CarryStep
-from longstraw.analysis.dims import Dim, DimRules
+from longstraw.analysis.dim_types import Dim
+from longstraw.analysis.dims import DimRules
 
 
 @dataclasses.dataclass(frozen=True)

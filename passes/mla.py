@@ -36,24 +36,15 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from longstraw.parallel.context_parallel import (
-    by_rank,
-    gather_round,
-    gathered_rows,
-    merge_partials,
-    merge_scattered,
-    merge_with_own,
-    padded_to,
-    round_attention,
-    shard_positions,
-    sharded_causal_attention,
-)
+from longstraw.parallel.shards import by_rank, gather_round, gathered_rows, padded_to, shard_positions
+from longstraw.parallel.partials import merge_partials, merge_scattered, merge_with_own
+from longstraw.parallel.sharded_attention import round_attention, sharded_causal_attention
 from longstraw.errors import LongStrawError
 from longstraw.trace.functionalize import is_updated
 from longstraw.runtime.kernels.attention import MATH, compute_dtype
-from longstraw.analysis.mask import band_of
+from longstraw.analysis.mask_bands import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
-from longstraw.runtime.state import StepContext
+from longstraw.runtime.prompt_state import StepContext
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 

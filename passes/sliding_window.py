@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from longstraw.runtime.carry import CarryKernel
 from longstraw.analysis.dims import DimRules
-from longstraw.analysis.mask import band_of
+from longstraw.analysis.mask_bands import band_of
 from longstraw.nodes import arg, is_sdpa, tensor_of
 
 from .base import CarryPass

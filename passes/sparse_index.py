@@ -41,10 +41,10 @@ import warnings
 import torch
 import torch.fx as fx
 
-from longstraw.parallel.context_parallel import by_rank, gather_round, padded_to, shard_positions
-from longstraw.analysis.mask import band_of
+from longstraw.parallel.shards import by_rank, gather_round, padded_to, shard_positions
+from longstraw.analysis.mask_bands import band_of
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
-from longstraw.runtime.state import StepContext, has_values
+from longstraw.runtime.prompt_state import StepContext, has_values
 
 from .base import ArchitecturePass, SiteState, StepEmitter
 from .mla import absorbed_attention, flat_positions, latent_of

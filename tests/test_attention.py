@@ -243,17 +243,17 @@ def test_attention_outputs_arrive_before_they_are_read(monkeypatch):
     """After the first reverse chunk (which teaches the order of reads),
     every read finds its entry on the way, and the device holds one entry
     besides the one being read."""
-    from longstraw.runtime import state
+    from longstraw.runtime import host_offload
 
     reads: list[tuple[int, bool]] = []
-    get = state.HostAttentionOutputs.get
+    get = host_offload.HostAttentionOutputs.get
 
     def recorded(self, slot, offset):
         assert len(self.arriving) <= 1
         reads.append((offset, (slot, offset) in self.arriving))
         return get(self, slot, offset)
 
-    monkeypatch.setattr(state.HostAttentionOutputs, "get", recorded)
+    monkeypatch.setattr(host_offload.HostAttentionOutputs, "get", recorded)
     _, _, kept = _attention_run(monkeypatch, "qwen3", True, attention_outputs_on_host=True)
     assert len(reads) == 2 * kept.prompt  # each chunk and layer: the forward, then its recomputation
     first = max(offset for offset, _ in reads)  # the reverse pass starts at the last chunk
@@ -281,11 +281,11 @@ def test_attention_outputs_on_host_on_cuda(dtype, monkeypatch):
 
 def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplog):
     """Short of host memory, nothing is kept: the reverse pass recomputes, with a warning."""
-    from longstraw.runtime import state
+    from longstraw.runtime import host_offload
 
-    monkeypatch.setattr(state, "host_memory", lambda: (1 << 20, 1 << 30))
+    monkeypatch.setattr(host_offload, "host_memory", lambda: (1 << 20, 1 << 30))
     loss, grads, without = _attention_run(monkeypatch, "qwen3", False)
-    with caplog.at_level("WARNING", logger="longstraw.runtime.state"):
+    with caplog.at_level("WARNING", logger="longstraw.runtime.host_offload"):
         kept_loss, kept_grads, kept = _attention_run(monkeypatch, "qwen3", False, attention_outputs_on_host=True)
     assert kept.prompt == without.prompt
     assert torch.equal(loss, kept_loss) and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
@@ -295,10 +295,10 @@ def test_attention_outputs_are_not_kept_past_the_host_reserve(monkeypatch, caplo
 def test_verify_state_checks_the_kept_attention_outputs(monkeypatch):
     """With `verify_state`, a kept output that differs from the recomputed
     one (a step that is not deterministic) raises, and no .grad changes."""
-    from longstraw.runtime import state
+    from longstraw.runtime import host_offload
 
-    keep = state.HostAttentionOutputs.keep
-    monkeypatch.setattr(state.HostAttentionOutputs, "keep",
+    keep = host_offload.HostAttentionOutputs.keep
+    monkeypatch.setattr(host_offload.HostAttentionOutputs, "keep",
                         lambda self, slot, offset, out, lse: keep(self, slot, offset, out + 1e-9, lse))
     with pytest.raises(longstraw.LongStrawError, match="with other values than the capture kept"):
         _attention_run(monkeypatch, "qwen3", False, attention_outputs_on_host=True, verify_state=True)

@@ -16,7 +16,7 @@ from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.passes.causal_conv import causal_conv1d_reference
 from longstraw.parallel.ranks import SimulatedRanks
-from longstraw.runtime.state import ChunkRound
+from longstraw.runtime.prompt_state import ChunkRound
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads

@@ -67,7 +67,7 @@ def _inputs(case: Case, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
-    from longstraw.parallel.context_parallel import sharded_attention
+    from longstraw.parallel.sharded_attention import sharded_attention
     from longstraw.runtime.kernels import attention
 
     attention.MATH_BLOCK_SCORES = 64  # blocks of 64 // (Hq * n) keys
@@ -216,11 +216,11 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
 
-    from longstraw.runtime import state as state_module
+    from longstraw.runtime import host_offload, prompt_state
 
     lengths: list[set[int]] = []  # per PromptState made: the token lengths of its sequence buffers
     held: list[int] = []  # per PromptState made: bytes of its buffers, then of its d(state)
-    init, allocate_grads = state_module.PromptState.__init__, state_module.PromptState.allocate_grads
+    init, allocate_grads = prompt_state.PromptState.__init__, prompt_state.PromptState.allocate_grads
 
     def recording(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -231,11 +231,11 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         allocate_grads(self)
         held.append(sum(g.numel() * g.element_size() for g in self.grads.values()))
 
-    from longstraw.parallel import context_parallel
+    from longstraw.parallel import sharded_attention
 
     merges = []  # the sharded attention's merges across the ranks (attention_outputs_on_host skips the reverse pass's)
-    merge_partials = context_parallel.merge_partials
-    to_host = state_module.HostCopier.to_host
+    merge_partials = sharded_attention.merge_partials
+    to_host = host_offload.HostCopier.to_host
     kept = []  # attention_outputs_on_host: the entries this rank copied to its host
 
     def counting(*args, **kwargs):
@@ -246,7 +246,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         kept.append(1)
         return to_host(self, tensors)
 
-    from longstraw.runtime import runner as runtime
+    from longstraw.runtime import backward as runtime_backward, runner as runtime
 
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
     plan_rounds = runtime.GroupRunner._rounds
@@ -270,19 +270,19 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
             branch_steps.append(ctx.grad_enabled)
         return ctx
 
-    runtime.StepContext = recording_steps
+    runtime.StepContext = runtime_backward.StepContext = recording_steps  # the forward's steps, the backward's
     sums = []  # one per `summed_over_ranks` a backward opened (`RankParts`)
-    summed_over_ranks = runtime.summed_over_ranks
+    summed_over_ranks = runtime_backward.summed_over_ranks
 
     def counting_sums(*args, **kwargs):
         sums.append(1)
         return summed_over_ranks(*args, **kwargs)
 
-    runtime.summed_over_ranks = counting_sums
-    state_module.PromptState.__init__ = recording
-    state_module.PromptState.allocate_grads = recording_grads
-    context_parallel.merge_partials = counting
-    state_module.HostCopier.to_host = keeping
+    runtime_backward.summed_over_ranks = counting_sums
+    prompt_state.PromptState.__init__ = recording
+    prompt_state.PromptState.allocate_grads = recording_grads
+    sharded_attention.merge_partials = counting
+    host_offload.HostCopier.to_host = keeping
     res = {}
     for case in STEP_CASES[world]:
         torch._dynamo.reset()  # each case compiles the loss anew: past Dynamo's recompile limit it would run eagerly
@@ -524,7 +524,8 @@ def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from longstraw.parallel.context_parallel import CALLING, PLANNING, agree, raise_together
+    from longstraw.parallel.agreement import CALLING, PLANNING, agree
+    from longstraw.parallel.collectives import raise_together
     from longstraw.parallel.ranks import Ranks
     from longstraw.errors import InputError, LongStrawError
 
@@ -785,7 +786,7 @@ def test_options_are_compared_by_value():
     other settings differs), not the progress bars or the budget, which may
     differ per rank (the smallest is planned for)."""
     from longstraw import Options
-    from longstraw.parallel.context_parallel import _option_fingerprints
+    from longstraw.parallel.agreement import _option_fingerprints
     from longstraw.passes import ArchitecturePass
 
     class Plain(ArchitecturePass):
@@ -812,10 +813,11 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
     is refused, naming the slot."""
     from torch import fx
 
-    from longstraw.parallel.context_parallel import PromptShard
+    from longstraw.parallel.shards import PromptShard
     from longstraw.errors import LongStrawError
     from longstraw.parallel.ranks import SimulatedRanks
-    from longstraw.runtime.state import PromptState, SlotKind, StateSlot, StepContext
+    from longstraw.runtime.prompt_state import PromptState, StepContext
+    from longstraw.analysis.slots import SlotKind, StateSlot
 
     node = fx.Graph().placeholder("keys")
     slot = StateSlot(0, SlotKind.SEQUENCE, node, token_dim=2, batch_dim=0, shape=(1, 2, 8, 4), dtype=torch.float64,
@@ -832,7 +834,7 @@ def test_a_share_maps_buffer_indices_to_positions_and_back():
     `local_range`, `to_global`, `to_local` and `owner` agree with a table
     built position by position, for shares of separated chunks, a short
     last chunk and a rank with no chunk at all."""
-    from longstraw.parallel.context_parallel import PromptShard
+    from longstraw.parallel.shards import PromptShard
     from longstraw.parallel.ranks import SimulatedRanks
     from longstraw.runtime.schedule import ChunkSchedule
 
@@ -917,9 +919,9 @@ def test_a_checksum_upcasts_a_block_at_a_time(monkeypatch):
     10 GB at Qwen3.5-27B's embedding, outside the plan."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from longstraw.parallel import context_parallel
+    from longstraw.parallel import agreement
 
-    monkeypatch.setattr(context_parallel, "CHECKSUM_BLOCK", 1000)
+    monkeypatch.setattr(agreement, "CHECKSUM_BLOCK", 1000)
     t = torch.randn(7, 1001, dtype=torch.bfloat16)
 
     class LargestOutput(TorchDispatchMode):
@@ -934,11 +936,11 @@ def test_a_checksum_upcasts_a_block_at_a_time(monkeypatch):
             return out
 
     with LargestOutput():
-        got = context_parallel._checksum(t, ordered=True)
+        got = agreement._checksum(t, ordered=True)
     assert LargestOutput.largest <= 1000 * 8
     whole = t.double().reshape(-1)
-    weights = torch.arange(whole.numel(), dtype=torch.float64).mul_(context_parallel._GOLDEN).frac_().add_(0.5)
+    weights = torch.arange(whole.numel(), dtype=torch.float64).mul_(agreement._GOLDEN).frac_().add_(0.5)
     expected = torch.stack([whole.sum(), whole.norm(), whole.dot(weights)])
     assert torch.allclose(got, expected, rtol=1e-12, atol=0)
-    assert context_parallel._checksum(t, ordered=False)[2] == 0
-    assert not torch.equal(got, context_parallel._checksum(t.flip(-1), ordered=True))  # the order is seen
+    assert agreement._checksum(t, ordered=False)[2] == 0
+    assert not torch.equal(got, agreement._checksum(t.flip(-1), ordered=True))  # the order is seen

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import longstraw
-from longstraw.runtime import state as state_module
+from longstraw.runtime import prompt_state as state_module
 from longstraw.models import qwen3_5
 
 from conftest import raises_longstraw

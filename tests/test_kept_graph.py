@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import longstraw
 from longstraw import backend as backend_module
-from longstraw.runtime.runner import phase_of
+from longstraw.runtime.phases import phase_of
 
 from helpers.compare import assert_grads_close
 from helpers.families import FAMILIES

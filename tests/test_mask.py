@@ -13,7 +13,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw
-from longstraw.analysis import mask as masks
+from longstraw.runtime import mask_block as masks
 from longstraw.runtime.kernels import attention as attention_kernels
 
 from helpers.harness import compile_loss, compiled_loss_and_grads

@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 import longstraw
-from longstraw.analysis import mask as masks
+from longstraw.runtime import mask_block as masks
 from longstraw.passes import attention
 from longstraw.errors import InputError
 from longstraw.models import qwen3_5

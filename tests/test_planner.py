@@ -76,7 +76,6 @@ def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
 
 def test_off_cuda_without_a_budget_the_defaults_run_and_nothing_is_simulated(monkeypatch):
     """No `memory_budget_gb` on the CPU: chunks of 8192, no recomputation, no simulation at planning."""
-    from longstraw.runtime import device_memory
     from longstraw.planning import planner
 
     assert planner.default_budget(torch.device("cpu")) is None
@@ -132,7 +131,6 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     prompt, so they grow with P). A longer prompt, or longer branches, is
     simulated again. (Compiled with dynamic sizes: one Dynamo graph, whose
     plans share one cache.)"""
-    from longstraw.runtime import device_memory
     from longstraw.planning import planner
 
     from longstraw import backend as backend_module
@@ -200,8 +198,6 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     shorter ninth it predicts what running all of them does: the same
     bytes. The hybrid's carries are what a skipped chunk could get wrong;
     its exact mode runs with `-m slow`."""
-    from longstraw.runtime import device_memory
-    from longstraw.planning import planner
     from longstraw.runtime.schedule import ChunkSchedule
 
     report = explain(kind)
@@ -261,8 +257,6 @@ def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, mon
     and of the rounds the first and the last two (`ChunkSchedule.sampled`); over
     four rounds and a chunk after them it predicts what running them all
     does: the same bytes."""
-    from longstraw.runtime import device_memory
-    from longstraw.planning import planner
     from longstraw.runtime.schedule import ChunkSchedule
 
     report = explain(kind)
@@ -285,7 +279,6 @@ def test_a_rank_is_simulated_with_its_rounds_collectives(monkeypatch):
     the activations are that rank's, not one process's. (Which is larger
     depends on the kernels: on the CPU the explicit softmax holds scores
     over every earlier key, and a rank attends over half of them.)"""
-    from longstraw.planning import planner
     from longstraw.parallel import ranks
 
     calls = []

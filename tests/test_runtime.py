@@ -10,7 +10,7 @@ import torch
 
 import longstraw
 from longstraw.runtime.runner import GroupRunner
-from longstraw.runtime.state import StepContext
+from longstraw.runtime.prompt_state import StepContext
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
@@ -477,10 +477,10 @@ def test_exact_capture_keeps_nothing_for_a_backward_that_cannot_come(grad, monke
     """Under no_grad (a reference model scored in the loss, an evaluation)
     exact mode keeps no chunk-boundary carries and no attention outputs
     for a reverse pass; with autograd on it keeps both, and the loss is the same."""
-    from longstraw.runtime import runner as runtime, state
+    from longstraw.runtime import prompt_state, runner as runtime
 
     made: list[tuple[bool, bool]] = []
-    original = state.PromptState.__init__
+    original = prompt_state.PromptState.__init__
 
     def recorded(self, *args, **kwargs):
         original(self, *args, **kwargs)

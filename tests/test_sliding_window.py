@@ -13,7 +13,7 @@ import transformers
 from transformers import masking_utils
 
 import longstraw
-from longstraw.analysis.mask import band_of
+from longstraw.analysis.mask_bands import band_of
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads

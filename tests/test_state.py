@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import fx
 
-from longstraw.runtime.state import PromptState, SlotKind, StateSlot, StepContext
+from longstraw.runtime.prompt_state import PromptState, StepContext
+from longstraw.analysis.slots import SlotKind, StateSlot
 
 from conftest import raises_longstraw
 
@@ -139,7 +140,7 @@ def test_host_copies_keep_values_and_layout(device):
     stream): the values as they were when handed over (a later in-place
     write does not reach them) and the same strides (flash attention's
     output is a transposed layout its backward reads)."""
-    from longstraw.runtime.state import HostCopier
+    from longstraw.runtime.host_offload import HostCopier
 
     copier = HostCopier(torch.device(device))
     out = torch.randn(1, 6, 4, 8, device=device).transpose(1, 2)  # [1, 4, 6, 8] laid out as [1, 6, 4, 8]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import longstraw
-from longstraw.runtime.runner import phase_of
+from longstraw.runtime.phases import phase_of
 
 from .models import Group, grpo_loss, make_group
 from .modes import Runner, eager_step

@@ -17,7 +17,7 @@ from longstraw.passes.base import ArchitecturePass, Candidate, SiteState
 
 from longstraw.analysis.dims import DimAnalysis
 from longstraw.nodes import tensor_of
-from longstraw.runtime.state import SlotKind, StateSlot
+from longstraw.analysis.slots import SlotKind, StateSlot
 
 
 def bytes_per_position(node: fx.Node, an: DimAnalysis, token: int, batch: int) -> int | None:

@@ -26,7 +26,8 @@ import torch.fx as fx
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 
 from longstraw.analysis.boundary import choose_state
-from longstraw.analysis.dims import DimAnalysis, Restriction
+from longstraw.analysis.dims import DimAnalysis
+from longstraw.analysis.dim_types import Restriction
 from longstraw.errors import (
     NO_FIX,
     InputError,
@@ -41,9 +42,9 @@ from longstraw.errors import (
     sdpa_advice,
 )
 from longstraw.trace.functionalize import is_updated
-from longstraw.analysis.mask import key_padding_of
+from longstraw.analysis.mask_bands import key_padding_of
 from longstraw.nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
-from longstraw.runtime.state import StateSlot
+from longstraw.analysis.slots import StateSlot
 
 log = logging.getLogger("longstraw.analysis.partition")
 

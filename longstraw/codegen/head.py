@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from longstraw.analysis.dims import Restriction
+from longstraw.analysis.dim_types import Restriction
 from longstraw.errors import LongStrawError
 from longstraw.nodes import is_call, is_random, is_side_effect, tensor_of
 from longstraw.analysis.partition import Partition

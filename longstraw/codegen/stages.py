@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from longstraw.nodes import tensor_of
 from longstraw.analysis.partition import Partition
-from longstraw.runtime.state import StateSlot
+from longstraw.analysis.slots import StateSlot
 from longstraw.codegen.stepgraph import StepGraph, build_step, needed_for, step_imports
 
 

@@ -28,9 +28,10 @@ from longstraw.errors import UnsupportedGraphError, describe_node
 from longstraw.codegen.head import HeadChunks, HeadRegion, head_region
 from longstraw.nodes import ancestors, arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from longstraw.analysis.dims import DimAnalysis
-from longstraw.analysis.mask import MaskTiles
+from longstraw.runtime.mask_block import MaskTiles
 from longstraw.analysis.partition import Partition
-from longstraw.runtime.state import SlotKind, StateSlot, write_state
+from longstraw.analysis.slots import SlotKind, StateSlot
+from longstraw.runtime.prompt_state import write_state
 
 _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from longstraw.errors import module_path, source_line
 from longstraw.nodes import op_name, tensor_of
-from longstraw.runtime.state import SlotKind
+from longstraw.analysis.slots import SlotKind
 
 REGIONS = ("input", "outer", "prefix", "branch", "tail", "state")
 REGION_TITLES = {

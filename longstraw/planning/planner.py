@@ -53,7 +53,7 @@ from longstraw.planning.simulation import (
     tensor_bytes,
 )
 from longstraw.runtime.schedule import ChunkSchedule
-from longstraw.runtime.state import boundaries_on_host
+from longstraw.runtime.prompt_state import boundaries_on_host
 
 log = logging.getLogger("longstraw.planning.planner")
 

@@ -45,7 +45,9 @@ from longstraw.parallel.ranks import SimulatedRanks
 from longstraw.options import Options
 from longstraw.analysis.partition import Partition
 from longstraw.codegen.program import StepProgram
-from longstraw.runtime.runner import Group, GroupRunner, around_steps, phase_of
+from longstraw.runtime.call_state import Group
+from longstraw.runtime.runner import GroupRunner
+from longstraw.runtime.phases import around_steps, phase_of
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.codegen.stepgraph import StepGraph
 

@@ -26,9 +26,9 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from longstraw.parallel.context_parallel import gather_round
+from longstraw.parallel.shards import gather_round
 from longstraw.errors import LongStrawError
-from longstraw.runtime.state import StepContext, has_values
+from longstraw.runtime.prompt_state import StepContext, has_values
 
 CarryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from longstraw.errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
 from longstraw.trace.functionalize import functionalize
-from longstraw.analysis.dims import ELEMENTWISE
+from longstraw.analysis.dim_types import ELEMENTWISE
 from longstraw.nodes import ancestors, is_call, is_random, is_side_effect, op_name
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 import longstraw
-from longstraw.runtime import state as state_module
+from longstraw.runtime import prompt_state as state_module
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.losses import grpo_loss_f64

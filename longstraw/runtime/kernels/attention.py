@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.nn.attention import SDPBackend
 
-from longstraw.analysis.mask import MaskBlock
+from longstraw.runtime.mask_block import MaskBlock
 
 log = logging.getLogger("longstraw.attention")
 

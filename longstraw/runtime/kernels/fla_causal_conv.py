@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from longstraw.runtime.state import has_values
+from longstraw.runtime.prompt_state import has_values
 from longstraw.runtime.kernels.switch import KernelSwitch
 
 ACTIVATIONS = (None, "silu", "swish")

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from longstraw.runtime.state import has_values
+from longstraw.runtime.prompt_state import has_values
 from longstraw.runtime.kernels.switch import KernelSwitch
 
 CHUNK = 64  # fla's chunk size; the log2 decays below are cumulative within these

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from longstraw.runtime.state import has_values
+from longstraw.runtime.prompt_state import has_values
 
 CHUNK = 64
 

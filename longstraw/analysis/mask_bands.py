@@ -1,15 +1,7 @@
-"""Attention masks computed from positions, tile by tile.
+"""What a traced attention mask is, proved from its graph.
 
-HF builds an explicit `[..., L, L]` mask whenever it is traced (on CUDA,
-always). A step with queries at `[o, o+n)` needs the mask's block over the
-visible columns `[0, o+n)`, which at a 1M-token prompt and 8K-token chunks
-is 8 GiB. The step graph therefore never builds that block: it computes the
-mask's row and column vectors (O(L)) and hands them to `MaskTiles`, a
-generated graph that computes any `rows x columns` tile from them. The
-attention step asks the resulting `MaskBlock` whether it is plain causal
-(then it runs the fused kernels and reads no mask at all) or, for any other
-mask, for the columns of one key block at a time.
-
+`band_of` reads a positions-only mask as a band of key offsets (causal, a
+sliding window) by abstract interpretation over affine position values.
 A padding mask (HF's `causal & attention_mask[batch, key]`) reads an input:
 `key_padding_of` splits it into the positions-only part and one key mask,
 broadcast over queries, which the outer graph computes once per call for
@@ -19,7 +11,6 @@ the whole sequence and the step reads for its row and visible columns.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import operator
 from typing import Any
@@ -28,178 +19,10 @@ import torch
 from torch import fx
 
 from longstraw.nodes import ancestors, arg, op_name, tensor_of
-from longstraw.runtime.state import has_values
-
-CHECK_TILE_ROWS = 1024
-CHECK_TILE_COLUMNS = 65536
-
-
-class MaskTiles(torch.nn.Module):
-    """Computes tiles of one mask. `tile` is a generated graph:
-    `tile(row_start, rows, column_start, columns, *vectors)` -> the mask's
-    `[..., rows, columns]` tile. Also remembers which step blocks were found
-    causal: the positions-only part reads no input, so the answer for a
-    block `(o, n)` never changes, and later calls skip the check.
-    `padding`: the index among the vectors of the key mask read from an
-    input (`key_padding_of`), if any; it is data, so a block is causal only
-    while every visible key is on, and only such answers are remembered."""
-
-    def __init__(self, tile: fx.GraphModule, padding: int | None = None) -> None:
-        super().__init__()
-        self.tile = tile
-        self.padding = padding
-        self.causal: dict[tuple[int, int], bool] = {}
-
-    def forward(self, offset: int, length: int, *vectors: torch.Tensor) -> MaskBlock:
-        return MaskBlock(self, offset, length, vectors)
-
-
-class MaskBlock:
-    """The mask's rows `[offset, offset+length)` over the visible columns
-    `[0, offset+length)`, computed only where asked for."""
-
-    def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...]) -> None:
-        self.tiles, self.offset, self.length, self.vectors = tiles, offset, length, vectors
-
-    def columns(self, start: int, count: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The block's `[..., n, count]` tile of columns `[start, start+count)`
-        (`rows`: a local `(first, count)` range of the block's rows instead of all)."""
-        first, n = rows if rows is not None else (0, self.length)
-        with torch.no_grad():
-            return self.tiles.tile(self.offset + first, n, start, count, *self.vectors)
-
-    def is_causal(self) -> bool:
-        """Whether the block is plain lower-right causal, so a fused causal
-        kernel computes the same attention without reading it. A float mask
-        counts when it is 0 where causal allows and at most half the dtype's
-        minimum elsewhere; leading dimensions (batch, heads) must agree.
-        Checked once per block in tiles of CHECK_TILE_ROWS x
-        CHECK_TILE_COLUMNS. Meta and fake tensors (`longstraw.explain`) have
-        no values: their mask is taken to be causal, as HF's is."""
-        keys = self._keys()
-        if keys is not None and not bool(keys.all()):
-            return False
-        return self._positions_causal()
-
-    def first_key(self) -> int | None:
-        """`a` when the block is causal attention over the keys `[a, o+n)`
-        alone: its key mask off before `a` and on from there (left
-        padding), every query at or after `a`, the positions-only part
-        causal. Then a fused causal kernel over those keys computes it.
-        None otherwise (no key mask, or another pattern)."""
-        keys = self.key_interval()
-        if keys is None or not 0 < keys[0] <= self.offset or keys[1] != self.offset + self.length:
-            return None
-        return keys[0]
-
-    def padding_end(self) -> int | None:
-        """`a` when the left padding ends inside the block's rows: the key
-        mask off before `a` and on from there to the block's end, with
-        `o < a <= o+n`, the positions-only part causal. Then the rows before
-        `a` see no key (their output is zero, as SDPA's) and the rest are
-        causal attention over the keys `[a, o+n)`, which a fused causal
-        kernel computes. None otherwise."""
-        keys = self.key_interval()
-        end = self.offset + self.length
-        if keys is None or not self.offset < keys[0] <= end or keys[1] != end:
-            return None
-        return keys[0]
-
-    def key_span(self) -> tuple[int, int] | None:
-        """`(a, b)` when the key mask is on exactly over `[a, b)` with
-        `a <= o < b < o+n` (left padding before the block's rows, right
-        padding inside them: a padded completion) and the positions-only part
-        is causal. Then the rows before `b` are causal attention over the
-        keys `[a, row]` and the rows from `b` on see all of `[a, b)`. None
-        otherwise."""
-        keys = self.key_interval()
-        if keys is None or not keys[0] <= self.offset < keys[1] < self.offset + self.length:
-            return None
-        return keys
-
-    def key_interval(self) -> tuple[int, int] | None:
-        """`(a, b)` when the key mask is on exactly over `[a, b)` of the
-        visible columns, the same for every row, and the positions-only
-        part is causal: causal attention over the keys `[a, b)` alone (a
-        query before `a` sees nothing, one at or after `b` sees all of
-        them). `first_key` and `key_span` are its cases the one-process
-        steps run with fused kernels; context parallelism runs all of it.
-        None without a key mask, or for another pattern. Asked once per
-        block: every attention layer of a step reads the same block, and
-        each answer costs device syncs."""
-        return self._interval
-
-    @functools.cached_property
-    def _interval(self) -> tuple[int, int] | None:
-        keys = self._keys()
-        if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
-            return None
-        line = keys[0]
-        first = int(line.logical_not().cumprod(0).sum())
-        last = first + int(line[first:].cumprod(0).sum())
-        if bool(line[last:].any()):
-            return None
-        return (first, last) if self._positions_causal() else None
-
-    def _keys(self) -> torch.Tensor | None:
-        """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
-        if self.tiles.padding is None:
-            return None
-        keys = self.vectors[self.tiles.padding]
-        if not has_values(keys):
-            return None
-        visible = self.offset + self.length
-        return keys.narrow(-1, 0, visible).reshape(-1, visible)
-
-    def _positions_causal(self) -> bool:
-        """`is_causal` of the block with every key on: it reads no input, so it is remembered."""
-        key = (self.offset, self.length)
-        if key not in self.tiles.causal:
-            vectors = list(self.vectors)
-            if self.tiles.padding is not None:
-                vectors[self.tiles.padding] = torch.ones_like(vectors[self.tiles.padding])
-            answer = MaskBlock(self.tiles, self.offset, self.length, tuple(vectors))._check()
-            if answer is None:
-                return True
-            self.tiles.causal[key] = answer
-        return self.tiles.causal[key]
-
-    def _check(self) -> bool | None:
-        visible = self.offset + self.length
-        for first in range(0, self.length, CHECK_TILE_ROWS):
-            n = min(CHECK_TILE_ROWS, self.length - first)
-            row0 = self.offset + first
-            for start in range(0, visible, CHECK_TILE_COLUMNS):
-                count = min(CHECK_TILE_COLUMNS, visible - start)
-                tile = self.columns(start, count, rows=(first, n))
-                if not has_values(tile):
-                    return None
-                if not _is_causal_tile(tile, row0, start):
-                    return False
-        return True
-
-
-def _is_causal_tile(tile: torch.Tensor, row0: int, col0: int) -> bool:
-    """Whether `tile` (rows from position `row0`, columns from `col0`) allows
-    exactly the columns at or before each row."""
-    if tile.dim() > 2 and any(s != 1 for s in tile.shape[:-2]):
-        flat = tile.flatten(0, -3)
-        if not bool((flat == flat[:1]).all()):
-            return False
-    tile = tile.reshape(-1, *tile.shape[-2:])[0]
-    n, m = tile.shape
-    allowed = tile if tile.dtype == torch.bool else tile == 0
-    if tile.dtype != torch.bool and not bool(((tile == 0) | (tile <= torch.finfo(tile.dtype).min / 2)).all()):
-        return False
-    if col0 + m - 1 <= row0:  # every column is at or before every row
-        return bool(allowed.all())
-    causal = torch.ones(n, m, dtype=torch.bool, device=tile.device).tril(row0 - col0)
-    return torch.equal(allowed, causal)
-
-
-# padding masks -------------------------------------------------------------------
 
 _CONJUNCTIONS = ("and_", "logical_and", "__and__")
+
+
 _SAME_VALUES = ("expand", "to", "contiguous", "clone")
 
 
@@ -244,9 +67,6 @@ def _keeps_bool(node: fx.Node) -> bool:
     return all(t == torch.bool for t in casts)
 
 
-# bands ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Affine:
     """An integer tensor `sum(coeff[a] * index along axis a) + const`, axes
@@ -277,6 +97,8 @@ class _Band:
 
 
 _ANY = _Band(-math.inf, math.inf)
+
+
 _NONE = _Band(math.inf, -math.inf)  # false everywhere
 
 
