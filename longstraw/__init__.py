@@ -14,8 +14,10 @@ from longstraw.options import Options
 from longstraw.pass_registry import register_pass
 from longstraw.runtime.phases import around_steps
 from longstraw.models import install_trace_bindings
+from longstraw.pipeline import enable_dumps
 
 install_trace_bindings()
+enable_dumps()
 
 __all__ = [
     "Backend",

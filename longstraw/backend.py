@@ -14,10 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import math
 import os
 import re
-import time
 import types
 import warnings
 import weakref
@@ -27,21 +25,20 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from longstraw.passes import ArchitecturePass
-
-from longstraw.parallel.agreement import PLANNING, agree, graph_fingerprint
+from longstraw.analysis.partition import Partition
+from longstraw.analysis.slots import SlotKind
+from longstraw.codegen.program import StepProgram
+from longstraw.codegen.stepgraph import StepGraph
 from longstraw.errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
 from longstraw.options import Options
-from longstraw.analysis.partition import Partition, classify, with_state
 from longstraw.pass_registry import active_passes
-from longstraw.runtime.device_memory import available_budget
-from longstraw.planning.planner import DEFAULT_CHUNK, MemoryModel, Simulations, context_ranks, default_budget
-from longstraw.codegen.program import StepProgram, compile_program
+from longstraw.passes import ArchitecturePass
+from longstraw.pipeline import PIPELINE, Planning
+from longstraw.planning.planner import Simulations
+from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.runtime.autograd_boundary import GroupFunction
 from longstraw.runtime.runner import GroupRunner
-from longstraw.trace.specialize import scalar_of, specialize
-from longstraw.analysis.slots import SlotKind
-from longstraw.codegen.stepgraph import StepGraph
+from longstraw.trace.specialize import scalar_of
 from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
 log = logging.getLogger("longstraw")
@@ -155,7 +152,7 @@ class GroupPlan:
         if not runner.keeps_graphs or not kept:
             return "the backward replays the branches" + (" and runs the reverse pass" if exact else "")
         kept = " and ".join(kept) + (" graphs" if len(kept) > 1 else " graph" if exact else " graphs")
-        if runner.graph_room >= _KEEP_EVERY_STATE:
+        if runner.graph_room >= KEEP_EVERY_STATE:
             return f"{kept} kept for the backward (keep_graphs=True)"
         return (f"{kept} kept for the backward while they fit: {runner.graph_room / 1e9:.1f} GB of room, "
                 f"{runner.graph_chunk_bytes / 1e9:.2f} GB counted for each")
@@ -341,21 +338,14 @@ class CompiledGroupLoss:
         Specialising is part of planning: a graph it refuses (an in-place
         write into an argument, a functorch transform) follows
         `on_unsupported` like any other."""
-        guards: tuple[tuple[int, Any], ...] = ()
+        planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations)
         try:
-            start = time.perf_counter()
-            special = specialize(self.gm, args)
-            guards, gm = special.guards, special.gm
-            specialized = time.perf_counter()
-            params = {p for p, a in zip(gm.graph.find_nodes(op="placeholder"), args) if _is_module_state(p, a)}
-            program = compile_program(with_state(classify(gm, params, self.backend.passes)), self.options.head_chunk_size)
-            analysed = time.perf_counter()
-            options, room = _sized(program, self.options, args, self.activations)
-            runner = GroupRunner(program, options, state_room=room.states, graph_room=room.graphs,
-                                 graph_chunk_bytes=room.graph_chunk, step_bytes=room.step)
-            runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in args])
-            seconds = PlanSeconds(specialized - start, analysed - specialized, time.perf_counter() - analysed)
-            plan = GroupPlan(program, runner, options, seconds)
+            for stage in PIPELINE:
+                planning = stage.apply(planning)
+            spent = dict(planning.seconds)
+            seconds = PlanSeconds(spent["specialize"], spent["classify"] + spent["state"] + spent["codegen"],
+                                  spent["size"] + spent["runner"])
+            plan = GroupPlan(planning.program, planning.runner, planning.sized, seconds)
         except UnsupportedGraphError as err:
             node = err.node
             if self.partial is not None:
@@ -371,96 +361,10 @@ class CompiledGroupLoss:
             self.backend.fallbacks.append(
                 Fallback(kind, str(err), None if node is None else node.name, None if node is None else module_path(node))
             )
-            return guards, None
+            return planning.guards, None
         self.backend.plans.append(plan)
         log.info("%s", plan.summary())
-        return guards, plan
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptRoom:
-    """What the runner may keep for the backward beside the planned peak
-    (`GroupRunner`): bytes of earlier groups' prompt states
-    (`keep_group_states`), bytes of the forward's autograd graphs
-    (`keep_graphs`), the bytes one prompt chunk's or one branch's graph is
-    counted at, and what the
-    planned step needs beside the weights and gradients (state, d(state),
-    activations), which the runner keeps free at every call
-    (`device_memory.room_now`)."""
-
-    states: int = 0
-    graphs: int = 0
-    graph_chunk: int = 0
-    step: int = 0
-
-
-def _sized(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, KeptRoom]:
-    """The options with `prefix_chunk_size` and `recompute_layers` decided:
-    the user's where given, else the planner's choice (`longstraw.planning.planner`)
-    for `memory_budget_gb`, or on CUDA for the device's free memory, else
-    8192 without recomputation; and what the runner may keep for the
-    backward (`KeptRoom`: where `keep_group_states` or `keep_graphs`
-    is None, the budget's room beside the planned peak, a chunk's graph
-    counted at the planned activations, an upper bound of what one reverse
-    chunk holds). `activations` caches the planner's simulations. Under
-    context parallelism every rank plans for the smallest budget of the
-    group (`agree`): ranks that chose other chunk sizes would run other
-    collectives."""
-    group = opts.context_parallel
-    planned = opts.prefix_chunk_size is None or opts.recompute_layers is None
-    room = KeptRoom(_KEEP_EVERY_STATE if opts.keep_group_states else 0, _KEEP_EVERY_STATE if opts.keep_graphs else 0)
-    if not planned and group is None:
-        return opts, room
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    if not planned:
-        budget = None
-    elif opts.memory_budget_gb is not None:
-        budget = min(int(opts.memory_budget_gb * 1e9), available_budget(device))
-    else:
-        budget = default_budget(device)
-    model, others = None, 0
-    if budget is not None:
-        model = MemoryModel(program, opts, activations)
-        held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        part = program.partition
-        params = [a for p, a in zip(part.placeholders, args) if p in part.params and isinstance(a, torch.Tensor)]
-        grads = sum(a.grad.numel() * a.grad.element_size() for a in params if a.grad is not None)
-        others = max(held - model.weights - grads, 0)  # what the process holds besides the weights and their grads
-    if group is not None:
-        own = math.inf if budget is None else float(budget - others)
-        smallest = min(agree(PLANNING, graph_fingerprint(program.partition.graph), opts, own, group, device))
-        if budget is not None:
-            budget = int(smallest) + others
-    if not planned:
-        return opts, room
-    chunk, recompute = opts.prefix_chunk_size, opts.recompute_layers
-    if budget is None:
-        chunk, recompute = chunk or DEFAULT_CHUNK, bool(recompute)
-    else:
-        chosen = model.choose(model.prompt_len + 1, model.branch_len, opts.prompt_grad, device, budget - others, chunk, recompute,
-                              ranks=context_ranks(opts))
-        chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
-        spare = max(budget - others - chosen.peak, 0)
-        if group is None:
-            room = KeptRoom(spare if opts.keep_group_states is None else room.states,
-                            spare if opts.keep_graphs is None else room.graphs, chosen.activations,
-                            chosen.state + chosen.state_grad + chosen.activations)
-        log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
-                 "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
-                 "kept graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)
-    return dataclasses.replace(opts, prefix_chunk_size=chunk, recompute_layers=recompute), room
-
-
-_KEEP_EVERY_STATE = 1 << 62
-"""`keep_group_states=True` or `keep_graphs=True`: room for any number of states or graphs."""
-
-
-def _is_module_state(placeholder: fx.Node, value: Any) -> bool:
-    """Parameters and buffers: shared by every row of the group whatever
-    their `requires_grad`. Everything else is data, per row or shared as its
-    dimensions say (advantages that require grad are still per row)."""
-    return isinstance(value, torch.nn.Parameter) or "_parameters_" in placeholder.name or "_buffers_" in placeholder.name
+        return planning.guards, plan
 
 
 def _signature(args: Sequence[Any]) -> tuple:

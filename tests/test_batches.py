@@ -112,22 +112,23 @@ def test_a_budget_keeps_the_states_it_has_room_for(monkeypatch):
     leaves beside the planned peak decides. A large budget keeps every
     earlier group's state; room for one state keeps the first group's
     only (the second is captured again in backward); the gradients are the same."""
-    from longstraw import backend as backend_module
+    from longstraw import pipeline
+    from longstraw.planning.sizing import KeptRoom
 
     model = FAMILIES["qwen3"].build()
     batch = make_batch([2, 3, 2], P=10, R=3, vocab=model.config.vocab_size)
-    sized = backend_module._sized
+    sized = pipeline.size_plan
 
     def room_for_one_state(program, *args):
         options, _ = sized(program, *args)
         part = program.partition
-        return options, backend_module.KeptRoom(sum(s.bytes_per_position() * part.end + s.fixed_bytes() for s in part.slots))
+        return options, KeptRoom(sum(s.bytes_per_position() * part.end + s.fixed_bytes() for s in part.slots))
 
     grads = []
     for room, live in ((None, 3), (room_for_one_state, 2)):
         torch._dynamo.reset()
         if room is not None:
-            monkeypatch.setattr(backend_module, "_sized", room)
+            monkeypatch.setattr(pipeline, "size_plan", room)
         states = count_live_states(monkeypatch)
         backend = longstraw.Backend(memory_budget_gb=100.0, prefix_chunk_size=4)
         grads.append(compiled_loss_and_grads(torch.compile(batch_loss, backend=backend), model, *batch))

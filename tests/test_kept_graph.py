@@ -20,7 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import longstraw
-from longstraw import backend as backend_module
+from longstraw import pipeline
+from longstraw.planning.sizing import KeptRoom
 from longstraw.runtime.phases import phase_of
 
 from helpers.compare import assert_grads_close
@@ -158,18 +159,18 @@ def test_planned_room_decides(monkeypatch):
     counted at the planned activations), and the first group's state with
     them; with room for three only, at most three are kept and the rest
     replay. Gradients are eager's either way."""
-    sized = backend_module._sized
+    sized = pipeline.size_plan
     seen_rooms = []
 
     def room_for_the_last_group(program, *args):
         options, room = sized(program, *args)
         seen_rooms.append(room)
-        return options, backend_module.KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
+        return options, KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
 
     seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
     assert seen.count(KEPT) == 6 and REVERSE not in seen and seen.count(KEPT_BRANCH) == 4 and REPLAY not in seen
     torch._dynamo.reset()
-    monkeypatch.setattr(backend_module, "_sized", room_for_the_last_group)
+    monkeypatch.setattr(pipeline, "size_plan", room_for_the_last_group)
     seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
     assert seen_rooms and seen_rooms[0].graph_chunk > 0 and seen_rooms[0].graphs > 3 * seen_rooms[0].graph_chunk
     kept = seen.count(KEPT) + seen.count(KEPT_BRANCH)
