@@ -186,7 +186,8 @@ class Backend:
             options = {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **option_fields}
         self.options = Options.from_any(options)
         # the complete list when given; else the built-in, installed, registered and optioned passes
-        self.passes = active_passes(self.options.passes) if passes is None else tuple(passes)
+        self.passes = (active_passes(self.options.passes, self.options.disable_passes) if passes is None
+                       else tuple(passes))
         self.plans: deque[GroupPlan] = deque(maxlen=self.options.plan_cache_size)
         self.fallbacks: list[Fallback] = []  # graphs run unchanged, in the order they fell back
         self.stop_after_planning = False

@@ -101,6 +101,12 @@ class Options:
     instances) used after the built-in, installed and registered ones
     (`longstraw.register_pass`)."""
 
+    disable_passes: tuple[str, ...] = ()
+    """Names of passes the backend leaves out (`ArchitecturePass.name`, e.g.
+    `"sliding_window_attention"`: sliding-window layers then keep every
+    position's K/V through the causal attention pass). A name no pass has is
+    an error listing the passes."""
+
     kernels: KernelPolicy | Mapping[str, str] = KernelPolicy()
     """Which kernels the steps run (`longstraw.runtime.kernels.KernelPolicy`), e.g.
     `{"attention": "cudnn"}` or `{"gated_delta": "torch"}`. Default:
@@ -134,6 +140,9 @@ class Options:
         if isinstance(self.passes, (str, bytes)) or not isinstance(self.passes, (list, tuple)):
             raise LongStrawError(f"passes must be a list or tuple of architecture passes, got {self.passes!r}")
         object.__setattr__(self, "passes", tuple(as_pass(p, "options['passes']") for p in self.passes))
+        if isinstance(self.disable_passes, str) or not all(isinstance(n, str) for n in self.disable_passes):
+            raise LongStrawError(f"disable_passes must be a list of pass names, got {self.disable_passes!r}")
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if isinstance(self.kernels, Mapping):
             unknown = set(self.kernels) - {f.name for f in dataclasses.fields(KernelPolicy)}
             if unknown:

@@ -10,8 +10,10 @@ in this order:
 - `options={"passes": [p, ...]}`, for one backend.
 
 A backend takes its list when it is made, so a pass registered later
-reaches backends made later. Two passes claiming one node is an error
-(`partition.py`) naming both: the order never decides silently.
+reaches backends made later; `Options.disable_passes` leaves passes out by
+name. Where several passes claim one node, a pass that declares it
+`overrides` the others takes it (`claiming_pass`); otherwise two passes
+claiming one node is an error naming both: the order never decides.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import Iterable
 
 from longstraw.passes import DEFAULT_PASSES, ArchitecturePass
 
-from longstraw.errors import LongStrawError
+from torch import fx
+
+from longstraw.errors import LongStrawError, describe_node
 
 log = logging.getLogger("longstraw.passes")
 
@@ -67,10 +71,36 @@ def installed_passes() -> tuple[ArchitecturePass, ...]:
     return tuple(found)
 
 
-def active_passes(extra: Iterable[ArchitecturePass] = ()) -> tuple[ArchitecturePass, ...]:
-    """The built-in passes, then the installed, the registered and `extra` (each pass once)."""
+def active_passes(extra: Iterable[ArchitecturePass] = (), disabled: Iterable[str] = ()) -> tuple[ArchitecturePass, ...]:
+    """The built-in passes, then the installed, the registered and `extra`
+    (each pass once), less those named in `disabled`."""
     chosen: list[ArchitecturePass] = []
     for p in (*DEFAULT_PASSES, *installed_passes(), *_REGISTERED, *extra):
         if p not in chosen:
             chosen.append(p)
-    return tuple(chosen)
+    disabled = set(disabled)
+    unknown = disabled - {p.name for p in chosen}
+    if unknown:
+        raise LongStrawError(
+            f"disable_passes names no pass {sorted(unknown)}: the backend's passes are {[p.name for p in chosen]}"
+        )
+    return tuple(p for p in chosen if p.name not in disabled)
+
+
+def claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> ArchitecturePass | None:
+    """The pass that claims `node`: of those whose `claims` accept it, the
+    ones no other claiming pass `overrides`; more than one left is an error,
+    whatever their order (a configuration error: `on_unsupported="eager"`
+    does not hide it)."""
+    claiming = [p for p in passes if p.claims(node)]
+    overridden = {name for p in claiming for name in p.overrides}
+    left = [p for p in claiming if p.name not in overridden]
+    if len(left) > 1:
+        names = " and ".join(f"{type(p).__module__}.{type(p).__qualname__} ({p.name!r})" for p in left)
+        raise LongStrawError(
+            f"{describe_node(node)} is claimed by {len(left)} architecture passes, {names}: each operator "
+            "must belong to one pass. Drop one of them (options['passes'], options['disable_passes'], "
+            "longstraw.register_pass or an installed package's `longstraw.passes` entry point), narrow its "
+            "`claims`, or declare which one takes precedence (`ArchitecturePass.overrides`)."
+        )
+    return left[0] if left else None

@@ -25,15 +25,12 @@ from longstraw.parallel.sharded_attention import round_attention, sharded_causal
 from longstraw.errors import LongStrawError
 from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.runtime.mask_block import MaskBlock
-from longstraw.analysis.mask_bands import key_padding_of, reads_input
+from longstraw.analysis.mask_bands import key_padding_of, reads_input, selected_by_topk
 from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 from longstraw.codegen.recompute import keep_through_recomputation
 from longstraw.runtime.prompt_state import StepContext
 
 from .base import ArchitecturePass, Candidate, SiteState, StepEmitter
-from .mla import mla_of
-from .sliding_window import window_of
-from .sparse_index import claims_selection
 
 
 class CausalAttentionPass(ArchitecturePass):
@@ -42,10 +39,9 @@ class CausalAttentionPass(ArchitecturePass):
     branch_graphs_kept = True  # the backward reads the state before the step only (`_backward_over_blocks`)
 
     def claims(self, node: fx.Node) -> bool:
-        # a proved sliding window is `SlidingWindowAttentionPass`'s (fixed-size state), a proved
-        # latent attention `LatentAttentionPass`'s (latent state), a top-k selection mask
-        # `SparseLatentAttentionPass`'s
-        return is_sdpa(node) and window_of(node) is None and mla_of(node) is None and not claims_selection(node)
+        # every SDPA; the passes that prove a narrower state (a sliding window, latent attention,
+        # a top-k selection) override this one where they claim (`ArchitecturePass.overrides`)
+        return is_sdpa(node)
 
     def position_dims(self, node: fx.Node) -> tuple[tuple[fx.Node, int], tuple[fx.Node, int]]:
         q = node.args[0]
@@ -60,6 +56,10 @@ class CausalAttentionPass(ArchitecturePass):
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
         mask = arg(node, 3, "attn_mask")
+        if selected_by_topk(node):
+            return ("its attn_mask is built with a top-k: a selection of keys (DSA's indexer), which only the "
+                    "`sparse_latent_attention` pass may run once it proves it; it is not among the backend's passes "
+                    "(drop it from options['disable_passes'])")
         if mask is not None:
             if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
                 return "attn_mask must be a tensor of at least [queries, keys]"

@@ -74,6 +74,11 @@ class ArchitecturePass:
     """
 
     name = "pass"
+    """The pass's name: what `Options.disable_passes` and other passes' `overrides` refer to it by."""
+    overrides: tuple[str, ...] = ()
+    """Names of passes this one takes precedence over on a node both claim
+    (a proved sliding window over plain causal attention). Any other node
+    claimed by two passes is an error naming both."""
     runs_rounds = False
     """Whether this pass's steps run context parallelism's rounds
     (`StepContext.round`: the ranks capture, and in the reverse pass

@@ -227,6 +227,7 @@ class LatentAttentionPass(ArchitecturePass):
     """SDPA proved to be MLA; the latent and the rope key are the state."""
 
     name = "latent_attention"
+    overrides = ("causal_attention",)
     runs_rounds = True  # `round_attention` over `LatentKeys`, the own keys `[latent | rope key]`
 
     def claims(self, node: fx.Node) -> bool:

@@ -69,6 +69,7 @@ class SlidingWindowAttentionPass(CarryPass):
     """SDPA under a proved sliding-window mask; the last W-1 keys and values are the carry."""
 
     name = "sliding_window_attention"
+    overrides = ("causal_attention",)
     branch_graphs_kept = False  # its own step, not `CarryStep`: kept graphs not shown for it yet
     sequence = (0, 2)  # q [B, H, L, D]
 

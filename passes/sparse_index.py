@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from longstraw.parallel.shards import by_rank, gather_round, padded_to, shard_positions
-from longstraw.analysis.mask_bands import band_of
+from longstraw.analysis.mask_bands import band_of, selected_by_topk
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
 from longstraw.runtime.prompt_state import StepContext, has_values
 
@@ -201,29 +201,15 @@ def _scores_of(scores: fx.Node, k: int, length: int) -> TopkSelection | None:
     return TopkSelection(query=query, key=key, weights=weights, scale=scaled.args[1], k=k)
 
 
-def claims_selection(node: fx.Node, hops: int = 12) -> bool:
-    """An SDPA whose mask is built with a top-k (within `hops` operators of
-    it; DSA's is 7 away): this pass's, proved or refused."""
-    mask = arg(node, 3, "attn_mask")
-    if not is_sdpa(node) or not isinstance(mask, fx.Node):
-        return False
-    frontier, seen = {mask}, {mask}
-    for _ in range(hops):
-        if any(op_name(n) == "topk" for n in frontier):
-            return True
-        frontier = {m for n in frontier for m in n.all_input_nodes} - seen
-        seen |= frontier
-    return False
-
-
 class SparseLatentAttentionPass(ArchitecturePass):
     """SDPA with a top-k selection mask: proved DSA over MLA, or refused."""
 
     name = "sparse_latent_attention"
+    overrides = ("causal_attention",)
     runs_rounds = True  # `_round_topk`, then `mla._RoundLatentOverSelection`
 
     def claims(self, node: fx.Node) -> bool:
-        return claims_selection(node)
+        return selected_by_topk(node)
 
     def unsupported_reason(self, node: fx.Node) -> str | None:
         if arg(node, 4, "dropout_p", 0.0) != 0.0:

@@ -413,3 +413,11 @@ def test_group_as_long_as_the_sequence_is_refused():
 
 def test_sparse_pass_is_a_default_pass():
     assert any(isinstance(p, SparseLatentAttentionPass) for p in DEFAULT_PASSES)
+
+
+def test_without_the_sparse_pass_the_selection_is_refused():
+    """Disabled by name, the sparse pass leaves the selection to the causal
+    attention pass, which refuses a top-k mask, naming the pass to enable."""
+    backend = longstraw.Backend(prefix_chunk_size=8, disable_passes=["sparse_latent_attention"])
+    with pytest.raises(UnsupportedGraphError, match=r"top-k.*`sparse_latent_attention` pass"):
+        compile_loss(grpo_loss_f64, backend)(one_layer(), *make_group(2, 20, 3))

@@ -1,7 +1,8 @@
 """Passes from outside the package (`longstraw.pass_registry`): a pass
 defined here reaches the backend through each route (options, `register_pass`,
 an installed package's entry point) with eager parity; two passes claiming
-one node is an error naming both; without the pass the operator is refused."""
+one node is an error naming both, unless one declares it overrides the other;
+without the pass the operator is refused; a pass is disabled by name."""
 
 from __future__ import annotations
 
@@ -134,6 +135,30 @@ def test_two_passes_claiming_one_node_is_an_error_naming_both(registry, on_unsup
     backend = longstraw.Backend(passes=[ShiftMixPass(), ShiftMixPass()], on_unsupported=on_unsupported)
     with raises_longstraw(r"claimed by 2 architecture passes, .*ShiftMixPass \('shift_mix'\) and .*ShiftMixPass"):
         compile_loss(shift_mix_loss, backend)(ShiftMixModel(), *make_group(2, 9, 3))
+
+
+class NarrowShiftMixPass(ShiftMixPass):
+    """Claims what `ShiftMixPass` claims and declares it takes precedence."""
+
+    name = "narrow_shift_mix"
+    overrides = ("shift_mix",)
+
+
+def test_a_pass_that_overrides_another_takes_the_node(registry):
+    backend = longstraw.Backend(passes=[ShiftMixPass(), NarrowShiftMixPass()], prefix_chunk_size=4)
+    _parity(backend)
+    assert {p.name for p in backend.plans[-1].partition.claims.values()} == {"narrow_shift_mix"}
+
+
+def test_a_pass_is_disabled_by_name(registry):
+    backend = longstraw.Backend(options={"passes": [NarrowShiftMixPass], "disable_passes": ["narrow_shift_mix"]})
+    assert "narrow_shift_mix" not in {p.name for p in backend.passes} and "causal_attention" in {p.name for p in backend.passes}
+    with raises_longstraw(r"`lstest::shift_mix`.* has no dimension rule"):
+        compile_loss(shift_mix_loss, backend)(ShiftMixModel(), *make_group(2, 9, 3))
+    with pytest.raises(longstraw.LongStrawError, match=r"disable_passes names no pass \['shiftmix'\]: .*'causal_attention'"):
+        longstraw.Backend(disable_passes=["shiftmix"])
+    with pytest.raises(longstraw.LongStrawError, match="disable_passes must be a list of pass names"):
+        longstraw.Options(disable_passes="causal_attention")
 
 
 def test_passes_option_is_validated():

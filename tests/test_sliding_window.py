@@ -112,6 +112,16 @@ def _plan_with_parity(model: torch.nn.Module, **options) -> longstraw.GroupPlan:
     return backend.plans[-1]
 
 
+def test_disabling_the_window_pass_by_name_keeps_every_position():
+    """`disable_passes` leaves the sliding-window pass out: the causal
+    attention pass, which it overrides, takes its layers, keeping every
+    prompt position's K/V, with eager's gradients still."""
+    plan = _plan_with_parity(_mistral(window=5), prompt_grad="exact", prefix_chunk_size=8,
+                             disable_passes=["sliding_window_attention"])
+    assert {p.name for p in plan.partition.claims.values()} == {"causal_attention"}
+    assert plan.state_bytes_per_position > 0 and plan.state_fixed_bytes == 0
+
+
 @pytest.mark.parametrize("mode,chunk", [  # in CI each mode and each chunk size once; `-m slow` the rest
     ("exact", 8), ("detached", 64),
     pytest.param("exact", 64, marks=pytest.mark.slow), pytest.param("detached", 8, marks=pytest.mark.slow),

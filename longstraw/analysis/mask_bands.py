@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from longstraw.nodes import ancestors, arg, op_name, tensor_of
+from longstraw.nodes import ancestors, arg, is_sdpa, op_name, tensor_of
 
 _CONJUNCTIONS = ("and_", "logical_and", "__and__")
 
@@ -311,3 +311,19 @@ def _summed(value: Any, axis: int | None) -> _Affine | None:
     if not isinstance(value, _Affine) or value.coeffs:
         return None
     return _Affine(((axis, value.const),) if value.const else (), value.const)
+
+
+def selected_by_topk(node: fx.Node, hops: int = 12) -> bool:
+    """An SDPA whose mask is built with a top-k (within `hops` operators of
+    it; DSA's is 7 away): a selection, which only a pass that proves it may run
+    (`passes/sparse_index.py`)."""
+    mask = arg(node, 3, "attn_mask")
+    if not is_sdpa(node) or not isinstance(mask, fx.Node):
+        return False
+    frontier, seen = {mask}, {mask}
+    for _ in range(hops):
+        if any(op_name(n) == "topk" for n in frontier):
+            return True
+        frontier = {m for n in frontier for m in n.all_input_nodes} - seen
+        seen |= frontier
+    return False

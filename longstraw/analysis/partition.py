@@ -45,6 +45,7 @@ from longstraw.trace.functionalize import is_updated
 from longstraw.analysis.mask_bands import key_padding_of
 from longstraw.nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from longstraw.analysis.slots import StateSlot
+from longstraw.pass_registry import claiming_pass
 
 log = logging.getLogger("longstraw.analysis.partition")
 
@@ -123,20 +124,6 @@ def _check_position_tables(graph: fx.Graph, end: int) -> None:
             )
 
 
-def _claiming_pass(node: fx.Node, passes: tuple[ArchitecturePass, ...]) -> ArchitecturePass | None:
-    """The one pass that claims `node`; two claiming it is an error, whatever
-    their order (a configuration error: `on_unsupported="eager"` does not hide it)."""
-    claiming = [p for p in passes if p.claims(node)]
-    if len(claiming) > 1:
-        names = " and ".join(f"{type(p).__module__}.{type(p).__qualname__} ({p.name!r})" for p in claiming)
-        raise LongStrawError(
-            f"{describe_node(node)} is claimed by {len(claiming)} architecture passes, {names}: each operator "
-            "must belong to one pass. Drop one of them (options['passes'], longstraw.register_pass or an "
-            "installed package's `longstraw.passes` entry point), or narrow its `claims`."
-        )
-    return claiming[0] if claiming else None
-
-
 def _unsupported(node: fx.Node, why: str, advice: str = "") -> UnsupportedGraphError:
     """The refusal of `node`: `why`, then `advice`, else what the hints find
     for this node (a binding, HF's experts implementation, position ids, a
@@ -161,7 +148,7 @@ def classify(
     which operator, which dimensions are the sequence and group axes, and
     which nodes run per position, per branch, in the tail or once."""
     graph = gm.graph
-    claims = {n: p for n in graph.nodes if is_call(n) and (p := _claiming_pass(n, passes)) is not None}
+    claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
     an = DimAnalysis(graph, lambda rules, n: claims[n].dim_rule(rules, n) if n in claims else None)
     if not claims:
         raise _nothing_claimed(graph, an)
