@@ -31,7 +31,6 @@ from longstraw.analysis.dim_types import Restriction
 from longstraw.errors import (
     NO_FIX,
     InputError,
-    LongStrawError,
     UnsupportedGraphError,
     binding_hint,
     describe_node,
