@@ -132,7 +132,7 @@ class Options:
     prompt's chunks and the branches among them in rounds, one each. The
     planner plans one rank's peak (the largest share of the state). Every
     built-in state kind: causal attention (padding masks over one run of
-    keys), MLA, DSA and carries (`longstraw/context_parallel.py`)."""
+    keys), MLA, DSA and carries (`longstraw/parallel/`)."""
 
     def __post_init__(self) -> None:
         from longstraw.pass_registry import as_pass  # the passes import the runtime, which imports this module

@@ -1,4 +1,4 @@
-"""Context parallelism (issue 18): the prompt's per-position state sharded
+"""Context parallelism: the prompt's per-position state sharded
 over ranks, and the work over its positions divided among them.
 
 `sharded_attention` is the building block: attention of replicated
