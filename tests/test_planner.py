@@ -92,14 +92,14 @@ def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
     """No `memory_budget_gb`: the backend plans for `default_budget(device)`
     (on CUDA the device's free memory; `test_default_budget_on_cuda`), and
     chooses what `explain(...).plan()` chooses for that budget."""
-    from longstraw import backend as backend_module
+    from longstraw.planning import sizing
 
     report = explain("qwen3_5")
     roomy = report.plan(P=P, budget_gb=100.0)
     budget = roomy.peak - 4096  # the largest chunk without recomputation just misses
     expected = report.plan(P=P, budget_gb=budget / 1e9)
     asked = []
-    monkeypatch.setattr(backend_module, "default_budget", lambda device: asked.append(device) or budget)
+    monkeypatch.setattr(sizing, "default_budget", lambda device: asked.append(device) or budget)
     backend = longstraw.Backend()
     with qwen3_5.bound(), torch.no_grad():
         compile_loss(grpo_loss_f64, backend)(make_hybrid(), *make_group(2, P, R))
@@ -131,9 +131,7 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     prompt, so they grow with P). A longer prompt, or longer branches, is
     simulated again. (Compiled with dynamic sizes: one Dynamo graph, whose
     plans share one cache.)"""
-    from longstraw.planning import planner
-
-    from longstraw import backend as backend_module
+    from longstraw.planning import planner, sizing
 
     simulated, caches = [], []
     simulate = planner.simulate_step
@@ -144,7 +142,7 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
             caches.append(activations)
             super().__init__(program, options, activations)
 
-    monkeypatch.setattr(backend_module, "MemoryModel", Recorded)
+    monkeypatch.setattr(sizing, "MemoryModel", Recorded)
     backend = longstraw.Backend(memory_budget_gb=100.0, prefix_chunk_size=32)
     step = compile_loss(grpo_loss_f64, backend, dynamic=True)
     model = make_model("qwen3")
