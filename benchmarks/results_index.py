@@ -289,8 +289,8 @@ def index(runs: dict[str, Result], folder: Path = RESULTS) -> str:
         "(`--check` fails when it is stale). Every result JSON records `command`, `commit`, `device`, `torch` and "
         "`date` (null where unknown; files from before `date` existed carry the day git first saw the file). How to add "
         "a result is in the script's docstring. A run is archived when a later run measured again what it did; which "
-        "one, and why, is the script's `SUPERSEDED` table, taken from docs/benchmarks.md. \"partly\" marks a run of which "
-        "only some numbers were measured again: it stays current for the rest.",
+        "one, and why, is the script's `SUPERSEDED` table, taken from docs/benchmarks.md and docs/parallelism.md. "
+        "\"partly\" marks a run of which only some numbers were measured again: it stays current for the rest.",
         "",
         f"## Current runs ({len(current)})",
         "",
