@@ -1,9 +1,10 @@
-"""benchmarks/results/INDEX.md and the README's benchmark tables, generated
-from the result JSON files, so that every number a reader sees is one a file
-holds and a stale copy fails `--check` (and tests/test_results_index.py).
+"""benchmarks/results/INDEX.md and the benchmark tables of README.md and
+docs/benchmarks.md, generated from the result JSON files, so that every
+number a reader sees is one a file holds and a stale copy fails `--check`
+(and tests/test_results_index.py).
 
-    python benchmarks/results_index.py          # rewrite INDEX.md and the README's tables
-    python benchmarks/results_index.py --check  # exit 1 when either is out of date
+    python benchmarks/results_index.py          # rewrite INDEX.md and the pages' tables
+    python benchmarks/results_index.py --check  # exit 1 when any of them is out of date
 
 Adding a result: write `benchmarks/results/<benchmark>_<name>_<device>.json`
 (a .log, .md or .png beside it with the same stem is linked) holding the
@@ -18,10 +19,12 @@ benchmark's own keys and the provenance every result carries:
 A value nobody knows is null, never a guess. Files from before `date` existed
 carry the day git first saw the file (`git log --diff-filter=A --format=%cs`);
 `git_commit`, where a file has it, is the older name of `commit` (equal to it;
-`grpo/results.py` still reads it). Then run this script and commit INDEX.md
-and README.md with the result. When the new run measures again what an older
-one did, add the older to `SUPERSEDED`; when a README table should show it,
-change that table's files in `readme_tables`.
+`grpo/results.py` still reads it). Then run this script and commit INDEX.md,
+README.md and docs/benchmarks.md with the result. When the new run measures
+again what an older one did, add the older to `SUPERSEDED`; when a table
+should show it, change that table's files in `tables`. Which page holds
+which table is `PAGE_TABLES`: each table sits between
+`<!-- results:<name>:start -->` and `<!-- results:<name>:end -->` on its page.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 PROVENANCE = ("command", "commit", "device", "torch", "date")
 SIBLINGS = (".log", ".md", ".png")
 
@@ -53,8 +57,8 @@ class Supersession:
     partly: bool = False
 
 
-# What the files cannot say: which run replaced which, from docs/design.md's
-# sections that cite them (and the README). Runs not listed are current.
+# What the files cannot say: which run replaced which, from the pages that
+# cite them (docs/benchmarks.md, docs/parallelism.md, the README). Runs not listed are current.
 SUPERSEDED: dict[str, Supersession] = {
     "depth_bench_t32r2_h200": Supersession(
         "depth_bench_t32r2b_h200", "same command after the fix of the carries' reference cycle, which this run measured"),
@@ -65,7 +69,7 @@ SUPERSEDED: dict[str, Supersession] = {
     "cp_bench_hybrid_d_h200": Supersession(
         "cp_bench_hybrid_e_h200", "peaks after the carried operators stopped keeping the round's gathered inputs",
         partly=True),
-    # The grpo_bench files the README's report merges: design.md's table of what the report takes from each.
+    # The grpo_bench files the README's report merges: docs/benchmarks.md's table of what the report takes from each.
     "grpo_bench_dense_a_h200": Supersession("grpo_bench_dense_d_h200", "float32 parity, out of memory here", partly=True),
     "grpo_bench_dense_b_h200": Supersession(
         "grpo_bench_dense_f_h200", "LongStraw's sweeps after in-place gradient accumulation", partly=True),
@@ -285,8 +289,8 @@ def index(runs: dict[str, Result], folder: Path = RESULTS) -> str:
         "(`--check` fails when it is stale). Every result JSON records `command`, `commit`, `device`, `torch` and "
         "`date` (null where unknown; files from before `date` existed carry the day git first saw the file). How to add "
         "a result is in the script's docstring. A run is archived when a later run measured again what it did; which "
-        "one, and why, is the script's `SUPERSEDED` table, taken from docs/design.md. \"partly\" marks a run of which "
-        "only some numbers were measured again: it stays current for the rest.",
+        "one, and why, is the script's `SUPERSEDED` table, taken from docs/benchmarks.md and docs/parallelism.md. "
+        "\"partly\" marks a run of which only some numbers were measured again: it stays current for the rest.",
         "",
         f"## Current runs ({len(current)})",
         "",
@@ -306,7 +310,7 @@ def index(runs: dict[str, Result], folder: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-# README tables: merged the way `grpo_bench.py --report` merges files.
+# The pages' tables: merged the way `grpo_bench.py --report` merges files.
 
 @dataclass
 class Merged:
@@ -454,9 +458,16 @@ def state(runs: dict[str, Result], stem: str) -> list[str]:
     return lines
 
 
-def readme_tables(runs: dict[str, Result]) -> dict[str, str]:
-    """The text between each pair of README markers, by name; the files each
-    table shows are chosen here (the dense one: the README's report command)."""
+PAGE_TABLES: dict[str, tuple[str, ...]] = {
+    "README": ("grpo-dense", "depth", "index"),
+    "benchmarks": ("grpo-dense", "depth", "grpo-glm5", "state-bytes", "peers", "step-profile"),
+}
+"""Which tables each page holds (README.md, docs/benchmarks.md), by marker name."""
+
+
+def tables(runs: dict[str, Result]) -> dict[str, str]:
+    """The text of each marked table, by name; the files each table shows are
+    chosen here (the dense one: the files the README's report command merges)."""
     dense = [f"grpo_bench_dense_{n}_h200" for n in "abdefg"]
     glm5 = [f"grpo_bench_glm5_{n}_h200" for n in "acegh"]
     return {
@@ -470,34 +481,54 @@ def readme_tables(runs: dict[str, Result]) -> dict[str, str]:
                                                  ["step_profile_dense_b_h200", "step_profile_dense_nokeep_h200"])),
         "index": "Every result file, with its purpose, command, commit, headline and what\n"
                  "superseded it: [benchmarks/results/INDEX.md](benchmarks/results/INDEX.md).\n"
-                 "The tables between `results:` markers in this section are generated from\n"
-                 "the result files by `python benchmarks/results_index.py` (`--check` fails\n"
-                 "when they are stale).",
+                 "The tables between `results:` markers here and in [docs/benchmarks.md](docs/benchmarks.md)\n"
+                 "are generated from the result files by `python benchmarks/results_index.py`\n"
+                 "(`--check` fails when they are stale).",
     }
 
 
-def render_readme(text: str, tables: dict[str, str]) -> str:
+def page_tables(runs: dict[str, Result], page: str) -> dict[str, str]:
+    """The tables of one page of `PAGE_TABLES`."""
+    every = tables(runs)
+    return {name: every[name] for name in PAGE_TABLES[page]}
+
+
+def readme_tables(runs: dict[str, Result]) -> dict[str, str]:
+    """The README's tables, by name."""
+    return page_tables(runs, "README")
+
+
+def render(text: str, tables: dict[str, str], page: str = "README.md") -> str:
     """`text` with each marked region's content replaced by its table."""
     for name, body in tables.items():
         start, end = f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
         if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
-            raise ValueError(f"README.md needs one {start} ... {end} pair")
+            raise ValueError(f"{page} needs one {start} ... {end} pair")
         head, rest = text.split(start)
         text = f"{head}{start}\n\n{body}\n\n{end}{rest.split(end)[1]}"
     return text
 
 
-def outputs(folder: Path = RESULTS, readme: Path = README) -> dict[Path, str]:
+def render_readme(text: str, tables: dict[str, str]) -> str:
+    """`render` for the README."""
+    return render(text, tables)
+
+
+def outputs(folder: Path = RESULTS, readme: Path = README, benchmarks: Path = BENCHMARKS) -> dict[Path, str]:
     """Each generated file and the text it should hold."""
     runs = load(folder)
-    return {folder / "INDEX.md": index(runs, folder), readme: render_readme(readme.read_text(), readme_tables(runs))}
+    return {folder / "INDEX.md": index(runs, folder),
+            readme: render(readme.read_text(), page_tables(runs, "README"), "README.md"),
+            benchmarks: render(benchmarks.read_text(), page_tables(runs, "benchmarks"), "docs/benchmarks.md")}
 
 
-def main(argv: list[str] | None = None, folder: Path = RESULTS, readme: Path = README) -> int:
+def main(argv: list[str] | None = None, folder: Path = RESULTS, readme: Path = README,
+         benchmarks: Path = BENCHMARKS) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when INDEX.md or the README's tables are stale")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when INDEX.md or a page's tables are stale")
     args = parser.parse_args(argv)
-    stale = {path: text for path, text in outputs(folder, readme).items()
+    stale = {path: text for path, text in outputs(folder, readme, benchmarks).items()
              if not path.exists() or path.read_text() != text}
     for path, text in stale.items():
         if args.check:

@@ -1,4 +1,4 @@
-"""The memory contract on the CPU (DESIGN.md section 2).
+"""The memory contract on the CPU (docs/architecture.md, "The memory contract").
 
 (a) Peak live bytes do not grow with G. Measured from the CPU allocator's
     running total (`torch.profiler` with profile_memory=True records every

@@ -1,4 +1,5 @@
-"""Compiled against eager on tiny float64 models (DESIGN.md section 5).
+"""Compiled against eager on tiny float64 models (docs/architecture.md, "The
+gradient contract").
 
 Exact mode is compared with plain eager PyTorch, detached mode with
 `reference.detached_reference`. Relative error per parameter,

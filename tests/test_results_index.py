@@ -1,6 +1,7 @@
-"""benchmarks/results_index.py: INDEX.md and the README's benchmark tables are
-what the generator makes of the result files now, every result carries the
-provenance keys, and a changed number reaches the tables."""
+"""benchmarks/results_index.py: INDEX.md and the benchmark tables of README.md
+and docs/benchmarks.md are what the generator makes of the result files now,
+every result carries the provenance keys, and a changed number reaches the
+tables."""
 
 from __future__ import annotations
 
@@ -40,21 +41,25 @@ def test_a_changed_number_changes_the_index_and_the_readme(tmp_path):
     shutil.copytree(results_index.RESULTS, folder)
     readme = tmp_path / "README.md"
     shutil.copy(results_index.README, readme)
-    before = results_index.outputs(folder, readme)
-    assert results_index.main(["--check"], folder, readme) == 0
+    page = tmp_path / "benchmarks.md"
+    shutil.copy(results_index.BENCHMARKS, page)
+    before = results_index.outputs(folder, readme, page)
+    assert results_index.main(["--check"], folder, readme, page) == 0
 
     path = folder / "depth_bench_x_h200.json"
     result = json.loads(path.read_text())
     assert round(result["runs"][0]["peak_gb"], 1) == 117.6
     result["runs"][0]["peak_gb"] = 120.04
     path.write_text(json.dumps(result, indent=1))
-    after = results_index.outputs(folder, readme)
-    assert results_index.main(["--check"], folder, readme) == 1
+    after = results_index.outputs(folder, readme, page)
+    assert results_index.main(["--check"], folder, readme, page) == 1
 
     assert after[folder / "INDEX.md"] != before[folder / "INDEX.md"]
-    assert "| 393,216 | 117.6 GB |" in depth_table(before[readme])
-    assert "| 393,216 | 120.0 GB |" in depth_table(after[readme])
+    for text in (before[readme], before[page]):
+        assert "| 393,216 | 117.6 GB |" in depth_table(text)
+    for text in (after[readme], after[page]):
+        assert "| 393,216 | 120.0 GB |" in depth_table(text)
 
 
-def depth_table(readme: str) -> str:
-    return readme.split("<!-- results:depth:start -->")[1].split("<!-- results:depth:end -->")[0]
+def depth_table(page: str) -> str:
+    return page.split("<!-- results:depth:start -->")[1].split("<!-- results:depth:end -->")[0]

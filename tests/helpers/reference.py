@@ -1,10 +1,11 @@
 """Eager references the compiled losses are compared against.
 
 - `eager_loss_and_grads`: the exact-mode reference, plain eager PyTorch.
-- `detached_reference`: the detached-mode contract (DESIGN.md section 2):
-  the state at prompt positions 0..P-2 (K and V after RoPE) is computed under
-  `no_grad` and is a constant; the last prompt token opens every branch, so a
-  branch has exactly R input positions P-1..P+R-2 and runs with grad.
+- `detached_reference`: the detached-mode contract (docs/architecture.md,
+  "The gradient contract"): the state at prompt positions 0..P-2 (K and V
+  after RoPE) is computed under `no_grad` and is a constant; the last prompt
+  token opens every branch, so a branch has exactly R input positions
+  P-1..P+R-2 and runs with grad.
 """
 
 from __future__ import annotations
