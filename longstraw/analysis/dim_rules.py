@@ -34,7 +34,7 @@ def _same_as_self(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     src = node.args[0]
     if not isinstance(src, fx.Node) or tensor_of(src) is None:
         return None
-    if tuple(tensor_of(src).shape) != an._out_shape(node):
+    if tuple(tensor_of(src).shape) != an.shape_of(node):
         return _broadcast(an, node)
     return list(an.dims_of(src))
 
@@ -42,17 +42,17 @@ def _same_as_self(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 def _broadcast(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     if tensor_of(node) is None:
         return None
-    return an._broadcast_dims(tensor_args(node), an._out_shape(node))
+    return an.broadcast([an.dims_and_shape(n) for n in tensor_args(node)], an.shape_of(node))
 
 
 def _linear(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, _ = an._in(node.args[0])
-    return dims[:-1] + [an.fresh(an._out_shape(node)[-1])]
+    dims, _ = an.dims_and_shape(node.args[0])
+    return dims[:-1] + [an.fresh(an.shape_of(node)[-1])]
 
 
 def _embedding(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, _ = an._in(node.args[0])
-    return dims + [an.fresh(an._out_shape(node)[-1])]
+    dims, _ = an.dims_and_shape(node.args[0])
+    return dims + [an.fresh(an.shape_of(node)[-1])]
 
 
 def _addmm(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -64,8 +64,8 @@ def _addmm(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
         return None
     bias = node.args[0]
     if isinstance(bias, fx.Node) and tensor_of(bias) is not None:
-        bdims, bshape = an._in(bias)
-        out_shape = an._out_shape(node)
+        bdims, bshape = an.dims_and_shape(bias)
+        out_shape = an.shape_of(node)
         for i in range(1, len(bshape) + 1):
             if bshape[-i] == out_shape[-i]:
                 an.unify(product[-i], bdims[-i])
@@ -76,7 +76,7 @@ def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     src = node.args[0]
     if not isinstance(src, fx.Node) or tensor_of(src) is None:
         return None
-    dims, shape = an._in(src)
+    dims, shape = an.dims_and_shape(src)
     which = arg(node, 1, "dim")
     keepdim = arg(node, 2, "keepdim", False)
     if op_name(node) in ("std", "var") and "correction" in node.kwargs:
@@ -90,7 +90,7 @@ def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
                 out.append(an.fresh(1))
         else:
             out.append(dim)
-    return out if len(out) == len(an._out_shape(node)) else None
+    return out if len(out) == len(an.shape_of(node)) else None
 
 
 def _min_max(an: DimAnalysis, node: fx.Node) -> Any:
@@ -101,7 +101,7 @@ def _min_max(an: DimAnalysis, node: fx.Node) -> Any:
         return _broadcast(an, node)
     if other is None:
         return _reduce(an, node)
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = other % len(shape)
     an.mixes[node] = [dims[d]]
     kept = [an.fresh(1) if i == d else dim for i, dim in enumerate(dims) if i != d or arg(node, 2, "keepdim", False)]
@@ -111,7 +111,7 @@ def _min_max(an: DimAnalysis, node: fx.Node) -> Any:
 def _topk(an: DimAnalysis, node: fx.Node) -> list[list[Dim]]:
     """`(values, indices)` of the `k` largest along `dim`: mixes that
     dimension only (MoE routers pick experts per position this way)."""
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 2, "dim", -1) % len(shape)
     an.mixes[node] = [dims[d]]
     kept = dims[:d] + [an.fresh(arg(node, 1, "k"))] + dims[d + 1:]
@@ -122,7 +122,7 @@ def _sort(an: DimAnalysis, node: fx.Node) -> list[list[Dim]]:
     """`(values, indices)` sorted along `dim`: every output row may come from
     any input row, so it mixes that dimension (HF's grouped_mm experts sort
     token rows by expert)."""
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 1, "dim", -1) % len(shape)
     an.mixes[node] = [dims[d]]
     return [list(dims), list(dims)]
@@ -130,8 +130,8 @@ def _sort(an: DimAnalysis, node: fx.Node) -> list[list[Dim]]:
 
 def _one_hot(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     """Each index becomes a row over a new class dimension, position by position."""
-    dims, _ = an._in(node.args[0])
-    return dims + [an.fresh(an._out_shape(node)[-1])]
+    dims, _ = an.dims_and_shape(node.args[0])
+    return dims + [an.fresh(an.shape_of(node)[-1])]
 
 
 def _tensor_attribute(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -145,24 +145,24 @@ def _tensor_attribute(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 
 def _diff(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 2, "dim", -1) % len(shape)
     an.mixes[node] = [dims[d]]
     out = list(dims)
-    if an._out_shape(node)[d] != shape[d]:
-        out[d] = an.fresh(an._out_shape(node)[d])
+    if an.shape_of(node)[d] != shape[d]:
+        out[d] = an.fresh(an.shape_of(node)[d])
     return out
 
 
 def _along_dim(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 1, "dim")
     an.mixes[node] = [dims[i] for i in normalize_dims(d, len(shape))]
     return list(dims)
 
 
 def _norm(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     normalized = arg(node, 1, "normalized_shape")
     k = len(normalized) if isinstance(normalized, (tuple, list, torch.Size)) else 1
     an.mixes[node] = dims[len(dims) - k:]
@@ -174,23 +174,13 @@ def _matmul(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 
 def _matmul_of(an: DimAnalysis, node: fx.Node, a: Any, b: Any) -> list[Dim] | None:
-    (da, sa), (db, sb) = an._in(a), an._in(b)
+    (da, sa), (db, sb) = an.dims_and_shape(a), an.dims_and_shape(b)
     if len(sa) < 2 or len(sb) < 2:
         return None
     an.unify(da[-1], db[-2])
     an.mixes[node] = [da[-1]]
-    out_shape = an._out_shape(node)
-    batch_shape = out_shape[:-2]
-    batch: list[Dim] = []
-    for i, size in enumerate(batch_shape):
-        candidates = []
-        for dims, shape in ((da[:-2], sa[:-2]), (db[:-2], sb[:-2])):
-            j = i - (len(batch_shape) - len(shape))
-            if j >= 0 and shape[j] == size:
-                candidates.append(dims[j])
-        for c in candidates[1:]:
-            an.unify(candidates[0], c)
-        batch.append(candidates[0] if candidates else an.fresh(size))
+    out_shape = an.shape_of(node)
+    batch = an.broadcast([(da[:-2], sa[:-2]), (db[:-2], sb[:-2])], out_shape[:-2])
     return batch + [da[-2], db[-1]]
 
 
@@ -198,7 +188,7 @@ def _gather(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     src = node.args[0]
     d = arg(node, 1, "dim")
     index = arg(node, 2, "index")
-    (ds, ss), (di, si) = an._in(src), an._in(index)
+    (ds, ss), (di, si) = an.dims_and_shape(src), an.dims_and_shape(index)
     d %= len(ss)
     for i, (a, b) in enumerate(zip(ds, di)):
         if i != d and ss[i] == si[i]:
@@ -209,14 +199,14 @@ def _gather(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 def _sdpa(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     q, k, v = node.args[0], node.args[1], node.args[2]
-    (dq, sq), (dk, sk), (dv, _) = an._in(q), an._in(k), an._in(v)
+    (dq, sq), (dk, sk), (dv, _) = an.dims_and_shape(q), an.dims_and_shape(k), an.dims_and_shape(v)
     for i in range(len(sq) - 2):
         if sk[i] == sq[i]:
             an.unify(dq[i], dk[i])
     an.unify(dk[-2], dv[-2])
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, fx.Node) and tensor_of(mask) is not None:
-        dm, sm = an._in(mask)
+        dm, sm = an.dims_and_shape(mask)
         if len(sm) >= 1 and sm[-1] == sk[-2]:
             an.unify(dm[-1], dk[-2])
         if len(sm) >= 2 and sm[-2] == sq[-2]:
@@ -235,14 +225,14 @@ def _moe_experts(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     rows and the expert weights, which are parameters."""
     if getattr(node.target, "namespace", None) != "longstraw":
         return None
-    hidden, _ = an._in(node.args[0])
+    hidden, _ = an.dims_and_shape(node.args[0])
     for routing in node.args[1:3]:
         an.unify(an.dims_of(routing)[0], hidden[0])
     return list(hidden)
 
 
 def _factory(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    return an._fresh_dims(an._out_shape(node))
+    return an.fresh_dims(an.shape_of(node))
 
 
 def _like(an: DimAnalysis, node: fx.Node) -> list[Dim]:
@@ -250,7 +240,7 @@ def _like(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 
 def _triangular(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, _ = an._in(node.args[0])
+    dims, _ = an.dims_and_shape(node.args[0])
     an.mixes[node] = dims[-2:]
     return list(dims)
 

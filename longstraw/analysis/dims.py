@@ -47,7 +47,7 @@ class DimRules:
 
     def fresh(self, shape: Sequence[int]) -> list[Dim]:
         """New dimensions, one per size in `shape`, unrelated to any other."""
-        return self._analysis._fresh_dims(shape)
+        return self._analysis.fresh_dims(shape)
 
     def same(self, a: Dim, b: Dim) -> None:
         """`a` and `b` are the same axis (ignored where their sizes differ)."""
@@ -119,7 +119,7 @@ class DimAnalysis:
 
     # the walk -----------------------------------------------------------
 
-    def _fresh_dims(self, shape: Sequence[int]) -> list[Dim]:
+    def fresh_dims(self, shape: Sequence[int]) -> list[Dim]:
         return [self.fresh(s) for s in shape]
 
     def _visit(self, node: fx.Node) -> None:
@@ -147,21 +147,23 @@ class DimAnalysis:
 
     def _fresh_for(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return self._fresh_dims(value.shape)
+            return self.fresh_dims(value.shape)
         if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            return [self._fresh_dims(v.shape) for v in value]
+            return [self.fresh_dims(v.shape) for v in value]
         return None
 
-    def _in(self, node: Any) -> tuple[list[Dim], tuple[int, ...]]:
+    def dims_and_shape(self, node: Any) -> tuple[list[Dim], tuple[int, ...]]:
         t = tensor_of(node)
         return self.dims_of(node), tuple(t.shape)
 
-    def _out_shape(self, node: fx.Node) -> tuple[int, ...]:
+    def shape_of(self, node: fx.Node) -> tuple[int, ...]:
         return tuple(tensor_of(node).shape)
 
-    def _broadcast_dims(self, inputs: list[fx.Node], out_shape: tuple[int, ...]) -> list[Dim]:
+    def broadcast(self, ins: Sequence[tuple[list[Dim], Sequence[int]]], out_shape: Sequence[int]) -> list[Dim]:
+        """The dimensions of a broadcast of `ins` ((dimensions, shape) pairs)
+        to `out_shape`: inputs' dimensions aligned from the right and of the
+        output's size are the same axis."""
         out: list[Dim] = []
-        ins = [self._in(n) for n in inputs]
         for i, size in enumerate(out_shape):
             candidates = []
             for dims, shape in ins:

@@ -25,8 +25,8 @@ def _view(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     later). Size-1 dimensions stay aligned where both sides have one, and a
     size-1 factor merged into a larger dimension stays one of its factors
     (GPT-2 flattens `[G, T, C]` to `[G * T, C]` at G = 1 too)."""
-    in_dims, _ = an._in(node.args[0])
-    out_shape = an._out_shape(node)
+    in_dims, _ = an.dims_and_shape(node.args[0])
+    out_shape = an.shape_of(node)
     queue = [(f, an.factor_size(f)) for dim in in_dims for f in dim]
     out: list[Dim] = []
     for size in out_shape:
@@ -59,11 +59,11 @@ def _view(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 def _view_fallback(an: DimAnalysis, node: fx.Node, in_dims: list[Dim], out_shape: tuple[int, ...]) -> list[Dim]:
     an.splits.setdefault(node, []).extend(in_dims)
-    return an._fresh_dims(out_shape)
+    return an.fresh_dims(out_shape)
 
 
 def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     rank = len(shape)
     if op_name(node) == "t":
         a, b = 0, rank - 1
@@ -75,19 +75,19 @@ def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 
 def _permute(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     order = size_args(node) if node.op == "call_method" else list(arg(node, 1, "dims"))
     return [dims[d % len(shape)] for d in order]
 
 
 def _unsqueeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 1, "dim") % (len(shape) + 1)
     return dims[:d] + [an.fresh(1)] + dims[d:]
 
 
 def _squeeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     which = arg(node, 1, "dim")
     drop = set(normalize_dims(which, len(shape))) if which is not None else set(range(len(shape)))
     return [d for i, (d, s) in enumerate(zip(dims, shape)) if not (i in drop and s == 1)]
@@ -95,26 +95,26 @@ def _squeeze(an: DimAnalysis, node: fx.Node) -> list[Dim]:
 
 def _view_as_complex(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     """`[..., 2]` real pairs -> `[...]` complex numbers (complex rotary embeddings)."""
-    dims, _ = an._in(node.args[0])
+    dims, _ = an.dims_and_shape(node.args[0])
     return dims[:-1]
 
 
 def _view_as_real(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     """`[...]` complex numbers -> `[..., 2]` real pairs."""
-    dims, _ = an._in(node.args[0])
+    dims, _ = an.dims_and_shape(node.args[0])
     return dims + [an.fresh(2)]
 
 
 def _expand(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     """expand, broadcast_to, repeat: aligned dims of unchanged size are kept."""
-    dims, shape = an._in(node.args[0])
-    out_shape = an._out_shape(node)
+    dims, shape = an.dims_and_shape(node.args[0])
+    out_shape = an.shape_of(node)
     out = []
     for i, size in enumerate(out_shape):
         j = i - (len(out_shape) - len(shape))
         out.append(dims[j] if j >= 0 and shape[j] == size else an.fresh(size))
     if op_name(node) == "expand_as":
-        other, _ = an._in(node.args[1])
+        other, _ = an.dims_and_shape(node.args[1])
         for o, d in zip(other, out):
             an.unify(o, d)
     return out
@@ -125,14 +125,14 @@ def _repeat_interleave(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     row `i`: the output dimension is the input's factors times a new one of
     size `r` (HF's batched_mm experts repeat each token once per expert it
     routes to). A tensor of counts gives a dimension of its own."""
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d = arg(node, 2, "dim")
     if d is None:
         return None
     d %= len(shape)
     out = list(dims)
     repeats = arg(node, 1, "repeats")
-    out[d] = dims[d] + an.fresh(repeats) if type(repeats) is int else an.fresh(an._out_shape(node)[d])
+    out[d] = dims[d] + an.fresh(repeats) if type(repeats) is int else an.fresh(an.shape_of(node)[d])
     return out
 
 
@@ -169,7 +169,7 @@ def _as_slice(item: Any) -> Any:
 def _index(an: DimAnalysis, src: fx.Node, index: Any) -> tuple[list[Dim], list[Restriction], list[Dim]] | None:
     """Dimensions of `src[index]`, the restrictions the index applies, and
     the dimensions read at positions given by index tensors."""
-    dims, shape = an._in(src)
+    dims, shape = an.dims_and_shape(src)
     items = [_as_slice(i) for i in (index if isinstance(index, tuple) else [index])]
     if any(isinstance(i, (torch.Tensor, list)) for i in items):
         return None
@@ -218,9 +218,9 @@ def _advanced_index(
         return None
     if any(tensor_of(i) is None or tensor_of(i).dtype in (torch.bool, torch.uint8) for i in indices):
         return None
-    dims, shape = an._in(src)
+    dims, shape = an.dims_and_shape(src)
     index_shape = tuple(torch.broadcast_shapes(*(tuple(tensor_of(i).shape) for i in indices)))
-    return an._broadcast_dims(indices, index_shape) + dims[len(indices):], [], dims[: len(indices)]
+    return an.broadcast([an.dims_and_shape(n) for n in indices], index_shape) + dims[len(indices):], [], dims[: len(indices)]
 
 
 def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
@@ -229,7 +229,7 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     part of x it lands on (the indexed part for `setitem`, all of x for
     elementwise ops such as `copy_` and `add_`)."""
     target, op, rest = node.args[0], node.args[1], node.args[2:]
-    dims, shape = an._in(target)
+    dims, shape = an.dims_and_shape(target)
     if op.rstrip("_") in _SCATTERS:
         named = dict(zip(("dim", "index", "src"), rest)) | dict(node.kwargs)
         return _scatter_into(an, node, target, named["dim"], named["index"], named.get("src", named.get("value")))
@@ -239,7 +239,7 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
         if isinstance(mask, fx.Node) and tensor_of(mask) is not None and tensor_of(mask).dtype == torch.bool:
             if tensor_of(value) is not None and tensor_of(value).numel() != 1:
                 return None  # x[mask] = values: one value per selected element
-            mask_dims, _ = an._in(mask)
+            mask_dims, _ = an.dims_and_shape(mask)
             for a, b in zip(dims, mask_dims):
                 an.unify(a, b)
             return list(dims)
@@ -257,7 +257,7 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     written_shape = [math.prod(an.factor_size(f) for f in d) for d in written]
     for value in values:
         if isinstance(value, fx.Node) and tensor_of(value) is not None:
-            vdims, vshape = an._in(value)
+            vdims, vshape = an.dims_and_shape(value)
             for i in range(1, min(len(vshape), len(written_shape)) + 1):
                 if vshape[-i] == written_shape[-i]:
                     an.unify(written[-i], vdims[-i])
@@ -283,18 +283,18 @@ def _scatter_into(an: DimAnalysis, node: fx.Node, target: fx.Node, dim: int, ind
     only x's first rows there, which depends on where a row is, so no rule);
     a tensor `src` is aligned with the index (DeepSeek-V3's router marks
     its chosen expert groups this way)."""
-    dims, shape = an._in(target)
+    dims, shape = an.dims_and_shape(target)
     if not isinstance(index, fx.Node) or tensor_of(index) is None:
         return None
     d = dim % len(shape)
-    index_dims, index_shape = an._in(index)
+    index_dims, index_shape = an.dims_and_shape(index)
     if len(index_shape) != len(shape) or any(index_shape[i] != shape[i] for i in range(len(shape)) if i != d):
         return None
     for i in range(len(shape)):
         if i != d:
             an.unify(dims[i], index_dims[i])
     if isinstance(src, fx.Node) and tensor_of(src) is not None:
-        src_dims, src_shape = an._in(src)
+        src_dims, src_shape = an.dims_and_shape(src)
         if tuple(src_shape) != tuple(index_shape):
             return None
         for a, b in zip(index_dims, src_dims):
@@ -304,7 +304,7 @@ def _scatter_into(an: DimAnalysis, node: fx.Node, target: fx.Node, dim: int, ind
 
 
 def _narrow(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d, start, length = arg(node, 1, "dim"), arg(node, 2, "start"), arg(node, 3, "length")
     if not all(isinstance(v, int) for v in (d, start, length)):
         return None
@@ -319,7 +319,7 @@ def _narrow(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 
 def _select(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     d, index = arg(node, 1, "dim"), arg(node, 2, "index")
     if not isinstance(index, int):
         return None
@@ -333,15 +333,15 @@ def _cat(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     tensors = arg(node, 0, "tensors")
     d = arg(node, 1, "dim", 0)
     parts = [t for t in tensors if isinstance(t, fx.Node) and tensor_of(t) is not None]
-    out_shape = an._out_shape(node)
+    out_shape = an.shape_of(node)
     d %= len(out_shape)
     # `torch.cat([torch.tensor([]), k])`, as HF attention does without a cache
     parts = [p for p in parts if not (tensor_of(p).dim() == 1 and tensor_of(p).numel() == 0)]
     if not parts:
         return None
-    first, _ = an._in(parts[0])
+    first, _ = an.dims_and_shape(parts[0])
     for p in parts[1:]:
-        dims, _ = an._in(p)
+        dims, _ = an.dims_and_shape(p)
         for i, (a, b) in enumerate(zip(first, dims)):
             if i != d:
                 an.unify(a, b)
@@ -353,17 +353,17 @@ def _cat(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
 
 def _stack(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     tensors = arg(node, 0, "tensors")
-    d = arg(node, 1, "dim", 0) % len(an._out_shape(node))
-    first, _ = an._in(tensors[0])
+    d = arg(node, 1, "dim", 0) % len(an.shape_of(node))
+    first, _ = an.dims_and_shape(tensors[0])
     for t in tensors[1:]:
-        dims, _ = an._in(t)
+        dims, _ = an.dims_and_shape(t)
         for a, b in zip(first, dims):
             an.unify(a, b)
     return first[:d] + [an.fresh(len(tensors))] + first[d:]
 
 
 def _split(an: DimAnalysis, node: fx.Node) -> list[list[Dim]] | None:
-    dims, shape = an._in(node.args[0])
+    dims, shape = an.dims_and_shape(node.args[0])
     name = op_name(node)
     d = arg(node, 2 if name != "unbind" else 1, "dim", 0) % len(shape)
     value = node.meta["longstraw_value"]
