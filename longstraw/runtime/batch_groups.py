@@ -22,11 +22,9 @@ class BatchGroups:
     that what the plan assumed of the values holds (padding masks, per-row
     values the prompt reads), on every call: these are data, never folded."""
 
-    def __init__(self, part: Partition, padding_roots: Sequence[Root], key_padding: Sequence[fx.Node],
-                 shared_values: Sequence[fx.Node]) -> None:
+    def __init__(self, part: Partition, padding_roots: Sequence[Root], shared_values: Sequence[fx.Node]) -> None:
         self.part = part
         self.padding_roots = padding_roots
-        self.key_padding = key_padding
         self.shared_values = shared_values
 
     def prefix_len(self, values: dict) -> int:
@@ -63,7 +61,7 @@ class BatchGroups:
         if part.group_size == 1 or part.first_consumed == 0 or len(keyed) < len(part.roots) or shape_only:
             return [Group(every_row, self.prefix_len(values))]
         per_row = [(values[r.node], r.batch_dim, r.token_dim) for r in keyed]
-        per_row += [(values[k], part.batch_dim(k), part.token_dim(k)) for k in self.key_padding if part.batch_dim(k) is not None]
+        per_row += [(values[k], part.batch_dim(k), part.token_dim(k)) for k in self.part.key_padding if part.batch_dim(k) is not None]
         classes = _rows_by_prompt(per_row, part.first_consumed)
         if len(classes) == 1 or all(len(rows) == 1 for rows in classes):
             # one prompt; or no two rows alike over the prompt part (the loss reads from inside the
@@ -72,7 +70,7 @@ class BatchGroups:
         for rows in classes:
             if len(rows) == 1:
                 names = ", ".join(f"`{argument_name(r.node) if r.node.op == 'placeholder' else r.node.name}`" for r in keyed)
-                masks = "".join(f" and the padding mask from {_inputs_named(k)}" for k in self.key_padding)
+                masks = "".join(f" and the padding mask from {_inputs_named(k)}" for k in self.part.key_padding)
                 raise InputError(
                     f"row {rows[0]} shares no prompt with any other row: the batch holds {len(classes)} different "
                     f"prompts (rows equal in {names}{masks} over the first {part.first_consumed} positions, the ones "
@@ -96,7 +94,7 @@ class BatchGroups:
             rows = rows.reshape(*rows.shape[:2], -1).narrow(1, 0, prefix_len)
             for group in groups:
                 _check_same_prompt(rows, group.rows, root.node, _inputs_named(root.node))
-        for node in self.key_padding:
+        for node in self.part.key_padding:
             value, batch_dim = values[node], self.part.batch_dim(node)
             if not has_values(value):
                 continue

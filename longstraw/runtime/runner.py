@@ -95,7 +95,6 @@ class GroupRunner(BackwardPass):
         self.branch = program.branch
         self.random = program.random
         self.runs_rounds = program.runs_rounds
-        self.padding_roots = program.padding_roots
         self.roots = {r.node: r for r in part.roots}
         self.position = {p: i for i, p in enumerate(part.placeholders)}
         self.param_positions = [self.position[p] for p in part.params]
@@ -107,11 +106,10 @@ class GroupRunner(BackwardPass):
         # data inputs the prompt's step reads directly are shared values too (a per-row
         # offset added to the embeddings); imports never hold parameters
         prefix_values = {n for stage in self.stages for n in stage.prefix.externals}
-        self.key_padding = list(part.key_padding)
-        self.shared_values = [
-            n for n in self.imports if n in prefix_values and n not in self.roots and n not in self.key_padding
+        shared_values = [
+            n for n in self.imports if n in prefix_values and n not in self.roots and n not in part.key_padding
         ]
-        self.batch = BatchGroups(part, self.padding_roots, self.key_padding, self.shared_values)
+        self.batch = BatchGroups(part, program.padding_roots, shared_values)
         self.last_call: CallRecord | None = None
         self.replayed: dict[str, torch.nn.Module] = {}
 
@@ -153,7 +151,7 @@ class GroupRunner(BackwardPass):
         if self.options.prompt_grad != "exact":
             return
         per_row = [r.node for r in self.part.roots if r.structural_prefix is None and r.node in self.prefix.externals]
-        for node in per_row + self.shared_values:
+        for node in per_row + list(self.batch.shared_values):
             if self.part.batch_dim(node) is None:
                 continue
             for source in ancestors([node]):
