@@ -46,12 +46,22 @@ def class_name(cls: type | str) -> str:
     return (cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))).rsplit(".", 1)[-1]
 
 
+USE_EAGER = ("load the model with attn_implementation='eager' (or call model.set_attn_implementation('eager')): "
+             "LongStraw runs its eager attention with sinks (`longstraw.models.sinks`)")
+"""The fix for other attention of a model whose eager sink attention LongStraw runs (gpt-oss, MiMo-V2-Flash)."""
+
+
 def sdpa_advice(classes: Iterable[type | str]) -> str:
     """USE_SDPA, unless the innermost HF model among `classes` refuses SDPA
     (`_supports_sdpa = False`: HF raises on attn_implementation='sdpa'),
-    where advising it would send the user to an error."""
+    where advising it would send the user to an error: USE_EAGER where a
+    model binding runs its eager attention."""
+    from longstraw.models import BINDINGS
+
     for cls in reversed(list(classes)):
         supports = getattr(cls, "_supports_sdpa", None) if isinstance(cls, type) else None
+        if supports is False and BINDINGS.get(cls.__module__) == "longstraw.models.sinks":
+            return USE_EAGER
         if supports is False:
             return (f"HF does not run `{cls.__name__}` with SDPA (`_supports_sdpa = False`; attn_implementation='sdpa' "
                     f"raises), so this family is not supported. {NO_FIX}")

@@ -5,7 +5,9 @@ Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
 graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
 `longstraw.models.moe` traces HF's grouped_mm experts as one per-position
-operator; `longstraw.models.hf_logging` makes HF's once-only logging calls
+operator; `longstraw.models.sinks` traces gpt-oss's and MiMo-V2-Flash's
+eager attention with learned sinks as one operator;
+`longstraw.models.hf_logging` makes HF's once-only logging calls
 (`logger.warning_once`) no-ops in traces instead of graph breaks.
 
 `install_trace_bindings()` runs when `longstraw` is imported: for every HF
@@ -43,6 +45,8 @@ BINDINGS = {
         "transformers.models.bamba.modeling_bamba",
         "transformers.models.zamba2.modeling_zamba2",
     )},
+    "transformers.models.gpt_oss.modeling_gpt_oss": "longstraw.models.sinks",
+    "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash": "longstraw.models.sinks",
     "transformers.utils.logging": "longstraw.models.hf_logging",
 }
 """HF modeling module -> the binding module that substitutes its functions in traces."""

@@ -15,13 +15,14 @@ from .base import ArchitecturePass, CarryPass, DimRules, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
 from .mla import LatentAttentionPass
+from .sinks import SinkAttentionPass, SlidingSinkAttentionPass
 from .sliding_window import SlidingWindowAttentionPass
 from .sparse_index import SparseLatentAttentionPass
 from .ssd import SSDPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
     CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), SparseLatentAttentionPass(),
-    GatedDeltaPass(), CausalConvPass(), SSDPass(),
+    GatedDeltaPass(), CausalConvPass(), SSDPass(), SinkAttentionPass(), SlidingSinkAttentionPass(),
 )
 
 __all__ = [
@@ -33,7 +34,9 @@ __all__ = [
     "DimRules",
     "GatedDeltaPass",
     "LatentAttentionPass",
+    "SinkAttentionPass",
     "SiteState",
+    "SlidingSinkAttentionPass",
     "SlidingWindowAttentionPass",
     "SparseLatentAttentionPass",
     "SSDPass",

@@ -61,21 +61,9 @@ class CausalAttentionPass(ArchitecturePass):
                     "`sparse_latent_attention` pass may run once it proves it; it is not among the backend's passes "
                     "(drop it from options['disable_passes'])")
         if mask is not None:
-            if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
-                return "attn_mask must be a tensor of at least [queries, keys]"
-            padding = key_padding_of(mask)
-            if reads_input(mask) and padding is None:
-                return (
-                    "the attn_mask depends on inputs other than through a key padding mask: LongStraw supports masks "
-                    "computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
-                    "from a 2-D attention_mask, 1 = real token, 0 = padding); pass the 2-D padding mask to the model "
-                    "instead of a 4-D mask"
-                )
-            if _sees_the_future(mask, padding):
-                return (
-                    "the attn_mask lets a position attend to later positions (e.g. a prefix-LM mask), "
-                    "so earlier positions cannot be computed before later ones"
-                )
+            reason = mask_reason(mask)
+            if reason is not None:
+                return reason
         elif not arg(node, 5, "is_causal", False):
             return "non-causal SDPA lets earlier positions see later ones, so the prompt cannot be captured once"
         dropout = arg(node, 4, "dropout_p", 0.0)
@@ -110,6 +98,28 @@ class CausalAttentionPass(ArchitecturePass):
         }
         args = (emitter.ctx, *emitter.mapped((q, k_site.cut, v_site.cut)))
         return emitter.graph.call_function(attention_step, args, kwargs)
+
+
+def mask_reason(mask: object) -> str | None:
+    """Why an attention mask cannot be run step by step, or None: it must be
+    computed from positions (with at most one key padding mask read from an
+    input) and let no position see a later one."""
+    if not isinstance(mask, fx.Node) or tensor_of(mask).dim() < 2:
+        return "attn_mask must be a tensor of at least [queries, keys]"
+    padding = key_padding_of(mask)
+    if reads_input(mask) and padding is None:
+        return (
+            "the attn_mask depends on inputs other than through a key padding mask: LongStraw supports masks "
+            "computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
+            "from a 2-D attention_mask, 1 = real token, 0 = padding); pass the 2-D padding mask to the model "
+            "instead of a 4-D mask"
+        )
+    if _sees_the_future(mask, padding):
+        return (
+            "the attn_mask lets a position attend to later positions (e.g. a prefix-LM mask), "
+            "so earlier positions cannot be computed before later ones"
+        )
+    return None
 
 
 def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
@@ -197,6 +207,7 @@ def attention_step(
     v_slot: int,
     scale: float | None,
     enable_gqa: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries over all positions so far.
 
@@ -204,11 +215,19 @@ def attention_step(
     written to the state buffers by `write_state`); mask: None (causal) or
     the mask's block over rows [o, o+n) and columns [0, o+n), computed a
     key block at a time. Hq is a multiple of Hkv whether or not the
-    graph asked for `enable_gqa` (without it the two are equal)."""
+    graph asked for `enable_gqa` (without it the two are equal). `sinks`:
+    one more logit per query head `[Hq]` with no value (`passes.sinks`),
+    taken into each row's output and log-sum-exp once all its keys are in."""
     del enable_gqa
     first, masked = 0, mask is not None
     if mask is not None and mask.is_causal():
         mask = None  # e.g. HF's explicit causal mask: the fused kernels need none
+    if sinks is not None and (ctx.round is not None or ctx.state.shard is not None):
+        raise LongStrawError(
+            f"context parallelism: the attention over {ctx.state.slots[k_slot].label()} has learned sinks, and "
+            "context parallelism merges each rank's partial attention without them. Run this model without "
+            "context_parallel."
+        )
     if ctx.round is not None:
         # a capture round: every rank attends its own chunk, and a mask can be one run of keys over one
         # rank's chunk and not over another's, so the ranks decide together
@@ -224,10 +243,10 @@ def attention_step(
     elif mask is not None and (left := mask.first_key()) is not None:
         mask, first = None, left  # a left-padded prompt: causal over the keys after the padding
     elif mask is not None and (left := mask.padding_end()) is not None:
-        return _attention_after_padding(ctx, q, k, v, k_slot, v_slot, scale, left)
+        return _attention_after_padding(ctx, q, k, v, k_slot, v_slot, scale, left, sinks)
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
-        return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span)
-    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first)
+        return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span, sinks)
+    return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first, sinks)
 
 
 def _not_one_run(ctx: StepContext, k_slot: int) -> LongStrawError:
@@ -240,7 +259,7 @@ def _not_one_run(ctx: StepContext, k_slot: int) -> LongStrawError:
 
 def _attention_over_span(
     ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slot: int, v_slot: int,
-    scale: float | None, first: int, last: int,
+    scale: float | None, first: int, last: int, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A branch whose completion is right-padded from `last` on
     (`MaskBlock.key_span`), with fused kernels instead of the mask: its real
@@ -251,22 +270,24 @@ def _attention_over_span(
     real = last - ctx.offset
     own_k, own_v = k.narrow(-2, 0, real), v.narrow(-2, 0, real)
     real_rows = dataclasses.replace(ctx, length=real)  # its keys are the span's: [0, last)
-    head = _AttentionOverState.apply(real_rows, q.narrow(-2, 0, real), own_k, own_v, None, k_slot, v_slot, scale, first)
+    head = _AttentionOverState.apply(real_rows, q.narrow(-2, 0, real), own_k, own_v, None, k_slot, v_slot, scale, first,
+                                     sinks)
     padded = q.narrow(-2, real, q.shape[-2] - real)
-    tail = _AttentionOverSpan.apply(real_rows, padded, own_k, own_v, k_slot, v_slot, scale, first)
+    tail = _AttentionOverSpan.apply(real_rows, padded, own_k, own_v, k_slot, v_slot, scale, first, sinks)
     return torch.cat([head, tail], dim=-2)
 
 
 def _attention_after_padding(
     ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slot: int, v_slot: int,
-    scale: float | None, first: int,
+    scale: float | None, first: int, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """A step whose rows hold the end of the left padding (`MaskBlock.padding_end`),
     with fused kernels instead of the mask: the padding rows before `first`
     see no key, so their output is zero (SDPA's for a row with every key
-    masked) and nothing flows back to them; the rows from `first` on are
-    causal over the keys `[first, o+n)`, a step of their own. The padding
-    positions' keys are seen by no query: no gradient."""
+    masked; with a sink, which then takes all the weight, too) and nothing
+    flows back to them; the rows from `first` on are causal over the keys
+    `[first, o+n)`, a step of their own. The padding positions' keys are
+    seen by no query: no gradient."""
     pad = first - ctx.offset
     zeros = q.new_zeros(*q.shape[:-2], pad, v.shape[-1])
     if pad == q.shape[-2]:
@@ -274,7 +295,7 @@ def _attention_after_padding(
     real = q.shape[-2] - pad
     real_rows = dataclasses.replace(ctx, offset=first, length=real)
     out = _AttentionOverState.apply(real_rows, q.narrow(-2, pad, real), k.narrow(-2, pad, real),
-                                    v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first)
+                                    v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first, sinks)
     return torch.cat([zeros, out], dim=-2)
 
 
@@ -286,24 +307,24 @@ class _AttentionOverSpan(torch.autograd.Function):
     as `_AttentionOverState`'s, on key blocks that never straddle the offset."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, first):
+    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, first, sinks):
         keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         kernel = kernel_for(q, None)
-        out, lse = kernel.forward(q, keys, values, None, scale, keys.shape[-2])
+        out, lse = with_sinks(*kernel.forward(q, keys, values, None, scale, keys.shape[-2]), sinks)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.first = step, (k_slot, v_slot), scale, kernel, first
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         step, kernel, first = ctx.step, ctx.kernel, ctx.first
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         o = step.offset - first
         own = [(o + start, length) for start, length in kernel.earlier_blocks(q, k.shape[-2])]
         blocks = [*kernel.earlier_blocks(q, o), *own]
         grads = _backward_over_blocks(step, kernel, blocks, grad_out, q, k, v, out, lse, None, ctx.scale,
                                       o + k.shape[-2], first, ctx.slots)
-        return None, *grads, None, None, None, None
+        return None, *grads, None, None, None, None, sink_grad(grad_out, out, lse, sinks, ctx.needs_input_grad[-1])
 
 
 class _AttentionOverState(torch.autograd.Function):
@@ -321,26 +342,56 @@ class _AttentionOverState(torch.autograd.Function):
     the kernels run causal over `[first, o+n)`, positions counted from it."""
 
     @staticmethod
-    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, first):
+    def forward(ctx, step: StepContext, q, k, v, mask, k_slot, v_slot, scale, first, sinks):
         kernel = kernel_for(q, mask)
         keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
         if mask is None:
             out, lse = _causal_over_state(step, k_slot, q, keys, values, scale, step.offset - first)
         else:
             out, lse = kernel.forward(q, keys, values, mask, scale, step.offset)
+        out, lse = with_sinks(out, lse, sinks)
         ctx.step, ctx.slots, ctx.scale, ctx.kernel, ctx.mask = step, (k_slot, v_slot), scale, kernel, mask
         ctx.first = first
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         step, kernel, first = ctx.step, ctx.kernel, ctx.first
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         o = step.offset - first  # positions from the first visible key
         grads = _backward_over_blocks(step, kernel, kernel.blocks(q, o), grad_out, q, k, v, out, lse, ctx.mask,
                                       ctx.scale, o, first, ctx.slots)
-        return None, *grads, None, None, None, None, None
+        return (None, *grads, None, None, None, None, None,
+                sink_grad(grad_out, out, lse, sinks, ctx.needs_input_grad[-1]))
+
+
+def with_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's output and log-sum-exp over all its keys, with each query
+    head's sink (one more logit `s`, value zero) taken in:
+    `out * exp(lse - lse')`, `lse' = logaddexp(lse, s)`. The block
+    backward with these is the sink softmax's for q, k and v (its
+    probabilities are `exp(score - lse')`, its row term `dout . out`)."""
+    if sinks is None:
+        return out, lse
+    total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    kept = torch.exp(lse - total)  # 0 for a row that sees no key (lse = -inf)
+    return (out.to(kept.dtype) * kept[..., None]).to(out.dtype), total
+
+
+def sink_grad(
+    grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, wanted: bool
+) -> torch.Tensor | None:
+    """d(sinks) from the rows `with_sinks` returned: the sink's probability
+    `exp(s - lse')` times `-(dout . out)`, summed over the rows."""
+    if sinks is None or not wanted:
+        return None
+    compute = compute_dtype(out)
+    rows = (grad_out.to(compute) * out.to(compute)).sum(-1)
+    share = torch.exp(sinks.to(compute).view(1, -1, 1) - lse.to(compute))
+    return -(share * rows).sum((0, 2)).to(sinks.dtype)
 
 
 def _backward_over_blocks(

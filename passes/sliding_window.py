@@ -45,24 +45,32 @@ def window_of(node: fx.Node) -> int | None:
     return int(band[1]) + 1
 
 
-def window_attention(carry, q, k, v, *, window: int, scale: float | None, enable_gqa: bool):
-    """SDPA of queries `q` [B, Hq, n, D] over the previous `window - 1`
-    positions (the carry: keys, values and a validity flag packed as
-    [B, Hk, W-1, Dk+Dv+1]) and the step's own `k`, `v`. Returns (out, the
-    carry after the step)."""
+def window_keys(carry, k, v, n: int, window: int):
+    """The keys and values queries `[o, o+n)` see: the carry's W-1 positions
+    (keys, values and a validity flag packed as [B, Hk, W-1, Dk+Dv+1])
+    and the step's own `k`, `v`; the boolean mask of the window over them,
+    and the carry after the step."""
     dim_k = k.shape[-1]
     new = torch.cat([k, v, k.new_ones(*k.shape[:-1], 1)], -1)
     carry = carry.expand(new.shape[0], *carry.shape[1:])
     both = torch.cat([carry, new], -2)  # positions o-(W-1) .. o+n-1
     keys, values, valid = both[..., :dim_k], both[..., dim_k:-1], both[..., -1]
-    n, seen = q.shape[-2], both.shape[-2]
-    query = torch.arange(n, device=q.device)[:, None]
-    key = torch.arange(seen, device=q.device)[None, :]
+    seen = both.shape[-2]
+    query = torch.arange(n, device=k.device)[:, None]
+    key = torch.arange(seen, device=k.device)[None, :]
     # key u is position o-(W-1)+u, query t position o+t: visible when 0 <= (t+W-1) - u <= W-1
     allowed = (key >= query) & (key <= query + window - 1)
     mask = allowed & (valid[:, :1, None, :] > 0)  # validity is per position, the same for every head
+    return keys, values, mask, both[..., seen - (window - 1):, :]
+
+
+def window_attention(carry, q, k, v, *, window: int, scale: float | None, enable_gqa: bool):
+    """SDPA of queries `q` [B, Hq, n, D] over the previous `window - 1`
+    positions (the carry) and the step's own `k`, `v` (`window_keys`).
+    Returns (out, the carry after the step)."""
+    keys, values, mask, new_carry = window_keys(carry, k, v, q.shape[-2], window)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return out, both[..., seen - (window - 1):, :]
+    return out, new_carry
 
 
 class SlidingWindowAttentionPass(CarryPass):

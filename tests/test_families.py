@@ -42,7 +42,7 @@ SHAPES = [
     (3, 2, 4, 4, True),
 ]
 CORE = ("qwen3", "llama", "qwen2", "mistral", "gemma3", "phi3", "gpt_neox", "olmo2", "smollm3", "gpt2",
-        "deepseek_v3", "qwen3_5", "gpt_bigcode", "qwen3_5_moe")
+        "deepseek_v3", "qwen3_5", "gpt_bigcode", "qwen3_5_moe", "gpt_oss", "mimo_v2_flash")
 
 
 @contextlib.contextmanager

@@ -124,6 +124,14 @@ def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
     return detached_reference(model, prompt, responses, advantages, mask)
 
 
+def _eager_attention_detached(loss_fn, model, prompt, responses, advantages, mask):
+    """The prompt's keys and values constants at HF's eager (sink) attention,
+    which calls no SDPA for `detached_at_attention` to cut at."""
+    from helpers.reference import detached_at_eager_attention
+
+    return detached_at_eager_attention(loss_fn, model, prompt, responses, advantages, mask)
+
+
 def _arange_positions_loss(model, prompt, responses, advantages, mask):
     """`grpo_loss_f64` passing `position_ids=torch.arange(L).expand(G, -1)`,
     as the refusal of a model that counts its own positions says."""
@@ -148,6 +156,8 @@ _BOUND = Fix(bind=qwen3_5.bound)  # outside `qwen3_5.unbound()`, eager calls rou
 
 T = transformers
 _PHIMOE = _hf(T.PhimoeConfig, num_local_experts=4, num_experts_per_tok=2)
+_GPT_OSS = _hf(T.GptOssConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+               layer_types=["sliding_attention", "full_attention"])
 SUPPORTED = [
     Family("qwen3", _hf(T.Qwen3Config)),
     Family("llama", _hf(T.LlamaConfig)),
@@ -244,6 +254,15 @@ SUPPORTED = [
            note="multi-query attention: `c_attn(x).unsqueeze(1)` viewed as `[G, L, heads, d]` puts a size-1 factor "
                 "into the positions, which the sequence axis leaves out"),
     Family("phimoe", _PHIMOE, experts="batched_mm", note="MoE, sparsemixer router in eval mode (top-2, deterministic)"),
+    Family("gpt_oss", _GPT_OSS, attn_implementation="eager", experts="batched_mm", detached=_eager_attention_detached,
+           note="Learned attention sinks over sliding (a 5-position window carried) and full layers (K/V per "
+                "position), MoE; HF's eager attention as `longstraw::sink_attention` (`longstraw.models.sinks`)"),
+    Family("mimo_v2_flash", _hf(T.MiMoV2FlashConfig, _NO_HEAD_DIM, head_dim=8, v_head_dim=4, sliding_window=6,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                layer_types=["full_attention", "sliding_attention"],
+                                mlp_layer_types=["dense", "sparse"]),
+           attn_implementation="eager", experts="batched_mm", detached=_eager_attention_detached,
+           note="Sinks on its sliding layers only, twice their K/V heads, MoE; as gpt-oss (`longstraw.models.sinks`)"),
 ]
 
 REFUSED = [
@@ -255,25 +274,23 @@ REFUSED = [
            refused=r"^Dynamo broke the graph at flex_attention\.py:\d+ .*inside flex attention, which LongStraw does not "
                    r"claim: HF does not run `Gemma2PreTrainedModel` with SDPA.*" + re.escape(NO_FIX),
            note=f"Flex attention, which no pass claims: {_NO_SDPA}"),
+    Family("gpt_oss (flex attention)", _GPT_OSS, attn_implementation="flex_attention", experts="batched_mm",
+           refused=r"^Dynamo broke the graph at flex_attention\.py:\d+ .*inside flex attention, which LongStraw does not "
+                   r"claim: load the model with attn_implementation='eager'",
+           fix=Fix(model=lambda model: model.set_attn_implementation("eager")),
+           note="Flex attention, which no pass claims: load it with 'eager', HF's default for gpt-oss, whose sink "
+                "attention LongStraw runs."),
     Family("bloom", _hf(T.BloomConfig, _NO_HEAD_DIM, n_layer=2, n_head=4), refused=EAGER_ONLY,
            attn_implementation="eager", note=f"ALiBi attention: {_NO_SDPA}"),
     Family("gptj", _hf(T.GPTJConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ONLY,
            attn_implementation="eager", note=_NO_SDPA),
     Family("codegen", _hf(T.CodeGenConfig, _GPT_SHAPES, rotary_dim=4), refused=EAGER_ONLY,
            attn_implementation="eager", note=_NO_SDPA),
-    Family("gpt_oss", _hf(T.GptOssConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                          layer_types=["sliding_attention", "full_attention"]),
-           refused=EAGER_ONLY, attn_implementation="eager", experts="batched_mm", note=f"Attention sinks: {_NO_SDPA}"),
     Family("vaultgemma", _hf(T.VaultGemmaConfig, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
            refused=EAGER_ONLY, attn_implementation="eager", note=f"Logit soft-capping: {_NO_SDPA}"),
     Family("granite_swa", _hf(T.GraniteSWAConfig, sliding_window=6, layer_types=["full_attention", "sliding_attention"],
                               layer_rope_theta=[1e4, 1e4], bos_token_id=0, eos_token_id=0),
            refused=EAGER_ONLY, attn_implementation="eager", note=_NO_SDPA),
-    Family("mimo_v2_flash", _hf(T.MiMoV2FlashConfig, _NO_HEAD_DIM, head_dim=8, v_head_dim=8, sliding_window=6,
-                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                layer_types=["full_attention", "sliding_attention"],
-                                mlp_layer_types=["dense", "sparse"]),
-           refused=EAGER_ONLY, attn_implementation="eager", experts="batched_mm", note=f"Attention sinks: {_NO_SDPA}"),
     Family("opt", _hf(T.OPTConfig, ffn_dim=48, word_embed_proj_dim=32, pad_token_id=1, dropout=0.0),
            refused=r"operator `cumsum` .* mixes values across sequence positions\. The model numbers positions itself"
                    r".*pass the position ids to the model, `position_ids=torch\.arange\(L\)\.expand\(G, -1\)`",

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -129,6 +130,35 @@ def prompt_state_detached(prompt_len: int) -> Iterator[None]:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+@contextlib.contextmanager
+def eager_attention_state_detached(module, prompt_len: int) -> Iterator[None]:
+    """`prompt_state_detached` for a model whose attention is its modeling
+    `module`'s `eager_attention_forward` (HF's eager sink attention, which
+    calls no SDPA): its keys and values at positions 0..P-2 detached."""
+    eager = module.eager_attention_forward
+    cut = prompt_len - 1
+
+    def detached_prefix(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[..., :cut, :].detach(), x[..., cut:, :]], dim=-2)
+
+    def patched(attention, query, key, value, *args, **kwargs):
+        return eager(attention, query, detached_prefix(key), detached_prefix(value), *args, **kwargs)
+
+    module.eager_attention_forward = patched
+    try:
+        yield
+    finally:
+        module.eager_attention_forward = eager
+
+
+def detached_at_eager_attention(loss_fn, model, prompt, responses, advantages, mask):
+    """`detached_at_attention` for a model whose attention is its modeling
+    module's `eager_attention_forward` (gpt-oss, MiMo-V2-Flash)."""
+    module = sys.modules[type(model).__module__]
+    with eager_attention_state_detached(module, prompt.shape[0]):
+        return eager_loss_and_grads(loss_fn, model, prompt, responses, advantages, mask)
 
 
 def detached_at_attention(loss_fn, model, prompt, responses, advantages, mask):
