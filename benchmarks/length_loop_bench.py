@@ -71,6 +71,8 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
         out["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])  # traced in the loop
         out["plans"] = len(planned)
         out["plan_s"] = sum(p.seconds.total for p in planned)
+        out["plan_split_s"] = {part: sum(getattr(p.seconds, part) for p in planned)
+                               for part in ("specialize", "analysis", "memory")}
         out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
     return out
 
