@@ -23,20 +23,17 @@ passes run it, both over the masks HF builds for eager attention
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.runtime.carry import CarryKernel, recompute_grads
 from longstraw.analysis.dims import DimRules
-from longstraw.analysis.mask_bands import band_of
 from longstraw.nodes import op_name, tensor_of
+from longstraw.runtime.carry import CarryKernel, recompute_grads
 
 from .attention import CausalAttentionPass, attention_step, mask_reason
 from .base import CarryPass, SiteState, StepEmitter
-from .sliding_window import window_keys
+from .sliding_window import window_keys, window_of_mask
 
 
 def attend_with_sinks(
@@ -150,11 +147,7 @@ def sink_window_of(node: fx.Node) -> int | None:
     mask = boolean_mask(_mask(node))
     if mask is None:
         return None
-    band = band_of(mask)
-    length = tensor_of(node.args[0]).shape[-2]
-    if band is None or band[0] != 0 or not math.isfinite(band[1]) or not 1 <= band[1] < length - 1:
-        return None
-    return int(band[1]) + 1
+    return window_of_mask(mask, tensor_of(node.args[0]).shape[-2])
 
 
 def _dim_rule(dims: DimRules, node: fx.Node):

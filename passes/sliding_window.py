@@ -38,8 +38,13 @@ def window_of(node: fx.Node) -> int | None:
     mask = arg(node, 3, "attn_mask")
     if not isinstance(mask, fx.Node) or arg(node, 5, "is_causal", False):
         return None
+    return window_of_mask(mask, tensor_of(node.args[0]).shape[-2])
+
+
+def window_of_mask(mask: fx.Node, length: int) -> int | None:
+    """W when the boolean `mask` over `length` queries is proved (`band_of`)
+    a causal window of W positions (W >= 2) narrower than the sequence, else None."""
     band = band_of(mask)
-    length = tensor_of(node.args[0]).shape[-2]
     if band is None or band[0] != 0 or not math.isfinite(band[1]) or not 1 <= band[1] < length - 1:
         return None
     return int(band[1]) + 1
