@@ -27,7 +27,7 @@ not the time, since they run on one GPU's compute: `shared_gpu` says which.
    others: ranks must agree, or one would wait in a collective the other
    never calls.
 
-`tests/test_explain.py` holds the planner's per-rank peak
+`tests/planning/test_report.py` holds the planner's per-rank peak
 (`explain(...).plan(P, ranks=W)`) to these measurements.
 """
 

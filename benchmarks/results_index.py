@@ -1,7 +1,7 @@
 """benchmarks/results/INDEX.md and the benchmark tables of README.md and
 docs/benchmarks.md, generated from the result JSON files, so that every
 number a reader sees is one a file holds and a stale copy fails `--check`
-(and tests/test_results_index.py).
+(and tests/benchmarks/test_results_index.py).
 
     python benchmarks/results_index.py          # rewrite INDEX.md and the pages' tables
     python benchmarks/results_index.py --check  # exit 1 when any of them is out of date

@@ -28,7 +28,7 @@ and rotary embedding compute in float32 inside it: LongStraw's chunked
 sums (a weight's gradient over prompt chunks, then branches) round through
 those float32 casts differently from eager's, so the two agree to float32's
 ~1e-7, not float64's ~1e-16 (models without float32 casts agree within
-1e-9: tests/test_parity_dense.py)."""
+1e-9: tests/contract/test_parity_dense.py)."""
 
 
 def grpo_loss(model, prompt, responses, old_logp, advantages, mask, clip: float = 0.2):

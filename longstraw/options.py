@@ -75,7 +75,7 @@ class Options:
 
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss
-    (`longstraw/head.py`): the `[R, vocab]` logits never exist whole. At a
+    (`longstraw/codegen/head.py`): the `[R, vocab]` logits never exist whole. At a
     248K vocabulary one float32 `[256, vocab]` tensor is 254 MB (1 GB at
     R = 1024), and 256 rows keep the head's matrix multiply efficient.
     None: run the head over all positions at once."""

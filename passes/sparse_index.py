@@ -27,7 +27,7 @@ A query with fewer than `k` earlier positions reads all of them, as eager
 
 The selection has no gradient (eager's indexer runs under `no_grad`); the
 absorbed attention reads only the selected positions, gathered a block of
-queries at a time (`passes/mla.py`, `_LatentOverSelection`: n x k pairs,
+queries at a time (`runtime/kernels/latent_attention.py`, `_LatentOverSelection`: n x k pairs,
 not n x (o + n)), and their latent and rope key gradients go to d(state)
 in exact mode.
 """
@@ -41,13 +41,14 @@ import warnings
 import torch
 import torch.fx as fx
 
-from longstraw.parallel.shards import by_rank, gather_round, padded_to, shard_positions
 from longstraw.analysis.mask_bands import band_of, selected_by_topk
 from longstraw.nodes import arg, is_sdpa, op_name, tensor_of
+from longstraw.parallel.shards import by_rank, gather_round, padded_to, shard_positions
+from longstraw.runtime.kernels.latent_attention import absorbed_attention, flat_positions
 from longstraw.runtime.prompt_state import StepContext, has_values
 
 from .base import ArchitecturePass, SiteState, StepEmitter
-from .mla import absorbed_attention, flat_positions, latent_of
+from .mla import latent_of
 
 INDEX_KEY_TILE = 4096  # at most this many keys scored at once
 INDEX_BLOCK_SCORES = 1 << 24  # and at most this many float32 scores (query rows x index heads x keys) at once
@@ -206,7 +207,7 @@ class SparseLatentAttentionPass(ArchitecturePass):
 
     name = "sparse_latent_attention"
     overrides = ("causal_attention",)
-    runs_rounds = True  # `_round_topk`, then `mla._RoundLatentOverSelection`
+    runs_rounds = True  # `_round_topk`, then `latent_attention._RoundLatentOverSelection`
 
     def claims(self, node: fx.Node) -> bool:
         return selected_by_topk(node)

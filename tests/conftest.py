@@ -1,7 +1,7 @@
 """Shared fixtures and helpers.
 
 Nothing here imports `longstraw` at module level, so the reference tests
-(`test_reference.py`) run without the backend installed.
+(`tests/contract/test_reference.py`) run without the backend installed.
 """
 
 from __future__ import annotations

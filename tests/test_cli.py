@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import pathlib
 import subprocess
 import sys
 
 from longstraw.cli import main
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_step.py"
+from helpers.paths import REPO
+
+EXAMPLE = REPO / "examples" / "grpo_step.py"
 
 
 def test_explain_prints_the_plan_and_writes_the_views(tmp_path, capsys):

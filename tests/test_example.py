@@ -6,11 +6,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
 EXAMPLES = REPO / "examples"
 
 

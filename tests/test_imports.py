@@ -14,7 +14,8 @@ from pathlib import Path
 
 import networkx as nx
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
 ROOTS = {"longstraw": REPO / "longstraw", "longstraw.passes": REPO / "passes", "longstraw.models": REPO / "models"}
 
 

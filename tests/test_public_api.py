@@ -5,11 +5,11 @@ the package needs, so it must be public (documented and kept stable)."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
 CLIENTS = ("passes", "models", "benchmarks", "examples")
 
 

@@ -149,7 +149,7 @@ def _grouped_mm_fallback_unless_bf16() -> Callable:
     """HF picks torch's grouped_mm kernel on CPU and CUDA in every dtype; the
     CPU kernel refuses float64 and torch's own checks of the CUDA kernel
     (its meta function) accept bf16 only. Other dtypes run HF's fallback,
-    one matmul per expert (what tests/test_moe.py does for float64).
+    one matmul per expert (what tests/models/test_moe.py does for float64).
     Returns HF's own choice, to put back."""
     can_use = moe_integration._can_use_grouped_mm
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -12,19 +13,25 @@ from torch import fx
 from longstraw.analysis.partition import Partition
 from longstraw.codegen.stages import Stage
 from longstraw.codegen.stepgraph import StepGraph
+from longstraw.errors import LongStrawError
 from longstraw.options import Options
 from longstraw.parallel.collectives import replicate_from_first, summed_carry_grads, summed_over_ranks
 from longstraw.parallel.ranks import Ranks, posting_failures
-from longstraw.runtime.call_state import CallState, GroupCall, KeptChunk
+from longstraw.runtime.call_state import BranchTurn, CallState, Group, GroupCall, KeptChunk, RngState
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext
+from longstraw.runtime.schedule import Chunk, ChunkSchedule
 
 
-class BackwardPass:
+class BackwardPass(abc.ABC):
     """The backward half of `GroupRunner`: per group, last to first, the
     kept branch graphs differentiated or the branches replayed with autograd,
     then in exact mode the prompt's reverse pass (kept chunk graphs
-    differentiated, else each chunk recomputed), seeded with d(state)."""
+    differentiated, else each chunk recomputed), seeded with d(state).
+
+    It runs the forward half's own steps again, so what it reads of
+    `GroupRunner` is declared here: the attributes below and the abstract
+    methods at the end of the class."""
 
     part: Partition
     options: Options
@@ -186,6 +193,51 @@ class BackwardPass:
         with noting(f"{where}; no .grad was changed"), torch.enable_grad():
             with rng.restored() if rng is not None else contextlib.nullcontext():
                 yield
+
+    # What the forward half provides (`GroupRunner`), the backward runs again.
+
+    @abc.abstractmethod
+    def replay_module(self, which: str) -> torch.nn.Module:
+        """The "prefix" or "branch" step as it runs under autograd."""
+
+    @abc.abstractmethod
+    def schedule(self, prefix_len: int) -> ChunkSchedule:
+        """The prompt's chunks."""
+
+    @abc.abstractmethod
+    def _chunks(self, schedule: ChunkSchedule) -> tuple[Chunk, ...]:
+        """The chunks of `schedule` this runner runs."""
+
+    @abc.abstractmethod
+    def _rounds(self, schedule: ChunkSchedule, chunks: tuple[Chunk, ...]) -> tuple[list[ChunkRound], list[Chunk]]:
+        """Context parallelism's rounds of `chunks`, and the chunks after them."""
+
+    @abc.abstractmethod
+    def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
+        """`chunks`, with the progress bar `options.progress` asks for."""
+
+    @abc.abstractmethod
+    def _step_inputs(
+        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int,
+        handed: dict[Any, torch.Tensor] | None = None,
+    ) -> list[Any]:
+        """The arguments of `step` for `row` over positions `[offset, offset + length)`."""
+
+    @abc.abstractmethod
+    def _capture(
+        self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
+        rng: dict[tuple[str, int], RngState], device: torch.device, real: bool, stage: Stage | None = None,
+        again: bool = False, graph: list[KeptChunk] | None = None,
+    ) -> PromptState:
+        """The group's prompt state, captured chunk by chunk (`again`: in backward, for a group not kept)."""
+
+    @abc.abstractmethod
+    def _branch_turns(self, state: PromptState, group: Group, branch_len: int) -> list[BranchTurn]:
+        """The group's branch steps this rank runs."""
+
+    @abc.abstractmethod
+    def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
+        """Raise a check's failure (on every rank at once under context parallelism)."""
 
     @staticmethod
     def _accumulate(leaves: list[torch.Tensor], outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None]) -> None:

@@ -1,6 +1,6 @@
 """The HF causal-LM families LongStraw claims, and the ones it refuses.
 
-One registry drives the differential suite (`test_families.py`) and the
+One registry drives the differential suite (`tests/models/test_families.py`) and the
 README's "supported and refused" table (`python tests/helpers/families.py` rewrites
 it; `test_readme_table_is_generated_from_the_registry` keeps them in step).
 A family is either supported, proven by float64 parity against eager in both
@@ -57,7 +57,7 @@ _NO_SDPA = "HF forbids SDPA for it (`_supports_sdpa = False`) and LongStraw clai
 _OWN_LOOP = ("Its own experts loop (token-dependent shapes) is a graph break that HF's `set_experts_implementation` "
              "does not replace; no fix yet.")
 _ISSUE_MOE = ("HF's eager experts loop is a graph break (token-dependent shapes); HF's default `grouped_mm` "
-              "(one per-position operator) and `batched_mm` compile (Qwen3-MoE: `tests/test_moe.py`).")
+              "(one per-position operator) and `batched_mm` compile (Qwen3-MoE: `tests/models/test_moe.py`).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ SUPPORTED = [
     Family("gpt2", _hf(T.GPT2Config, _GPT_SHAPES, n_positions=256, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
                        bos_token_id=0, eos_token_id=0), note="Conv1D (`addmm` over `[B*T, C]`)"),
     Family("deepseek_v3", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=2), detached=_latent_detached,
-           note="MLA, dense layers; state: the normed KV latent and the rope key (absorbed attention, `tests/test_mla.py`)"),
+           note="MLA, dense layers; state: the normed KV latent and the rope key (absorbed attention, `tests/passes/test_mla.py`)"),
     Family("qwen3_5", qwen3_5.tiny_config, bind=qwen3_5.bound, detached=_hybrid_detached,
            note="Gated DeltaNet + gated attention; compiles as is, no binding step"),
     Family("starcoder2", _hf(T.Starcoder2Config)),
@@ -198,7 +198,7 @@ SUPPORTED = [
     Family("bitnet", _hf(T.BitNetConfig)),
     Family("ministral", _hf(T.MinistralConfig)),
     Family("qwen3_moe", _hf(T.Qwen3MoeConfig, **_MOE), experts="batched_mm",
-           note="MoE, softmax top-k router, HF's `batched_mm` experts (`grouped_mm`: `tests/test_moe.py`)"),
+           note="MoE, softmax top-k router, HF's `batched_mm` experts (`grouped_mm`: `tests/models/test_moe.py`)"),
     Family("mixtral", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2), experts="batched_mm",
            note="MoE, HF's `batched_mm` experts"),
     Family("qwen3_next", _hf(T.Qwen3NextConfig, **_MOE, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -214,7 +214,7 @@ SUPPORTED = [
            note="Qwen3.5 / 3.6 MoE: Gated DeltaNet + gated attention + MoE with a shared expert; binds as Qwen3.5"),
     Family("glm_moe_dsa", _hf(T.GlmMoeDsaConfig, _DSA), experts="batched_mm", detached=_latent_detached,
            note="GLM-5: MLA + DSA indexer (top-k of 8 positions) + MoE; state: latent, rope key, index key "
-                "(`passes/sparse_index.py`, `tests/test_dsa.py`)"),
+                "(`passes/sparse_index.py`, `tests/passes/test_sparse_index.py`)"),
     Family("deepseek_v3 (MoE layers)", _hf(T.DeepseekV3Config, _MLA, first_k_dense_replace=1), experts="batched_mm",
            detached=_latent_detached, note="MLA + MoE: group-limited sigmoid router (a `scatter` marks the chosen groups), shared experts"),
     Family("deepseek_v2", _hf(T.DeepseekV2Config, _MLA, first_k_dense_replace=1, n_shared_experts=1),

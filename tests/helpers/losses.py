@@ -91,3 +91,27 @@ def per_group_prefix_loss(model, prompts, responses, advantages, mask):
     ids = torch.cat([prompts, responses], dim=1)
     logits = logits_of(model(input_ids=ids))[:, prompts.shape[1] - 1 : -1]
     return pg_tail(logits, responses, advantages, mask)
+
+
+def kl_tail(logits, ref_logits, responses, advantages, mask, beta=0.2):
+    """GRPO with the k3 KL estimator against a reference model's log-probs."""
+    logp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    ref = torch.log_softmax(ref_logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = -advantages[:, None] * torch.exp(logp - logp.detach()) + beta * kl
+    return (per_token * mask).sum() / mask.sum()
+
+
+def sequences(prompt, responses):
+    return torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+
+
+def kl_to_reference_loss(reference):
+    def loss_fn(model, prompt, responses, advantages, mask):
+        p = prompt.shape[0]
+        logits = logits_of(model(input_ids=sequences(prompt, responses)))[:, p - 1 : -1]
+        with torch.no_grad():
+            ref_logits = logits_of(reference(input_ids=sequences(prompt, responses)))[:, p - 1 : -1]
+        return kl_tail(logits, ref_logits, responses, advantages, mask)
+
+    return loss_fn

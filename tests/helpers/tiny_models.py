@@ -9,10 +9,10 @@ import torch
 import transformers
 from torch import nn
 
+from helpers.families import _MLA
+from helpers.plain_transformer import make_plain
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
-
-from helpers.plain_transformer import make_plain
 
 VOCAB = 64
 
@@ -124,3 +124,43 @@ def make_qwen3_5(seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny float64 Qwen3.5 hybrid (`qwen3_5.tiny_config` with `overrides`)."""
     torch.manual_seed(seed)
     return transformers.Qwen3_5ForCausalLM(qwen3_5.tiny_config(**overrides)).double()
+
+
+def make_deepseek_v3(experts: bool = False, seed: int = 0, **overrides) -> nn.Module:
+    """Tiny DeepSeek-V3 in float64: two dense layers, or one dense and one MoE
+    layer (HF's `batched_mm` experts: the eager loop is a graph break)."""
+    config = transformers.DeepseekV3Config(**{**_MLA, "first_k_dense_replace": 1 if experts else 2, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if experts:
+        model.set_experts_implementation("batched_mm")
+    return model.double().eval()
+
+
+GLM5 = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=12, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+    moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, index_head_dim=8, index_n_heads=8,
+    index_topk=8, max_position_embeddings=256, initializer_range=0.2,
+)
+
+
+def make_glm5(experts: bool = True, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Tiny GLM-5 in float64: a dense and a MoE layer (HF's `batched_mm`
+    experts: the eager loop is a graph break), or two dense layers."""
+    layers = ["dense", "sparse"] if experts else ["dense", "dense"]
+    config = transformers.GlmMoeDsaConfig(**{**GLM5, "mlp_layer_types": layers, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if experts:
+        model.set_experts_implementation("batched_mm")
+    return model.double().eval()
+
+
+def make_mistral(window: int, layers: int = 2) -> torch.nn.Module:
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).double()
