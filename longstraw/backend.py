@@ -27,8 +27,8 @@ import torch.fx as fx
 
 from longstraw.analysis.partition import Partition
 from longstraw.analysis.slots import SlotKind
+from longstraw.codegen.graphs import StepGraph
 from longstraw.codegen.program import StepProgram
-from longstraw.codegen.stepgraph import StepGraph
 from longstraw.errors import LongStrawError, UnsupportedGraphError, module_path, name_arguments
 from longstraw.options import Options
 from longstraw.pass_registry import active_passes

@@ -32,9 +32,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.analysis.dim_types import Restriction
+from longstraw.analysis.partition import Partition
 from longstraw.errors import LongStrawError
 from longstraw.nodes import is_call, is_random, is_side_effect, tensor_of
-from longstraw.analysis.partition import Partition
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from longstraw.nodes import ancestors, is_random
 from longstraw.analysis.partition import Partition
+from longstraw.codegen.graphs import StepGraph, build_outer, build_tail
 from longstraw.codegen.stages import Stage, stages_of
-from longstraw.codegen.stepgraph import StepGraph, build_outer, build_tail
+from longstraw.nodes import ancestors, is_random
 
 
 @dataclasses.dataclass(frozen=True)

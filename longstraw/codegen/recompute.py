@@ -38,7 +38,6 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from longstraw.errors import clean_module_path
 from longstraw.nodes import is_grad_mode_switch
 
-
 _KEPT: dict[Callable[..., Any], torch._ops.OpOverload] = {}
 
 

@@ -22,10 +22,11 @@ import dataclasses
 
 import torch.fx as fx
 
-from longstraw.nodes import tensor_of
 from longstraw.analysis.partition import Partition
 from longstraw.analysis.slots import StateSlot
-from longstraw.codegen.stepgraph import StepGraph, build_step, needed_for, step_imports
+from longstraw.codegen.graphs import StepGraph, needed_for, step_imports
+from longstraw.codegen.stepgraph import build_step
+from longstraw.nodes import tensor_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,11 @@
-"""Code generation: the graphs the runtime executes.
+"""Code generation of the steps the runtime executes (the outer graph and
+the tail around them are `graphs.py`'s).
 
-- `outer`: computes, once per call and without autograd, the roots and the
-  data-only values the steps read;
-- `step` (prefix and branch kinds): the sequence part of the original
-  graph for one row and positions `[o, o+n)`, with claimed operators
-  replaced by their incremental versions and captured tensors written to
-  state; the branch kind continues through the branch nodes to the branch
-  outputs;
-- `tail`: the nodes after the branch outputs, run under autograd.
+A step (prefix and branch kinds) is the sequence part of the original
+graph for one row and positions `[o, o+n)`, with claimed operators
+replaced by their incremental versions and captured tensors written to
+state; the branch kind continues through the branch nodes to the branch
+outputs.
 
 With static shapes Dynamo bakes the group size and sequence length into
 arguments (`view(3, 17, -1, 8)`, `arange(17)`). The step rewrites exactly
@@ -24,126 +22,18 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from longstraw.errors import UnsupportedGraphError, describe_node
-from longstraw.codegen.head import HeadChunks, HeadRegion, head_region
-from longstraw.nodes import ancestors, arg, is_grad_mode_switch, op_name, size_args, tensor_of
 from longstraw.analysis.dims import DimAnalysis
-from longstraw.runtime.mask_block import MaskTiles
 from longstraw.analysis.partition import Partition
 from longstraw.analysis.slots import SlotKind, StateSlot
+from longstraw.codegen.graphs import GradModeReplay, StepGraph, generated_module, needed_for, step_imports
+from longstraw.codegen.head import HeadChunks, HeadRegion, head_region
+from longstraw.errors import UnsupportedGraphError, describe_node
+from longstraw.nodes import ancestors, arg, op_name, size_args, tensor_of
+from longstraw.runtime.mask_block import MaskTiles
 from longstraw.runtime.prompt_state import write_state
 
 _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGraph:
-    """A generated graph and the original nodes its inputs stand for."""
-
-    module: fx.GraphModule
-    externals: list[fx.Node]  # placeholder i of `module` (after ctx) is externals[i]
-    head: HeadRegion | None = None  # the region run chunk by chunk (`head.py`), if any
-
-
-def needed_for(outputs: list[fx.Node], stop: set[fx.Node], positional: set[fx.Node] = frozenset()) -> set[fx.Node]:
-    """Ancestors of `outputs`, not looking past `stop`. Nodes in `positional` are emitted as query x key
-    blocks, not as themselves: only the inputs they read from outside are needed."""
-    needed: set[fx.Node] = set()
-    visited: set[fx.Node] = set()
-    stack = list(outputs)
-    while stack:
-        n = stack.pop()
-        if n in visited:
-            continue
-        visited.add(n)
-        if n not in positional:
-            needed.add(n)
-        if n in stop:
-            continue
-        stack.extend(n.all_input_nodes)
-    return needed
-
-
-class _GradMode:
-    """Replays the graph's `_set_grad_enabled` regions in a generated graph,
-    emitting a switch only where an emitted node needs another mode than
-    the last one. Modes are and-ed with the mode at entry, so a region that
-    re-enables grad (HF's rotary embedding does) cannot turn autograd on
-    inside a no-grad capture."""
-
-    def __init__(self, graph: fx.Graph) -> None:
-        self.graph = graph
-        self.ambient = graph.call_function(torch.is_grad_enabled)
-        self.wanted = self.emitted = True
-
-    def track(self, node: fx.Node) -> bool:
-        """Record a switch of the original graph; True if `node` is one."""
-        if is_grad_mode_switch(node):
-            self.wanted = bool(node.args[0])
-            return True
-        return False
-
-    def sync(self) -> None:
-        if self.wanted != self.emitted:
-            flag = self.graph.call_function(operator.and_, (self.wanted, self.ambient))
-            self.graph.call_function(torch._C._set_grad_enabled, (flag,))
-            self.emitted = self.wanted
-
-    def restore(self) -> None:
-        self.wanted = True
-        self.sync()
-
-
-def _module(graph: fx.Graph, name: str, root: torch.nn.Module | None = None) -> fx.GraphModule:
-    graph.lint()
-    return fx.GraphModule(torch.nn.Module() if root is None else root, graph, class_name=name)
-
-
-def build_outer(part: Partition) -> StepGraph:
-    """Roots and data values the steps import, from the original placeholders."""
-    imports = step_imports(part)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
-    needed = needed_for(imports, set(part.placeholders))
-    for node in part.graph.nodes:
-        if node in needed and node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in imports))
-    return StepGraph(_module(graph, "LongStrawOuter"), list(part.placeholders))
-
-
-def step_imports(part: Partition) -> list[fx.Node]:
-    """Values computed once per call by the outer graph: roots, and data-only
-    nodes read by sequence or branch nodes."""
-    roots = [r.node for r in part.roots]
-    used: dict[fx.Node, None] = {r: None for r in roots}
-    for node in part.graph.nodes:
-        if node in part.sequence or node in part.branch:
-            if node in roots:
-                continue
-            for a in node.all_input_nodes:
-                if a in part.outer_data:
-                    used[a] = None
-    return list(used)
-
-
-def build_tail(part: Partition) -> StepGraph:
-    """The original graph after the branch outputs: `tail(*placeholders, *branch_outputs)`."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
-    for out in part.branch_outputs:
-        env[out] = graph.placeholder(f"branch_{out.name}")
-    output = next(iter(part.graph.find_nodes(op="output")))
-    needed = needed_for([output], set(env))
-    grad_mode = _GradMode(graph)
-    for node in part.graph.nodes:
-        if grad_mode.track(node) or node in env or node not in needed:
-            continue
-        grad_mode.sync()
-        env[node] = graph.node_copy(node, lambda a: env[a])
-    grad_mode.restore()
-    return StepGraph(_module(graph, "LongStrawTail"), list(part.placeholders) + part.branch_outputs)
 
 
 @dataclasses.dataclass
@@ -425,7 +315,7 @@ class _StepBuilder:
                 f"{describe_node(node)}: its key padding mask reaches the mask as more than one vector, or not "
                 "with the keys as its last dimension; LongStraw supports HF's `causal & attention_mask[batch, key]`"
             )
-        self.root.add_module(name, MaskTiles(_module(tile, "LongStrawMaskTile"), padding[0] if padding else None))
+        self.root.add_module(name, MaskTiles(generated_module(tile, "LongStrawMaskTile"), padding[0] if padding else None))
         block = self.graph.call_module(name, (self.offset, self.length, *(full_env[v] for v in inputs)))
         self.blocks[node] = block
         return block
@@ -463,7 +353,7 @@ class _StepBuilder:
             self.env[n] = self.graph.placeholder(n.name)
         self.offset = self.graph.call_function(getattr, (self.ctx, "offset"))
         self.length = self.graph.call_function(getattr, (self.ctx, "length"))
-        grad_mode = _GradMode(self.graph)
+        grad_mode = GradModeReplay(self.graph)
         ranges = {part.token: (self.offset, self.length)}
         if read is not None:
             ranges[read] = tuple(self.graph.call_function(getattr, (self.ctx, a)) for a in ("head_start", "head_length"))
@@ -485,7 +375,7 @@ class _StepBuilder:
         else:
             results = [self.env[o] for o in outputs]
         self.graph.output(tuple(results))
-        module = _module(self.graph, f"LongStraw{self.kind.title()}Step", self.root)
+        module = generated_module(self.graph, f"LongStraw{self.kind.title()}Step", self.root)
         module.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
         module.recompile()
         return StepGraph(module, externals, region)

@@ -32,24 +32,24 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from longstraw.runtime.carry import shape_only_spans
-from longstraw.planning.depth import Depth, depth_of, without_middle
-from longstraw.nodes import tensor_of
-from longstraw.parallel.ranks import SimulatedRanks
-from longstraw.options import Options
 from longstraw.analysis.partition import Partition
+from longstraw.codegen.graphs import StepGraph
 from longstraw.codegen.program import StepProgram
+from longstraw.nodes import tensor_of
+from longstraw.options import Options
+from longstraw.parallel.ranks import SimulatedRanks
+from longstraw.planning.depth import Depth, depth_of, without_middle
 from longstraw.runtime.call_state import Group
-from longstraw.runtime.runner import GroupRunner
+from longstraw.runtime.carry import shape_only_spans
 from longstraw.runtime.phases import around_steps, phase_of
+from longstraw.runtime.runner import GroupRunner
 from longstraw.runtime.schedule import ChunkSchedule
-from longstraw.codegen.stepgraph import StepGraph
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 from torch import fx
 
 from longstraw.analysis.partition import Partition
+from longstraw.codegen.graphs import StepGraph
 from longstraw.codegen.stages import Stage
-from longstraw.codegen.stepgraph import StepGraph
 from longstraw.errors import LongStrawError
 from longstraw.options import Options
 from longstraw.parallel.collectives import replicate_from_first, summed_carry_grads, summed_over_ranks

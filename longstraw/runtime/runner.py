@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from longstraw.codegen.graphs import StepGraph, step_imports
 from longstraw.codegen.program import StepProgram
 from longstraw.codegen.recompute import LayerwiseStep
 from longstraw.codegen.stages import Stage
-from longstraw.codegen.stepgraph import StepGraph, step_imports
 from longstraw.errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, module_path
 from longstraw.nodes import ancestors
 from longstraw.options import Options

@@ -15,7 +15,8 @@ from longstraw.nodes import is_sdpa, op_name
 from longstraw.analysis.partition import classify, with_state
 from longstraw.passes import DEFAULT_PASSES
 from longstraw.trace.specialize import specialize
-from longstraw.codegen.stepgraph import build_outer, build_step, build_tail
+from longstraw.codegen.graphs import build_outer, build_tail
+from longstraw.codegen.stepgraph import build_step
 
 G, P, R, C, HEADS, DIM, VOCAB = 3, 10, 4, 8, 2, 4, 16
 

@@ -347,7 +347,7 @@ def test_the_key_mask_is_found_in_hf_mask():
     and `attention_mask[batch, key]`, broadcast over queries, one for every
     layer, read from the two mask inputs and imported by the steps."""
     from longstraw.errors import argument_name
-    from longstraw.codegen.stepgraph import step_imports
+    from longstraw.codegen.graphs import step_imports
 
     backend = longstraw.Backend(prefix_chunk_size=8)
     compiled_loss_and_grads(compile_loss(trl_grpo_loss, backend), make_qwen3(), *padded_group(2, 10, 4, 2))
