@@ -45,6 +45,11 @@ BINDINGS = {
         "transformers.models.bamba.modeling_bamba",
         "transformers.models.zamba2.modeling_zamba2",
     )},
+    **{name: "longstraw.models.mamba" for name in (
+        "transformers.models.mamba.modeling_mamba",
+        "transformers.models.falcon_mamba.modeling_falcon_mamba",
+        "transformers.models.jamba.modeling_jamba",
+    )},
     "transformers.models.gpt_oss.modeling_gpt_oss": "longstraw.models.sinks",
     "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash": "longstraw.models.sinks",
     "transformers.utils.logging": "longstraw.models.hf_logging",

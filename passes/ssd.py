@@ -8,7 +8,9 @@ folded into `x` and `A` and `B`, `C` are repeated to the heads as
 transformers does, so Dynamo records one node per layer instead of the
 chunked einsums and cumulative sums, and `SSDPass` runs it chunk by chunk:
 the state carried between position ranges is `[heads, head_dim, state]`
-in float32.
+in float32 (float64 for float64 inputs). Mamba-1's selective scan
+(`longstraw.models.mamba`) runs as the same operator, each channel and
+state dimension a head of size 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from longstraw.runtime.carry import CarryKernel, recompute_grads
-from longstraw.runtime.kernels.ssd import ssd_scan_reference
+from longstraw.runtime.kernels.ssd import scan_dtype, ssd_scan_reference
 from longstraw.nodes import arg
 
 from .base import CarryPass, DimRules
@@ -33,8 +35,8 @@ def ssd_scan(
 @ssd_scan.register_fake
 def _(x, dA, B, C, initial_state):
     batch, length, heads, dim = x.shape
-    return x.new_empty(batch, length, heads, dim, dtype=torch.float32), \
-        x.new_empty(batch, heads, dim, B.shape[-1], dtype=torch.float32)
+    return x.new_empty(batch, length, heads, dim, dtype=scan_dtype(x)), \
+        x.new_empty(batch, heads, dim, B.shape[-1], dtype=scan_dtype(x))
 
 
 def _setup(ctx, inputs, output):
@@ -51,7 +53,7 @@ ssd_scan.register_autograd(_backward, setup_context=_setup)
 
 
 class SSDPass(CarryPass):
-    """The state `[heads, head_dim, state]` (float32) is the carry."""
+    """The state `[heads, head_dim, state]` (float32, or float64) is the carry."""
 
     name = "ssd"
     op = torch.ops.longstraw.ssd_scan.default

@@ -37,6 +37,8 @@ _MLA = dict(
     _NO_HEAD_DIM, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
     v_head_dim=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
 )
+_MAMBA1 = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+               time_step_rank=4, initializer_range=0.2)
 _DSA = dict(_MLA, q_lora_rank=12, index_head_dim=8, index_n_heads=8, index_topk=8, mlp_layer_types=["dense", "sparse"])
 
 MAMBA_TOL = 5e-5
@@ -113,6 +115,15 @@ def _hybrid_detached(loss_fn, model, prompt, responses, advantages, mask):
     from helpers.reference import hybrid_detached_reference
 
     return hybrid_detached_reference(model, prompt, responses, advantages, mask)
+
+
+def _selective_scan_detached(loss_fn, model, prompt, responses, advantages, mask):
+    """HF's Mamba-1 cache starts a multi-token continuation from a zero state:
+    the reference holds the state at the prompt's end constant in the
+    mixer's own functions instead."""
+    from helpers.reference import detached_at_selective_scan
+
+    return detached_at_selective_scan(loss_fn, model, prompt, responses, advantages, mask)
 
 
 def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
@@ -224,6 +235,18 @@ SUPPORTED = [
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
                          chunk_size=4), attn_implementation="eager", detached=_hybrid_detached, tol=MAMBA_TOL,
            note="No attention: the SSD scan and its convolution are the state (`longstraw.models.mamba2`)"),
+    Family("mamba", _hf(T.MambaConfig, _MAMBA1), attn_implementation="eager", detached=_selective_scan_detached,
+           tol=MAMBA_TOL,
+           note="Mamba-1: the selective scan (as the SSD scan, a head per channel and state) and its convolution "
+                "are the state (`longstraw.models.mamba`)"),
+    Family("falcon_mamba", _hf(T.FalconMambaConfig, _MAMBA1), attn_implementation="eager",
+           detached=_selective_scan_detached, tol=MAMBA_TOL,
+           note="Mamba-1 with RMS-normed B, C and dt, as mamba"),
+    Family("jamba", _hf(T.JambaConfig, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                        mamba_dt_rank=4, use_mamba_kernels=False),
+           experts="batched_mm", detached=_selective_scan_detached, tol=MAMBA_TOL,
+           note="Mamba-1 + attention layers, MoE every other layer"),
     Family("nemotron_h", _hf(T.NemotronHConfig, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
                              ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=4,
                              moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_mamba_kernels=False),

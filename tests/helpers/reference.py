@@ -161,6 +161,58 @@ def detached_at_eager_attention(loss_fn, model, prompt, responses, advantages, m
         return eager_loss_and_grads(loss_fn, model, prompt, responses, advantages, mask)
 
 
+@contextlib.contextmanager
+def selective_scan_state_detached(module, prompt_len: int) -> Iterator[None]:
+    """The detached contract for a Mamba-1 mixer (`module`: its HF modeling
+    module): the state at position P-2 is a constant for the positions after
+    it, both the scan's (its recurrence written out, a position at a time,
+    the state detached there) and the convolution's (each later output reads
+    the inputs at positions 0..P-2 detached)."""
+    conv, cut = module.causal_conv1d_fn, prompt_len - 1
+
+    def detached_conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        out = conv(hidden_states, weight, bias, activation)
+        cut_inputs = torch.cat([hidden_states[..., :cut].detach(), hidden_states[..., cut:]], dim=-1)
+        return torch.cat([out[..., :cut], conv(cut_inputs, weight, bias, activation)[..., cut:]], dim=-1)
+
+    def detached_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                      return_last_state=False, **kwargs):
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = torch.nn.functional.softplus(dt)
+        compute = torch.promote_types(torch.promote_types(hidden_states.dtype, torch.float32), dt.dtype)
+        u, dt, A, B, C = (t.to(compute) for t in (hidden_states, dt, A, B, C))
+        state = u.new_zeros(u.shape[0], u.shape[1], A.shape[-1])  # [b, d, n]
+        outs = []
+        for t in range(u.shape[-1]):
+            if t == cut:
+                state = state.detach()
+            state = torch.exp(A * dt[:, :, t, None]) * state + (dt[:, :, t] * u[:, :, t])[..., None] * B[:, None, :, t]
+            outs.append((state * C[:, None, :, t]).sum(-1))
+        out = torch.stack(outs, dim=-1)
+        if D is not None:
+            out = out + hidden_states * D[None, :, None]
+        if z is not None:
+            out = out * torch.nn.functional.silu(z)
+        return (out, state) if return_last_state else out
+
+    scan = module.mamba_selective_scan
+    module.causal_conv1d_fn, module.mamba_selective_scan = detached_conv, detached_scan
+    try:
+        yield
+    finally:
+        module.causal_conv1d_fn, module.mamba_selective_scan = conv, scan
+
+
+def detached_at_selective_scan(loss_fn, model, prompt, responses, advantages, mask):
+    """Detached-mode reference for a model of Mamba-1 mixers (and SDPA
+    attention layers, Jamba): the state at the prompt's end constant in both."""
+    module = sys.modules[type(model).__module__]
+    with selective_scan_state_detached(module, prompt.shape[0]), prompt_state_detached(prompt.shape[0]):
+        return eager_loss_and_grads(loss_fn, model, prompt, responses, advantages, mask)
+
+
 def detached_at_attention(loss_fn, model, prompt, responses, advantages, mask):
     """Detached-mode reference for any loss over an SDPA model: the eager
     loss with the prompt's keys and values (positions 0..P-2) constants."""

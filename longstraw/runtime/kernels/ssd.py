@@ -11,7 +11,8 @@ C and B (the "attention" form), plus the carried state's contribution,
 and the state after the chunk is the decayed state plus the chunk's own
 sum. Every chunk is exact, so any split of the positions gives the same
 result from the state it hands over (what `CarryStep` needs). Computed in
-float32, as transformers' own torch path does.
+float32, as transformers' own torch paths do, or in float64 when the
+inputs are (`scan_dtype`).
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ CHUNK = 64
 """Positions per chunk: the intra-chunk products are `[CHUNK, CHUNK]` per head."""
 
 
+def scan_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for float64 inputs: what HF's scans compute in."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def ssd_scan_reference(
     x: torch.Tensor, dA: torch.Tensor, B: torch.Tensor, C: torch.Tensor, initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [b, L, h, p] (times dt); dA: [b, L, h] (A times dt, at most 0);
     B, C: [b, L, h, n] (per head); initial_state: [b, h, p, n] or None (zeros).
-    Returns y [b, L, h, p] and the state after the last position, in float32."""
-    x, dA, B, C = (t.float() for t in (x, dA, B, C))
+    Returns y [b, L, h, p] and the state after the last position, in `scan_dtype(x)`."""
+    compute = scan_dtype(x)
+    x, dA, B, C = (t.to(compute) for t in (x, dA, B, C))
     batch, length, heads, dim = x.shape
-    state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.float()
+    state = x.new_zeros(batch, heads, dim, B.shape[-1]) if initial_state is None else initial_state.to(compute)
     outputs = []
     for start in range(0, length, CHUNK):
         xs, a, bs, cs = (t[:, start:start + CHUNK] for t in (x, dA, B, C))
