@@ -4,7 +4,9 @@ Some HF layers compute a position-mixing operator in plain Python (Qwen3.5's
 Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
 graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
-`longstraw.models.moe` traces HF's grouped_mm experts as one per-position
+`longstraw.models.mamba2` and `longstraw.models.mamba` route Mamba-2's and
+Mamba-1's scans to `longstraw::ssd_scan`; `longstraw.models.moe` traces
+HF's grouped_mm experts as one per-position
 operator; `longstraw.models.sinks` traces gpt-oss's and MiMo-V2-Flash's
 eager attention with learned sinks as one operator;
 `longstraw.models.hf_logging` makes HF's once-only logging calls
