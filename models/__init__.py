@@ -5,7 +5,8 @@ Gated DeltaNet loops over 64-token chunks), which Dynamo would unroll into a
 graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
 `longstraw.models.mamba2` and `longstraw.models.mamba` route Mamba-2's and
-Mamba-1's scans to `longstraw::ssd_scan`; `longstraw.models.moe` traces
+Mamba-1's scans to `longstraw::ssd_scan`, `longstraw.models.kimi_linear`
+Kimi Delta Attention to `longstraw::kimi_delta_rule`; `longstraw.models.moe` traces
 HF's grouped_mm experts as one per-position
 operator; `longstraw.models.sinks` traces gpt-oss's and MiMo-V2-Flash's
 eager attention with learned sinks as one operator;
@@ -52,6 +53,7 @@ BINDINGS = {
         "transformers.models.falcon_mamba.modeling_falcon_mamba",
         "transformers.models.jamba.modeling_jamba",
     )},
+    "transformers.models.kimi_linear.modeling_kimi_linear": "longstraw.models.kimi_linear",
     "transformers.models.gpt_oss.modeling_gpt_oss": "longstraw.models.sinks",
     "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash": "longstraw.models.sinks",
     "transformers.utils.logging": "longstraw.models.hf_logging",

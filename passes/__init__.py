@@ -14,6 +14,7 @@ from .attention import CausalAttentionPass
 from .base import ArchitecturePass, CarryPass, DimRules, SiteState
 from .causal_conv import CausalConvPass
 from .gated_delta import GatedDeltaPass
+from .kimi_delta import KimiDeltaPass
 from .mla import LatentAttentionPass
 from .sinks import SinkAttentionPass, SlidingSinkAttentionPass
 from .sliding_window import SlidingWindowAttentionPass
@@ -22,7 +23,7 @@ from .ssd import SSDPass
 
 DEFAULT_PASSES: tuple[ArchitecturePass, ...] = (
     CausalAttentionPass(), SlidingWindowAttentionPass(), LatentAttentionPass(), SparseLatentAttentionPass(),
-    GatedDeltaPass(), CausalConvPass(), SSDPass(), SinkAttentionPass(), SlidingSinkAttentionPass(),
+    GatedDeltaPass(), KimiDeltaPass(), CausalConvPass(), SSDPass(), SinkAttentionPass(), SlidingSinkAttentionPass(),
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_PASSES",
     "DimRules",
     "GatedDeltaPass",
+    "KimiDeltaPass",
     "LatentAttentionPass",
     "SinkAttentionPass",
     "SiteState",

@@ -126,6 +126,24 @@ def _selective_scan_detached(loss_fn, model, prompt, responses, advantages, mask
     return detached_at_selective_scan(loss_fn, model, prompt, responses, advantages, mask)
 
 
+def _kimi_detached(loss_fn, model, prompt, responses, advantages, mask):
+    """HF's cache path (MLA's latent and the rule's state constant), its KDA
+    given a copy of the cached state: HF writes the new state into the
+    cached tensor in place, which its own autograd graph still reads."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+
+    rule = hf.chunk_kimi_delta_attention
+
+    def on_a_copy(*args, initial_state=None, **kwargs):
+        return rule(*args, initial_state=None if initial_state is None else initial_state.clone(), **kwargs)
+
+    hf.chunk_kimi_delta_attention = on_a_copy
+    try:
+        return _hybrid_detached(loss_fn, model, prompt, responses, advantages, mask)
+    finally:
+        hf.chunk_kimi_delta_attention = rule
+
+
 def _latent_detached(loss_fn, model, prompt, responses, advantages, mask):
     """MLA's state is the latent and the rope key (`passes/mla.py`): the
     detached contract holds those constant, which is HF's cache path
@@ -247,6 +265,14 @@ SUPPORTED = [
                         mamba_dt_rank=4, use_mamba_kernels=False),
            experts="batched_mm", detached=_selective_scan_detached, tol=MAMBA_TOL,
            note="Mamba-1 + attention layers, MoE every other layer"),
+    Family("kimi_linear", _hf(T.KimiLinearConfig, _NO_HEAD_DIM, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                              qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
+                              num_experts=4, num_experts_per_tok=2, linear_head_dim=8, linear_num_heads=4,
+                              layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           experts="batched_mm", detached=_kimi_detached, tol=MAMBA_TOL,
+           note="Kimi Delta Attention (a decay per key channel: `longstraw::kimi_delta_rule`, "
+                "`longstraw.models.kimi_linear`) + MLA layers (the latent and rope key) + MoE"),
     Family("nemotron_h", _hf(T.NemotronHConfig, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
                              ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=4,
                              moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_mamba_kernels=False),
