@@ -37,6 +37,7 @@ BINDINGS = {
     "transformers.models.qwen3_5.modeling_qwen3_5": "longstraw.models.qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe": "longstraw.models.qwen3_5",
     "transformers.models.qwen3_next.modeling_qwen3_next": "longstraw.models.qwen3_5",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid": "longstraw.models.qwen3_5",
     "transformers.integrations.moe": "longstraw.models.moe",
     "transformers.models.lfm2.modeling_lfm2": "longstraw.models.lfm2",
     "transformers.models.lfm2_moe.modeling_lfm2_moe": "longstraw.models.lfm2",

@@ -1,6 +1,6 @@
-"""Qwen3.5 / Qwen3.6, their MoE models and Qwen3-Next (transformers
-`qwen3_5`, `qwen3_5_moe`, `qwen3_next`): route the linear-attention layers
-to LongStraw's registered operators.
+"""Qwen3.5 / Qwen3.6, their MoE models, Qwen3-Next and OLMo Hybrid
+(transformers `qwen3_5`, `qwen3_5_moe`, `qwen3_next`, `olmo_hybrid`): route
+the linear-attention layers to LongStraw's registered operators.
 
 HF's Gated DeltaNet layer calls two module-level functions: a causal
 depthwise convolution and a chunked gated delta rule written as a Python
@@ -37,6 +37,7 @@ _MODULES = (
     "transformers.models.qwen3_5.modeling_qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "transformers.models.qwen3_next.modeling_qwen3_next",
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
 )
 """HF modeling modules whose Gated DeltaNet layer calls these two functions by these names."""
 
