@@ -27,6 +27,7 @@ BROADCAST = {
     "add", "sub", "mul", "truediv", "div", "floordiv", "mod", "remainder", "maximum", "minimum",
     "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "logical_and", "logical_or",
     "where", "masked_fill", "atan2", "lerp", "addcmul", "addcdiv", "rsub", "iadd", "imul", "polar",
+    "multiply", "subtract", "divide", "true_divide",  # torch's aliases of mul, sub and div
 }
 
 

@@ -270,6 +270,12 @@ SUPPORTED = [
                               linear_value_head_dim=8),
            bind=qwen3_5.bound, detached=_hybrid_detached,
            note="OLMo Hybrid: Gated DeltaNet + attention layers; binds as Qwen3.5"),
+    Family("gemma3n", _hf(T.Gemma3nTextConfig, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=4,
+                          layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4, altup_num_inputs=2,
+                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+                          activation_sparsity_pattern=[0.0] * 4),
+           note="Gemma 3n text: AltUp, LAuReL, per-layer inputs, the last layers reusing earlier layers' K/V; "
+                "eval mode (in train mode HF clamps AltUp's coefficients in place)"),
     Family("kimi_linear", _hf(T.KimiLinearConfig, _NO_HEAD_DIM, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
                               qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
                               num_experts=4, num_experts_per_tok=2, linear_head_dim=8, linear_num_heads=4,
