@@ -357,6 +357,11 @@ REFUSED = [
            fix=Fix(loss=_arange_positions_loss),
            note="Without position ids it numbers positions with a `cumsum` over the sequence, which no pass claims: "
                 "pass `position_ids`."),
+    Family("minimax", _hf(T.MiniMaxConfig, num_local_experts=4, num_experts_per_tok=2,
+                          layer_types=["full_attention", "linear_attention"]), experts="batched_mm",
+           refused=r"`MiniMaxLightningAttention`: MiniMax's lightning attention.*no pass runs from a carried state",
+           note="Lightning attention (linear attention as block matrix products with a decay per head) has no pass: "
+                "no fix yet."),
     Family("llama4_text", _hf(T.Llama4TextConfig, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48,
                               interleave_moe_layer_step=1, attention_chunk_size=8),
            refused=r"operator `repeat` .* in module `model\.model\.layers\.0\.feed_forward` .* reduces or drops the sequence "
