@@ -263,3 +263,30 @@ def test_state_at_qwen3_5_moe_published_shape():
     conv_tail = (2 * key_dim + value_dim) * (config.linear_conv_kernel_dim - 1) * 2  # bf16
     assert report.state_bytes_per_position == full * 2 * config.num_key_value_heads * config.head_dim * 2 == 20_480
     assert report.state_fixed_bytes == linear * (recurrent + conv_tail) == 64_389_120
+
+
+@pytest.mark.slow
+def test_state_at_olmo_hybrid_7b():
+    """OLMo Hybrid at `OlmoHybridConfig`'s defaults (Olmo-Hybrid-7B: 32
+    layers, every fourth full attention), bf16, bound as Qwen3.5: K and V
+    of 8 attention layers (30 heads of 128) per position, 122,880 B; 24
+    Gated DeltaNet layers carry a 30 x 96 x 192 float32 state and the last
+    3 inputs of the q, k, v convolution (11,520 channels), 2,280,960 B each."""
+    config = transformers.OlmoHybridConfig()
+    with torch.device("meta"):
+        model = transformers.OlmoHybridForCausalLM(config).to(torch.bfloat16)
+    model.config.use_cache = False
+    prompt = torch.zeros(128, dtype=torch.long, device="meta")
+    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
+    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
+                               options={"prefix_chunk_size": 64})
+    full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
+    head_dim = config.hidden_size // config.num_attention_heads
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    conv = (config.linear_conv_kernel_dim - 1) * (2 * key_dim + value_dim) * 2
+    assert (full, linear) == (8, 24)
+    assert report.state_bytes_per_position == full * 2 * config.num_key_value_heads * head_dim * 2 == 122_880
+    assert report.state_fixed_bytes == linear * (recurrent + conv) == 54_743_040
