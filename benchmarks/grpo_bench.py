@@ -102,6 +102,9 @@ from grpo.parity import kernels, parity
 from grpo.results import print_table, provenance, report
 from grpo.sweep import capture_mfu, gdelta, speed, sweep
 
+FLOP_MODELS = ("dense", "hybrid", "glm5")
+"""The slices `FlopModel` counts (MFU is recorded for them only; capture and gdelta need it)."""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -159,7 +162,7 @@ def main() -> None:
         else:
             if model is None:
                 model = build_model(args.model, args.tiny, torch.bfloat16, device)
-                flops = FlopModel.of(model)
+                flops = FlopModel.of(model) if args.model in FLOP_MODELS else None  # the others: no MFU
             if part == "trace" and device.type == "cuda":
                 if clock.left() > 60:
                     result["trace"] = [peak_breakdown(model, args.model, m, args) for m in ("longstraw_detached", "longstraw_exact")]

@@ -5,7 +5,9 @@ The micro-batch is TRL's: 2 prompts x G = 8 completions, prompts left-padded
 `GRPOTrainer.compute_loss` (see peers/modes.py for what each mode runs).
 The model is grpo_bench's dense slice (4 layers at Qwen3-8B's shapes, bf16,
 random init) or, with `--model hybrid`, its Qwen3.5 hybrid slice (three
-Gated DeltaNet layers and one full attention layer), where prefix-grouper
+Gated DeltaNet layers and one full attention layer; `hybrid_moe` the same
+at Qwen3.5-MoE's shapes, `nemotron_h` Nemotron-H-8B's Mamba-2, MLP and
+attention layers: grpo/models.py), where prefix-grouper
 does not run: it packs a prompt's completions into one row, and a Gated
 DeltaNet layer would run each completion from the one before it. Per mode, P (the longer prompt) doubles from --p-min until the
 step runs out of memory, would exceed the time left, or reaches --p-max,
@@ -32,11 +34,15 @@ import transformers
 import trl
 
 from grpo.measure import GiB, Clock, describe, measure
-from grpo.models import build_model
+from grpo.models import RECURRENT_KINDS, build_model
 from grpo.results import provenance
 from grpo.sweep import sweep
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
+
+
+SLICES = {"dense": "dense 4-layer Qwen3-8B", "hybrid": "Qwen3.5 hybrid 4-layer", "hybrid_moe": "Qwen3.5-MoE 4-layer",
+          "nemotron_h": "Nemotron-H-8B 4-layer"}
 
 
 def table(result: dict) -> str:
@@ -76,7 +82,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    slice_ = "dense 4-layer Qwen3-8B" if result["model"] == "dense" else "Qwen3.5 hybrid 4-layer"
+    slice_ = SLICES[result["model"]]
     fig.suptitle(f"one TRL GRPO micro-batch: {result['n_prompts']} prompts x G={result['G']}, R={result['R']}, "
                  f"{slice_} slice, bf16")
     fig.tight_layout()
@@ -85,7 +91,7 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="dense", choices=("dense", "hybrid"))
+    parser.add_argument("--model", default="dense", choices=("dense", "hybrid", "hybrid_moe", "nemotron_h"))
     parser.add_argument("--modes", default=",".join(PEERS))
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--G", type=int, default=8)
@@ -103,7 +109,7 @@ def main() -> None:
     args.start = {m: int(p) for m, p in (item.split(":") for item in args.start.split(",") if item)}
     modes = [m for m in args.modes.split(",") if m]
     skipped = {}
-    if args.model == "hybrid" and "prefix_grouper" in modes:
+    if args.model in RECURRENT_KINDS and "prefix_grouper" in modes:
         modes.remove("prefix_grouper")
         skipped["prefix_grouper"] = ("not exact on a hybrid: its packed row runs each completion's Gated DeltaNet "
                                      "layers from the state the completion before it left")

@@ -1,4 +1,4 @@
-"""The benchmarked models (the dense, hybrid and GLM-5 slices), the GRPO loss and a group of inputs."""
+"""The benchmarked models (the dense, hybrid, GLM-5, Qwen3.5-MoE and Nemotron-H slices), the GRPO loss and a group of inputs."""
 
 from __future__ import annotations
 
@@ -50,11 +50,56 @@ def glm5_config(tiny: bool) -> transformers.PretrainedConfig:
                                         max_position_embeddings=1 << 22, **shapes)
 
 
+def hybrid_moe_config(tiny: bool) -> transformers.PretrainedConfig:
+    """Qwen3.5-MoE's layer shapes (`Qwen3_5MoeTextConfig`'s defaults, 35B-A3B:
+    hidden 2048, 256 experts of 512 with 8 per token and a shared one, Gated
+    DeltaNet and gated attention), 4 layers: three Gated DeltaNet, one full
+    attention."""
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    if tiny:
+        shapes = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                  "linear_value_head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                  "initializer_range": 0.2}  # at 0.02 the router's top-k has near-ties that flip between dtypes
+    else:
+        shapes = {}
+    return transformers.Qwen3_5MoeTextConfig(num_hidden_layers=4, layer_types=layers, max_position_embeddings=1 << 22,
+                                             **shapes)
+
+
+NEMOTRON_H_LAYERS = ["linear_attention", "mlp", "linear_attention", "full_attention"]
+"""Nemotron-H's pattern `M-M*` (Mamba-2, MLP, Mamba-2, attention): its 8B model repeats `M-` and `M*` groups."""
+
+
+def nemotron_h_config(tiny: bool) -> transformers.PretrainedConfig:
+    """Nemotron-H-8B's layer shapes (hidden 4096, FFN 21504, 32 query and 8
+    key-value heads of 128, 128 Mamba-2 heads of 64 with 8 groups of state
+    128), 4 layers (`NEMOTRON_H_LAYERS`). Its Mamba-2 scan runs transformers'
+    PyTorch path in the eager modes (mamba-ssm is not installed)."""
+    if tiny:
+        shapes = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                  "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16}
+    else:
+        shapes = {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128, "mamba_head_dim": 64,
+                  "ssm_state_size": 128, "n_groups": 8}
+    return transformers.NemotronHConfig(num_hidden_layers=len(NEMOTRON_H_LAYERS), layers_block_type=NEMOTRON_H_LAYERS,
+                                        conv_kernel=4, use_mamba_kernels=False, max_position_embeddings=1 << 22,
+                                        **shapes)
+
+
 MODEL_CLASSES = {
     "dense": (dense_config, transformers.Qwen3ForCausalLM),
     "hybrid": (hybrid_config, transformers.Qwen3_5ForCausalLM),
     "glm5": (glm5_config, transformers.GlmMoeDsaForCausalLM),
+    "hybrid_moe": (hybrid_moe_config, transformers.Qwen3_5MoeForCausalLM),
+    "nemotron_h": (nemotron_h_config, transformers.NemotronHForCausalLM),
 }
+RECURRENT_KINDS = ("hybrid", "hybrid_moe", "nemotron_h")
+"""Slices with layers that carry a recurrent state: prefix-grouper's packed row is not exact on them."""
+MOE_KINDS = ("glm5", "hybrid_moe")
 
 
 def build_model(kind: str, tiny: bool, dtype: torch.dtype, device: torch.device) -> transformers.PreTrainedModel:
@@ -64,6 +109,7 @@ def build_model(kind: str, tiny: bool, dtype: torch.dtype, device: torch.device)
         model = cls(make_config(tiny)).to(dtype)
     if kind == "glm5":
         model.set_attn_implementation("sdpa")
+    if kind in MOE_KINDS:
         # batched_mm copies an expert's weights per routed token (50 MB each at GLM-5 shapes);
         # grouped_mm runs as LongStraw's `moe_experts` operator (docs/design.md, "Mixture of experts")
         model.set_experts_implementation("grouped_mm")

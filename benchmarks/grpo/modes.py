@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -10,11 +11,12 @@ from transformers.integrations import moe as moe_integration
 import longstraw
 from longstraw.models import qwen3_5
 
-from .models import Group, grpo_loss, policy_loss
+from .models import MOE_KINDS, Group, grpo_loss, policy_loss
 
 MODES = ("eager", "eager_ckpt", "eager_shared_prefix", "longstraw_detached", "longstraw_exact")
 # GLM-5's shared-prefix step would need a packed sparse-attention mask or HF's indexed cache repeated per branch: not built
-MODES_OF = {"dense": MODES, "hybrid": MODES, "glm5": tuple(m for m in MODES if m != "eager_shared_prefix")}
+_UNSHARED = tuple(m for m in MODES if m != "eager_shared_prefix")
+MODES_OF = {"dense": MODES, "hybrid": MODES, "glm5": _UNSHARED, "hybrid_moe": _UNSHARED, "nemotron_h": _UNSHARED}
 
 
 def eager_step(model, group: Group) -> torch.Tensor:
@@ -91,10 +93,11 @@ class Runner:
         model = self.model
         if self.mode not in MODES_OF[self.kind]:
             raise ValueError(f"{self.mode} is not built for the {self.kind} slice (modes: {', '.join(MODES_OF[self.kind])})")
-        if self.kind == "glm5":
+        if self.kind in MOE_KINDS:
             self._can_use_grouped_mm = _grouped_mm_fallback_unless_bf16()
-        if self.kind == "hybrid":
-            self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta()
+        if self.kind in _GATED_DELTA_MODULES:
+            module = _GATED_DELTA_MODULES[self.kind]
+            self._unbind = qwen3_5.bind() if self.longstraw_operators else _torch_gated_delta(module)
         if self.mode == "eager_ckpt":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.mode == "eager_shared_prefix" and self.kind == "dense":
@@ -113,9 +116,9 @@ class Runner:
             self.model.gradient_checkpointing_disable()
         if self.mode == "eager_shared_prefix" and self.kind == "dense":
             self.model.set_attn_implementation("sdpa")
-        if self.kind == "hybrid":
+        if self.kind in _GATED_DELTA_MODULES:
             qwen3_5.unbind(self._unbind)
-        if self.kind == "glm5":
+        if self.kind in MOE_KINDS:
             moe_integration._can_use_grouped_mm = self._can_use_grouped_mm
         self.compiled = None
         torch._dynamo.reset()
@@ -133,10 +136,14 @@ class Runner:
         return loss.detach()
 
 
-def _torch_gated_delta():
-    """Eager hybrid runs HF's own PyTorch kernels, whatever HF resolved at import."""
-    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+_GATED_DELTA_MODULES = {"hybrid": "transformers.models.qwen3_5.modeling_qwen3_5",
+                        "hybrid_moe": "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"}
+"""The slices with Gated DeltaNet layers, and the HF module their layers call."""
 
+
+def _torch_gated_delta(module: str):
+    """Eager hybrid runs HF's own PyTorch kernels, whatever HF resolved at import."""
+    hf = importlib.import_module(module)
     replaced = {}
     for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
         fn = getattr(hf, name)

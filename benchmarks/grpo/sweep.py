@@ -128,7 +128,8 @@ def gdelta(model, kind, args, clock: Clock, sweep_out: dict) -> dict:
     return out
 
 
-def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
+def speed(model, kind, modes, args, clock: Clock, flops: FlopModel | None) -> dict:
+    """Every mode's warm step at `args.p_speed`; with `flops` None no MFU is recorded."""
     out = {}
     vocab = model.config.vocab_size
     group = make_group(args.G, args.p_speed, args.R, vocab, model.device)
@@ -139,7 +140,7 @@ def speed(model, kind, modes, args, clock: Clock, flops: FlopModel) -> dict:
         with Runner(model, kind, mode) as runner:
             result = measure(runner, group, repeats=2, warmup=True)
         result["P"] = args.p_speed
-        if result["ok"]:
+        if result["ok"] and flops is not None:
             result["mfu"] = flops.step(mode, args.G, args.p_speed, args.R) / result["seconds"] / PEAK_FLOPS
         print(f"  {kind} {mode:20} P={args.p_speed:>8} warm {describe(result)}", flush=True)
         out[mode] = result

@@ -130,7 +130,8 @@ class PeerRunner:
         config = GRPOConfig(output_dir=self._dir.name, per_device_train_batch_size=self.rows, num_generations=self.G,
                             steps_per_generation=1, max_completion_length=self.R, beta=0.0, bf16=False,
                             use_cpu=model.device.type == "cpu", gradient_checkpointing=False, report_to="none",
-                            save_strategy="no", seed=0)
+                            save_strategy="no", seed=0,
+                            router_aux_loss_coef=0.0)  # every mode alike: LongStraw's trainer refuses the aux loss
         trainer_cls, extra = GRPOTrainer, {}
         if self.mode == "prefix_grouper":
             register_attention()
