@@ -267,8 +267,9 @@ def test_state_at_qwen3_5_moe_published_shape():
 
 @pytest.mark.slow
 def test_state_at_olmo_hybrid_7b():
-    """OLMo Hybrid at `OlmoHybridConfig`'s defaults (Olmo-Hybrid-7B: 32
-    layers, every fourth full attention), bf16, bound as Qwen3.5: K and V
+    """OLMo Hybrid at `OlmoHybridConfig`'s defaults (the full-size shapes HF
+    documents with allenai/Olmo-Hybrid-7B: 32 layers, every fourth full
+    attention), bf16, bound as Qwen3.5: K and V
     of 8 attention layers (30 heads of 128) per position, 122,880 B; 24
     Gated DeltaNet layers carry a 30 x 96 x 192 float32 state and the last
     3 inputs of the q, k, v convolution (11,520 channels), 2,280,960 B each."""

@@ -82,7 +82,8 @@ def test_the_detached_reference_differs_from_exact():
 
 @pytest.mark.slow
 def test_state_at_kimi_linear_published_shape():
-    """`KimiLinearConfig`'s defaults (Kimi-Linear-48B-A3B's shapes), bf16: 6
+    """`KimiLinearConfig`'s defaults (the full-size shapes HF documents with
+    moonshotai/Kimi-Linear-48B-A3B-Instruct), bf16: 6
     MLA layers keep the latent (512) and rope key (64) per position, 6,912 B;
     21 KDA layers carry 32 heads of a 128 x 128 float32 state and the
     convolution's last 3 inputs of q, k and v (3 x 4,096, bf16), 2,170,880 B each."""
