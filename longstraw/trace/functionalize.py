@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from longstraw.errors import UnsupportedGraphError, argument_name, describe_node
+from longstraw.errors import UnsupportedGraphError, argument_name, describe_node, module_path
 from longstraw.nodes import arg, op_name
 
 
@@ -243,8 +243,7 @@ class _Functionalizer:
             what = "an argument of the loss" if base.op == "placeholder" else "a constant of the graph"
             raise UnsupportedGraphError(
                 f"{describe_node(node)} writes in place into `{argument_name(base)}`, {what} (a parameter, buffer or input): "
-                "the caller would see the write, which LongStraw's replays cannot reproduce. Write into a copy "
-                "(`x = x.clone()`) or use the out-of-place operation."
+                f"the caller would see the write, which LongStraw's replays cannot reproduce. {_write_advice(node)}"
             )
         if any(v in self.opaque for v in [target, *self.path(target)]):
             raise UnsupportedGraphError(
@@ -336,3 +335,16 @@ def functionalize(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> bool:
     gm.graph.lint()
     gm.recompile()
     return True
+
+
+def _write_advice(node: fx.Node) -> str:
+    """What to do about a write into an argument: the loss's own code can
+    write into a copy; a write inside the model is the model's code, which a
+    module in eval mode often skips (HF's Gemma 3n clamps its AltUp
+    coefficients in place in train mode only)."""
+    where = module_path(node)
+    if where is None:
+        return "Write into a copy (`x = x.clone()`) or use the out-of-place operation."
+    return (f"It is the model's own code, in `{where}`: if it writes only in train mode, put that module in eval mode "
+            f"for the compiled call (`{where}.eval()`) and do the write outside it, if it matters; else write into a "
+            "copy there (`x = x.clone()`) or use the out-of-place operation.")

@@ -184,6 +184,9 @@ _BATCHED_MM = Fix(model=lambda model: model.set_experts_implementation("batched_
 _BOUND = Fix(bind=qwen3_5.bound)  # outside `qwen3_5.unbound()`, eager calls routed as well (`bind()`)
 
 T = transformers
+_GEMMA3N = _hf(T.Gemma3nTextConfig, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=4,
+               layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4, altup_num_inputs=2,
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, activation_sparsity_pattern=[0.0] * 4)
 _PHIMOE = _hf(T.PhimoeConfig, num_local_experts=4, num_experts_per_tok=2)
 _GPT_OSS = _hf(T.GptOssConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
                layer_types=["sliding_attention", "full_attention"])
@@ -270,10 +273,7 @@ SUPPORTED = [
                               linear_value_head_dim=8),
            bind=qwen3_5.bound, detached=_hybrid_detached,
            note="OLMo Hybrid: Gated DeltaNet + attention layers; binds as Qwen3.5"),
-    Family("gemma3n", _hf(T.Gemma3nTextConfig, num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=4,
-                          layer_types=["sliding_attention", "full_attention"] * 2, laurel_rank=4, altup_num_inputs=2,
-                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
-                          activation_sparsity_pattern=[0.0] * 4),
+    Family("gemma3n", _GEMMA3N,
            note="Gemma 3n text: AltUp, LAuReL, per-layer inputs, the last layers reusing earlier layers' K/V; "
                 "eval mode (in train mode HF clamps AltUp's coefficients in place)"),
     Family("kimi_linear", _hf(T.KimiLinearConfig, _NO_HEAD_DIM, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
@@ -362,6 +362,11 @@ REFUSED = [
            refused=r"`MiniMaxLightningAttention`: MiniMax's lightning attention.*no pass runs from a carried state",
            note="Lightning attention (linear attention as block matrix products with a decay per head) has no pass: "
                 "no fix yet."),
+    Family("gemma3n (train mode)", _GEMMA3N, train=True,
+           refused=r"clamp_.*writes in place into `model.model.layers.0.altup.prediction_coefs.weight`.*eval mode",
+           fix=Fix(model=lambda model: model.eval()),
+           note="In train mode HF clamps AltUp's coefficients in place (`prediction_coefs.weight.data.clamp_`): "
+                "compile the loss with the model in eval mode."),
     Family("llama4_text", _hf(T.Llama4TextConfig, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48,
                               interleave_moe_layer_step=1, attention_chunk_size=8),
            refused=r"operator `repeat` .* in module `model\.model\.layers\.0\.feed_forward` .* reduces or drops the sequence "
