@@ -10,7 +10,6 @@ import torch
 import longstraw
 
 from conftest import raises_longstraw
-
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64

@@ -12,8 +12,8 @@ from torch import nn
 
 import longstraw
 from longstraw import pass_registry
-from longstraw.runtime.carry import recompute_grads
 from longstraw.passes.causal_conv import CausalConvPass, causal_conv1d_reference
+from longstraw.runtime.carry import recompute_grads
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close

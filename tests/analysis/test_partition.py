@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.analysis.dims import DimAnalysis
-from longstraw.trace.functionalize import is_updated
-from longstraw.nodes import is_sdpa, op_name
 from longstraw.analysis.partition import classify, with_state
-from longstraw.passes import DEFAULT_PASSES
-from longstraw.trace.specialize import specialize
 from longstraw.codegen.graphs import build_outer, build_tail
 from longstraw.codegen.stepgraph import build_step
+from longstraw.nodes import is_sdpa, op_name
+from longstraw.passes import DEFAULT_PASSES
+from longstraw.trace.functionalize import is_updated
+from longstraw.trace.specialize import specialize
 
 G, P, R, C, HEADS, DIM, VOCAB = 3, 10, 4, 8, 2, 4, 16
 

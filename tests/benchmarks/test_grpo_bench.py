@@ -16,15 +16,15 @@ from torch.utils.flop_counter import FlopCounterMode
 import longstraw
 
 from helpers.paths import BENCHMARKS  # noqa: E402
+
 sys.path.insert(0, str(BENCHMARKS))
 from grpo.flops import FlopModel  # noqa: E402
-from grpo.measure import GiB, Clock, replayed, score_floor  # noqa: E402
+from grpo.measure import Clock, GiB, replayed, score_floor  # noqa: E402
 from grpo.models import RECURRENT_KINDS, build_model, make_group  # noqa: E402
 from grpo.modes import Runner  # noqa: E402
 from grpo.parity import compare, grads_of, parity, reference_grads  # noqa: E402
 from grpo.results import merge, speed_runs, summarize  # noqa: E402
 from grpo.sweep import bisect_largest, next_step_seconds, sweep  # noqa: E402
-
 
 CPU = torch.device("cpu")
 

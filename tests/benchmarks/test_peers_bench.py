@@ -13,12 +13,12 @@ pytest.importorskip("trl")
 pytest.importorskip("prefix_grouper")
 
 from helpers.paths import BENCHMARKS  # noqa: E402
+
 sys.path.insert(0, str(BENCHMARKS))
 from grpo.models import build_model  # noqa: E402
 from grpo.parity import compare, grads_of  # noqa: E402
 from peers.batch import trl_micro_batch  # noqa: E402
 from peers.modes import PeerRunner  # noqa: E402
-
 
 CPU = torch.device("cpu")
 N_PROMPTS, G, P, R = 2, 3, 24, 6

@@ -11,6 +11,7 @@ import shutil
 import sys
 
 from helpers.paths import BENCHMARKS  # noqa: E402
+
 sys.path.insert(0, str(BENCHMARKS))
 import results_index  # noqa: E402
 

@@ -10,9 +10,9 @@ import torch
 import transformers
 
 import longstraw
-from longstraw.runtime.kernels import attention as attention_kernels
-from longstraw.models import qwen3_5
 from longstraw.codegen.recompute import LayerwiseStep, segment_ids
+from longstraw.models import qwen3_5
+from longstraw.runtime.kernels import attention as attention_kernels
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads

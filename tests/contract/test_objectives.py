@@ -15,10 +15,10 @@ import longstraw
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compiled_loss_and_grads
+from helpers.parity import deterministic_algorithms
+from helpers.paths import REPO
 from helpers.reference import eager_loss_and_grads, prompt_state_detached
 from helpers.tiny_models import make_group, make_model
-from helpers.paths import REPO
-from helpers.parity import deterministic_algorithms
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 

@@ -19,19 +19,19 @@ import torch
 from torch import fx
 
 import longstraw
-from longstraw.runtime import mask_block as masks
-from longstraw.passes import attention
 from longstraw.errors import InputError
 from longstraw.models import qwen3_5
 from longstraw.nodes import ancestors, tensor_of
+from longstraw.passes import attention
+from longstraw.runtime import mask_block as masks
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.families import FAMILIES
 from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.padding import MODELS, check_padding_parity, padded_group, trl_grpo_loss, trl_tail
 from helpers.reference import eager_loss_and_grads, grads_of
 from helpers.tiny_models import make_qwen3, make_qwen3_5
-from helpers.padding import MODELS, check_padding_parity, padded_group, trl_grpo_loss, trl_tail
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 
@@ -346,8 +346,8 @@ def test_the_key_mask_is_found_in_hf_mask():
     """HF's sdpa mask from a 2-D attention_mask splits into the causal part
     and `attention_mask[batch, key]`, broadcast over queries, one for every
     layer, read from the two mask inputs and imported by the steps."""
-    from longstraw.errors import argument_name
     from longstraw.codegen.graphs import step_imports
+    from longstraw.errors import argument_name
 
     backend = longstraw.Backend(prefix_chunk_size=8)
     compiled_loss_and_grads(compile_loss(trl_grpo_loss, backend), make_qwen3(), *padded_group(2, 10, 4, 2))

@@ -29,16 +29,9 @@ import longstraw
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import coupled_loss, grpo_loss, grpo_loss_f64, logits_of, pg_loss, pg_tail
-from helpers.reference import detached_reference, eager_loss_and_grads, grads_of
 from helpers.parity import check_parity, expected
-from helpers.tiny_models import (
-    KINDS,
-    freeze_all_but_qkv_and_head,
-    make_group,
-    make_lora_qwen3,
-    make_model,
-    parity_tol,
-)
+from helpers.reference import detached_reference, eager_loss_and_grads, grads_of
+from helpers.tiny_models import KINDS, freeze_all_but_qkv_and_head, make_group, make_lora_qwen3, make_model, parity_tol
 
 MODES = ("exact", "detached")
 SLOW = pytest.mark.slow

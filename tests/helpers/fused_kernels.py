@@ -10,11 +10,12 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.models import qwen3_5
+
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group
-from longstraw.models import qwen3_5
 
 PREFIX_CHUNK = 96  # the prompt is 300 positions: carries cross steps both ways
 

@@ -8,10 +8,11 @@ from collections.abc import Callable
 import torch
 
 import longstraw
+from longstraw.runtime import prompt_state as state_module
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.losses import grpo_loss_f64
 from helpers.reference import eager_loss_and_grads, with_fresh_grads
-from longstraw.runtime import prompt_state as state_module
 
 Grads = dict[str, torch.Tensor | None]
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 import longstraw
+from longstraw.models import qwen3_5
+
 from helpers.harness import assert_parity
 from helpers.parity import deterministic_algorithms
 from helpers.reference import with_fresh_grads
 from helpers.tiny_models import make_llama, make_qwen3, make_qwen3_5
-from longstraw.models import qwen3_5
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 PAD_ID = 0

@@ -9,6 +9,7 @@ import functools
 import torch
 
 import longstraw
+
 from helpers.compare import assert_close, assert_grads_close
 from helpers.families import FAMILIES
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads

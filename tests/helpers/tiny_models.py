@@ -9,10 +9,11 @@ import torch
 import transformers
 from torch import nn
 
-from helpers.families import _MLA
-from helpers.plain_transformer import make_plain
 from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
+
+from helpers.families import _MLA
+from helpers.plain_transformer import make_plain
 
 VOCAB = 64
 

@@ -14,7 +14,6 @@ which says that LongStraw has no fix.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -25,8 +24,8 @@ from conftest import raises_longstraw
 from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
 from helpers.harness import assert_parity
 from helpers.losses import grpo_loss_f64
-from helpers.tiny_models import make_group
 from helpers.parity import check_family, deterministic_algorithms
+from helpers.tiny_models import make_group
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 

@@ -12,12 +12,12 @@ import torch
 import transformers
 from transformers.models.mamba import modeling_mamba
 
-import longstraw
 from longstraw.models import mamba
 
 from helpers.compare import assert_close, rel_err
 from helpers.families import FAMILIES
 from helpers.losses import grpo_loss_f64
+from helpers.published import explain_on_meta
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
 
@@ -60,15 +60,6 @@ def test_the_detached_reference_differs_from_exact():
     assert max(rel_err(detached[n], exact[n]) for n in exact if exact[n] is not None) > 1e-2
 
 
-def _explain_on_meta(model: torch.nn.Module) -> longstraw.ExplainReport:
-    model.config.use_cache = False
-    prompt = torch.zeros(256, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    return longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                             options={"prefix_chunk_size": 100})
-
-
 MAMBA_2_8B = dict(hidden_size=2560, num_hidden_layers=64, state_size=16, expand=2, conv_kernel=4, vocab_size=50280)
 """state-spaces/mamba-2.8b-hf's published config."""
 
@@ -81,7 +72,7 @@ def test_state_at_mamba_2_8b():
     config = transformers.MambaConfig(**MAMBA_2_8B)
     with torch.device("meta"):
         model = transformers.MambaForCausalLM(config).to(torch.bfloat16)
-    report = _explain_on_meta(model)
+    report = explain_on_meta(model)
     d, n, k = config.intermediate_size, config.state_size, config.conv_kernel
     assert report.state_bytes_per_position == 0
     assert report.state_fixed_bytes == config.num_hidden_layers * (d * n * 4 + d * (k - 1) * 2) == 22_937_600
@@ -96,7 +87,7 @@ def test_state_at_jamba_v0_1():
     with torch.device("meta"):
         model = transformers.JambaForCausalLM(config).to(torch.bfloat16)
     model.set_experts_implementation("batched_mm")
-    report = _explain_on_meta(model)
+    report = explain_on_meta(model)
     attention = sum(1 for i in range(config.num_hidden_layers)
                     if i % config.attn_layer_period == config.attn_layer_offset)
     mixers, d = config.num_hidden_layers - attention, config.mamba_expand * config.hidden_size

@@ -9,9 +9,7 @@ import pytest
 import torch
 import transformers
 
-import longstraw
-
-from helpers.losses import grpo_loss_f64
+from helpers.published import explain_on_meta
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 """nvidia/Nemotron-H-8B-Base-8K's `hybrid_override_pattern`: M a Mamba-2 layer, * attention, - an MLP."""
@@ -34,12 +32,7 @@ def test_state_at_nemotron_h_8b():
                                           **NEMOTRON_H_8B)
     with torch.device("meta"):
         model = transformers.NemotronHForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
-    prompt = torch.zeros(256, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                               options={"prefix_chunk_size": 100})
+    report = explain_on_meta(model, 256, 100)
     attention, mixers = NEMOTRON_H_8B_PATTERN.count("*"), NEMOTRON_H_8B_PATTERN.count("M")
     heads, head_dim, state, groups = 128, 64, 128, 8
     conv_channels = heads * head_dim + 2 * groups * state

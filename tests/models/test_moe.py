@@ -25,9 +25,9 @@ from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
+from helpers.parity import deterministic_algorithms
 from helpers.reference import detached_at_attention, eager_loss_and_grads
 from helpers.tiny_models import make_group
-from helpers.parity import deterministic_algorithms
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 VOCAB = 128

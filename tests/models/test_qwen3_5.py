@@ -18,15 +18,16 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import longstraw
-from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from longstraw.models import qwen3_5
 from longstraw.passes.causal_conv import causal_conv1d, causal_conv1d_reference
 from longstraw.passes.gated_delta import gated_delta_rule
 from longstraw.planning.simulation import simulate_step
+from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 
 from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
+from helpers.published import explain_on_meta
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group, make_qwen3_5
 
@@ -248,13 +249,8 @@ def test_state_at_qwen3_5_moe_published_shape():
     config = transformers.Qwen3_5MoeTextConfig()
     with torch.device("meta"):
         model = transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
     model.set_experts_implementation("grouped_mm")
-    prompt = torch.zeros(128, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                               options={"prefix_chunk_size": 64})
+    report = explain_on_meta(model, 128, 64)
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     assert (full, linear) == (10, 30)
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
@@ -276,12 +272,7 @@ def test_state_at_olmo_hybrid_7b():
     config = transformers.OlmoHybridConfig()
     with torch.device("meta"):
         model = transformers.OlmoHybridForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
-    prompt = torch.zeros(128, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                               options={"prefix_chunk_size": 64})
+    report = explain_on_meta(model, 128, 64)
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     head_dim = config.hidden_size // config.num_attention_heads
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim

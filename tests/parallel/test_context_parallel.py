@@ -146,16 +146,16 @@ class StepCase:
                          *(["reference"] if self.reference else []), *(["coupled"] if self.coupled else [])])
 
     def loss_and_inputs(self):
-        from helpers.losses import coupled_loss, grpo_loss_f64
-        from helpers.tiny_models import make_group
         from helpers.batches import batch_loss, make_batch
+        from helpers.losses import coupled_loss, grpo_loss_f64
         from helpers.padding import padded_group, trl_grpo_loss
+        from helpers.tiny_models import make_group
 
         if self.prompts:
             return batch_loss, make_batch(list(self.prompts), self.P, self.R, vocab=64)
         if self.reference:
-            from helpers.tiny_models import make_qwen3
             from helpers.losses import kl_to_reference_loss
+            from helpers.tiny_models import make_qwen3
 
             return kl_to_reference_loss(make_qwen3(seed=1).requires_grad_(False)), make_group(self.G, self.P, self.R, pad=True)
         if self.left:  # completions of R, R - 2 and 1 tokens
@@ -208,11 +208,11 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     import longstraw
+    from longstraw.runtime import host_offload, prompt_state
+
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
-
-    from longstraw.runtime import host_offload, prompt_state
 
     lengths: list[set[int]] = []  # per PromptState made: the token lengths of its sequence buffers
     held: list[int] = []  # per PromptState made: bytes of its buffers, then of its d(state)
@@ -242,7 +242,8 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         kept.append(1)
         return to_host(self, tensors)
 
-    from longstraw.runtime import backward as runtime_backward, runner as runtime
+    from longstraw.runtime import backward as runtime_backward
+    from longstraw.runtime import runner as runtime
 
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
     plan_rounds = runtime.GroupRunner._rounds
@@ -338,6 +339,7 @@ def _fsdp2_step(case: StepCase) -> tuple[set[str], torch.Tensor, dict]:
     from torch.distributed.fsdp import fully_shard
 
     import longstraw
+
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
 
@@ -374,12 +376,13 @@ def test_step_matches_one_process(world, tmp_path):
     between the ranks (each alone would choose another chunk size: every
     rank plans for the smallest). The planner's per-rank state and d(state)
     are the bytes the rank with the largest share held."""
+    from longstraw.runtime.schedule import ChunkSchedule
+
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
-    from helpers.tiny_models import make_group
     from helpers.reference import eager_loss_and_grads
-    from longstraw.runtime.schedule import ChunkSchedule
+    from helpers.tiny_models import make_group
 
     results = gloo.spawn(_step_worker, world, tmp_path)
     for case in STEP_CASES[world]:
@@ -475,8 +478,9 @@ def _left_in_cycles(run) -> tuple[int, list[str]]:
 
 def _cycle_worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
-    from helpers.harness import compile_loss, compiled_loss_and_grads
     from longstraw.passes import gated_delta
+
+    from helpers.harness import compile_loss, compiled_loss_and_grads
 
     reference_kernel = gated_delta._step_kernel
 
@@ -517,13 +521,14 @@ def test_a_step_leaves_nothing_in_reference_cycles(tmp_path):
 def _refusal_worker(rank: int, world: int, port: int, out: str) -> None:
     gloo.init(rank, world, port)
     import longstraw
-    from helpers.harness import compile_loss, compiled_loss_and_grads
-    from helpers.losses import grpo_loss_f64
-    from helpers.tiny_models import make_group, make_model
+    from longstraw.errors import InputError, LongStrawError
     from longstraw.parallel.agreement import CALLING, PLANNING, agree
     from longstraw.parallel.collectives import raise_together
     from longstraw.parallel.ranks import Ranks
-    from longstraw.errors import InputError, LongStrawError
+
+    from helpers.harness import compile_loss, compiled_loss_and_grads
+    from helpers.losses import grpo_loss_f64
+    from helpers.tiny_models import make_group, make_model
 
     def error_of(run) -> str:
         try:
@@ -585,10 +590,11 @@ def _steps_with_rank_1_rounding_apart(rank: int, cp: dict, *group) -> tuple[str,
     as a GPU's kernels that accumulate with atomics leave it: (the second
     call's error or "no error", each rank's gradients)."""
     import longstraw
+    from longstraw.runtime import runner as runtime
+
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_model
-    from longstraw.runtime import runner as runtime
 
     backward_group = runtime.GroupRunner._backward_group
 
@@ -647,6 +653,7 @@ def test_refusals(tmp_path):
     error when no rank has one, else the lowest failing rank's on every
     rank, noting which rank found it."""
     import longstraw
+
     from helpers.compare import assert_grads_close
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
@@ -706,10 +713,11 @@ def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
 
     gloo.init(rank, world, port)
     import longstraw
+    from longstraw.runtime import runner as runtime
+
     from helpers.harness import compile_loss
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model
-    from longstraw.runtime import runner as runtime
 
     store = dist.distributed_c10d._get_default_store()
     prompt, responses, advantages, mask = make_group(2, 30, 4)
@@ -809,11 +817,11 @@ def test_a_step_reading_every_earlier_position_is_refused_on_a_shard():
     is refused, naming the slot."""
     from torch import fx
 
-    from longstraw.parallel.shards import PromptShard
+    from longstraw.analysis.slots import SlotKind, StateSlot
     from longstraw.errors import LongStrawError
     from longstraw.parallel.ranks import SimulatedRanks
+    from longstraw.parallel.shards import PromptShard
     from longstraw.runtime.prompt_state import PromptState, StepContext
-    from longstraw.analysis.slots import SlotKind, StateSlot
 
     node = fx.Graph().placeholder("keys")
     slot = StateSlot(0, SlotKind.SEQUENCE, node, token_dim=2, batch_dim=0, shape=(1, 2, 8, 4), dtype=torch.float64,
@@ -830,8 +838,8 @@ def test_a_share_maps_buffer_indices_to_positions_and_back():
     `local_range`, `to_global`, `to_local` and `owner` agree with a table
     built position by position, for shares of separated chunks, a short
     last chunk and a rank with no chunk at all."""
-    from longstraw.parallel.shards import PromptShard
     from longstraw.parallel.ranks import SimulatedRanks
+    from longstraw.parallel.shards import PromptShard
     from longstraw.runtime.schedule import ChunkSchedule
 
     for prompt, world in ((16, 2), (29, 3), (7, 2), (3, 2)):
@@ -865,6 +873,7 @@ def _mesh_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import longstraw
+
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.parity import check_parity
 
 import longstraw
 from longstraw.runtime.kernels import attention as attention_kernels
+
+from helpers.parity import check_parity
 
 
 class _Materialised:
@@ -207,11 +208,11 @@ class _AttentionForwards:
 
 def _attention_run(monkeypatch, kind: str, recompute: bool, device: str = "cpu", dtype=torch.float64, **options):
     """(loss, grads, forwards) of an exact step of a 4-chunk prompt."""
+    from longstraw.models import qwen3_5
+
     from helpers.harness import compile_loss, compiled_loss_and_grads
     from helpers.losses import grpo_loss_f64
     from helpers.tiny_models import make_group, make_model, make_qwen3_5
-
-    from longstraw.models import qwen3_5
 
     torch.manual_seed(0)
     model = (make_qwen3_5() if kind == "qwen3_5" else make_model(kind)).to(device, dtype)

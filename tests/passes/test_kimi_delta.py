@@ -13,13 +13,13 @@ import torch
 import transformers
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
-import longstraw
 from longstraw.passes.kimi_delta import kimi_delta_rule
 from longstraw.runtime.kernels.kimi_delta import kimi_delta_rule_reference
 
 from helpers.compare import assert_close, rel_err
 from helpers.families import FAMILIES
 from helpers.losses import grpo_loss_f64
+from helpers.published import explain_on_meta
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
 
@@ -90,13 +90,8 @@ def test_state_at_kimi_linear_published_shape():
     config = transformers.KimiLinearConfig()
     with torch.device("meta"):
         model = transformers.KimiLinearForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
     model.set_experts_implementation("batched_mm")
-    prompt = torch.zeros(256, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                               options={"prefix_chunk_size": 100})
+    report = explain_on_meta(model, 256, 100)
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     heads, d, k = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
     assert (full, linear) == (6, 21)

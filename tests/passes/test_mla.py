@@ -16,18 +16,17 @@ import transformers
 from torch import nn
 
 import longstraw
-from longstraw.runtime.kernels import attention as attention_kernels
 from longstraw.nodes import is_sdpa
 from longstraw.passes import DEFAULT_PASSES, CausalAttentionPass, LatentAttentionPass
 from longstraw.passes.mla import latent_attention_step, mla_of
 from longstraw.passes.sliding_window import window_of
+from longstraw.runtime.kernels import attention as attention_kernels
 
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
-from helpers.reference import detached_reference
-from helpers.tiny_models import make_group
 from helpers.parity import deterministic_algorithms
-from helpers.tiny_models import make_deepseek_v3
+from helpers.reference import detached_reference
+from helpers.tiny_models import make_deepseek_v3, make_group
 
 TOL = 1e-6  # as test_families: HF norms and RoPE round through float32
 

@@ -23,19 +23,20 @@ from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash
 
 import longstraw
 from longstraw.errors import LongStrawError
-from longstraw.runtime.kernels import attention as attention_kernels
 from longstraw.passes import attention, sinks
+from longstraw.runtime.kernels import attention as attention_kernels
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.families import FAMILIES
 from helpers.harness import assert_parity
 from helpers.losses import coupled_loss, grpo_loss_f64
+from helpers.padding import detached_reference as padded_detached_reference
+from helpers.padding import padded_group, trl_grpo_loss
+from helpers.parity import check_family, deterministic_algorithms
+from helpers.published import explain_on_meta
 from helpers.reference import detached_at_eager_attention, detached_reference, eager_loss_and_grads
 from helpers.tiny_models import make_group
-from helpers.parity import check_family, deterministic_algorithms
-from helpers.padding import padded_group, trl_grpo_loss
-from helpers.padding import detached_reference as padded_detached_reference
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 FAMILY_NAMES = ("gpt_oss", "mimo_v2_flash")
@@ -319,13 +320,8 @@ def test_state_at_gpt_oss_20b():
     config = transformers.GptOssConfig(**GPT_OSS_20B)
     with torch.device("meta"):
         model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
-    model.config.use_cache = False
     model.set_experts_implementation("batched_mm")
-    prompt = torch.zeros(512, dtype=torch.long, device="meta")
-    responses = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
-    report = longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
-                               options={"prefix_chunk_size": 200})
+    report = explain_on_meta(model, 512, 200)
     full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
     assert (full, sliding) == (12, 12)
     kv, d, w = config.num_key_value_heads, config.head_dim, config.sliding_window

@@ -19,8 +19,7 @@ from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.reference import detached_at_attention, eager_loss_and_grads
-from helpers.tiny_models import make_group
-from helpers.tiny_models import make_mistral
+from helpers.tiny_models import make_group, make_mistral
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 

@@ -28,10 +28,9 @@ from longstraw.runtime.kernels import latent_attention
 
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
-from helpers.reference import detached_reference, eager_loss_and_grads
-from helpers.tiny_models import make_group
 from helpers.parity import deterministic_algorithms
-from helpers.tiny_models import make_glm5
+from helpers.reference import detached_reference, eager_loss_and_grads
+from helpers.tiny_models import make_glm5, make_group
 
 TOL = 1e-6  # HF norms and RoPE round through float32
 MARGIN = 1e-5  # the k-th and (k+1)-th index scores of every query differ by more (float32 sums differ by ~1e-7)

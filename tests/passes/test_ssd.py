@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.runtime.kernels.ssd import CHUNK, ssd_scan_reference
 from longstraw.passes.ssd import ssd_scan
+from longstraw.runtime.kernels.ssd import CHUNK, ssd_scan_reference
 
 
 def inputs(length: int, seed: int = 0):

@@ -9,15 +9,15 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.codegen.recompute import layer_of
 from longstraw.models import qwen3_5
+from longstraw.models.tiny import tiny_causal_lm
 from longstraw.planning.planner import MemoryModel
 
 from helpers.compare import assert_close
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.tiny_models import make_group, make_model, make_qwen3_5
-from longstraw.models.tiny import tiny_causal_lm
-from longstraw.codegen.recompute import layer_of
 
 
 def make_hybrid() -> torch.nn.Module:
@@ -112,8 +112,8 @@ def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
 @pytest.mark.gpu
 def test_default_budget_on_cuda():
     """On CUDA the default budget is the device's free memory (what is allocated plus free, less the margin)."""
-    from longstraw.runtime import device_memory
     from longstraw.planning import planner
+    from longstraw.runtime import device_memory
 
     device = torch.device("cuda")
     held = torch.empty(1 << 28, dtype=torch.uint8, device=device)

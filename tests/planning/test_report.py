@@ -15,15 +15,15 @@ import torch
 import transformers
 
 import longstraw
-from longstraw.runtime import prompt_state as state_module
 from longstraw.models import qwen3_5
+from longstraw.runtime import prompt_state as state_module
 
 from conftest import raises_longstraw
 from helpers import browser
 from helpers.harness import compile_loss
 from helpers.losses import grpo_loss_f64, pg_tail
-from helpers.tiny_models import make_group, make_model
 from helpers.paths import REPO
+from helpers.tiny_models import make_group, make_model
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from grpo import models as grpo_models  # noqa: E402

@@ -12,10 +12,10 @@ import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw
-from longstraw.runtime.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
 from longstraw.models import qwen3_5
 from longstraw.passes import gated_delta
 from longstraw.planning.simulation import Peak, fla_families
+from longstraw.runtime.kernels import KernelPolicy, attention, fla_causal_conv, fla_gated_delta
 
 from helpers.losses import grpo_loss_f64
 from helpers.paths import REPO

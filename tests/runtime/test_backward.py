@@ -28,12 +28,12 @@ from longstraw.runtime import backward
 from longstraw.runtime.phases import phase_of
 from longstraw.runtime.runner import GroupRunner
 
+from helpers.batches import batch_loss, detached_batch_reference, make_batch
 from helpers.compare import assert_grads_close
 from helpers.families import FAMILIES
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
-from helpers.batches import batch_loss, detached_batch_reference, make_batch
-from helpers.parity import deterministic_algorithms
 from helpers.padding import check_padding_parity, padded_group
+from helpers.parity import deterministic_algorithms
 
 TOL = 1e-6
 
@@ -268,7 +268,8 @@ def test_the_room_is_checked_at_every_call(monkeypatch):
     allocate beside what is allocated, the step's own needs and the
     gradients not allocated yet: a trainer's optimizer states, allocated
     after the first step, come out of the room, not out of the step's."""
-    from longstraw.runtime import device_memory, runner as runtime
+    from longstraw.runtime import device_memory
+    from longstraw.runtime import runner as runtime
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(device_memory, "available_budget", lambda device: 100)

@@ -13,11 +13,11 @@ import torch
 import longstraw
 
 from conftest import raises_longstraw
+from helpers.batches import batch_loss, detached_batch_reference, make_batch
 from helpers.families import FAMILIES
 from helpers.harness import assert_parity, compiled_loss_and_grads, count_live_states
-from helpers.reference import grads_of
 from helpers.parity import deterministic_algorithms
-from helpers.batches import batch_loss, detached_batch_reference, make_batch
+from helpers.reference import grads_of
 
 TOL = 1e-6
 

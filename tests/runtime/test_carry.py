@@ -11,11 +11,11 @@ import torch
 import transformers
 
 import longstraw
+from longstraw.models import qwen3_5
+from longstraw.parallel.ranks import SimulatedRanks
+from longstraw.passes.causal_conv import causal_conv1d_reference
 from longstraw.runtime import carry
 from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
-from longstraw.models import qwen3_5
-from longstraw.passes.causal_conv import causal_conv1d_reference
-from longstraw.parallel.ranks import SimulatedRanks
 from longstraw.runtime.prompt_state import ChunkRound
 
 from helpers.compare import assert_close, assert_grads_close

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import fx
 
-from longstraw.runtime.prompt_state import PromptState, StepContext
 from longstraw.analysis.slots import SlotKind, StateSlot
+from longstraw.runtime.prompt_state import PromptState, StepContext
 
 from conftest import raises_longstraw
 

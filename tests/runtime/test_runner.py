@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.runtime.runner import GroupRunner
 from longstraw.runtime.prompt_state import StepContext
+from longstraw.runtime.runner import GroupRunner
 
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
@@ -477,7 +477,8 @@ def test_exact_capture_keeps_nothing_for_a_backward_that_cannot_come(grad, monke
     """Under no_grad (a reference model scored in the loss, an evaluation)
     exact mode keeps no chunk-boundary carries and no attention outputs
     for a reverse pass; with autograd on it keeps both, and the loss is the same."""
-    from longstraw.runtime import prompt_state, runner as runtime
+    from longstraw.runtime import prompt_state
+    from longstraw.runtime import runner as runtime
 
     made: list[tuple[bool, bool]] = []
     original = prompt_state.PromptState.__init__

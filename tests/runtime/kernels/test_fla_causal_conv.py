@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longstraw.runtime.kernels import KernelPolicy, fla_causal_conv
 from longstraw.passes import causal_conv
+from longstraw.runtime.kernels import KernelPolicy, fla_causal_conv
 
 from helpers.fused_kernels import assert_fused_as_accurate, relative_error
 

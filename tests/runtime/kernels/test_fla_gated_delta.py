@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longstraw.passes import gated_delta
 from longstraw.runtime import carry
 from longstraw.runtime.kernels import fla_gated_delta
 from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
-from longstraw.passes import gated_delta
 
 from helpers.fused_kernels import assert_fused_as_accurate, relative_error
 
