@@ -236,9 +236,20 @@ def state_bytes(r: Result) -> tuple[str, str]:
                       f"decompressed K/V" for m in r["models"]))
 
 
+def planning_bench(r: Result) -> tuple[str, str]:
+    planned = [c for c in r["calls"] if not c["dynamo_compiled"]]
+    compiles = [c for c in r["calls"] if c["dynamo_compiled"]]
+    mean = sum(c["plan_s"] for c in planned) / max(len(planned), 1)
+    return (f"host cost of new prompt lengths ({r['model']} slice on the meta device, {r['mode']}): Dynamo's compiles "
+            f"and the plan per new length",
+            f"{len(compiles)} Dynamo compiles in {len(r['calls'])} calls ({sum(c['wall_s'] for c in compiles):.1f} s), "
+            f"then {mean:.2f} s of planning per new length")
+
+
 # By the name of the script that writes the files.
 DESCRIBE: dict[str, Callable[[Result], tuple[str, str]]] = {f.__name__: f for f in (
-    grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes)}
+    grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes,
+    planning_bench)}
 
 
 def describe(result: Result) -> tuple[str, str]:
