@@ -15,13 +15,11 @@ matrix `[H, Dk, Dv]`. The kernel is the chunked PyTorch rule
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
-from longstraw.nodes import arg
 from longstraw.runtime.carry import CarryKernel, recompute_grads
 from longstraw.runtime.kernels.kimi_delta import kimi_delta_rule_reference
 
-from .base import CarryPass, DimRules
+from .gated_delta import GatedDeltaPass
 
 
 @torch.library.custom_op("longstraw::kimi_delta_rule", mutates_args=())
@@ -65,30 +63,14 @@ def _backward(ctx, grad_out, grad_state):
 kimi_delta_rule.register_autograd(_backward, setup_context=_setup)
 
 
-class KimiDeltaPass(CarryPass):
-    """The recurrent matrix `[H, Dk, Dv]` is the carry."""
+class KimiDeltaPass(GatedDeltaPass):
+    """The recurrent matrix `[H, Dk, Dv]` is the carry. Its operator takes
+    the gated delta rule's arguments (only `g` has one more dimension, which
+    the dimension rule leaves free), so the rule, the refusal and the step's
+    inputs are `GatedDeltaPass`'s; the kernel is the PyTorch one alone."""
 
     name = "kimi_delta"
     op = torch.ops.longstraw.kimi_delta_rule.default
-    returns_state = True
-
-    def dim_rule(self, dims: DimRules, node: fx.Node):
-        q, k, v, g, beta = node.args[:5]
-        dq, dv = dims.of(q), dims.of(v)
-        for other in (k, v, g, beta):
-            for a, b in zip(dq[:2], dims.of(other)[:2]):
-                dims.same(a, b)
-        dims.mixes(node, dq[1])
-        state = node.meta["longstraw_value"][1]
-        return [dq[:2] + dv[2:], [dq[0]] + dims.fresh(state.shape[1:])]
-
-    def unsupported_reason(self, node: fx.Node) -> str | None:
-        if arg(node, 5, "initial_state") is not None:
-            return "a loss that passes its own initial recurrent state is not supported"
-        return None
-
-    def step_inputs(self, node: fx.Node):
-        return node.args[:5], {"use_qk_l2norm": bool(node.args[6])}
 
     def kernel(self, inputs, *, use_qk_l2norm: bool) -> CarryKernel:
         return CarryKernel(
