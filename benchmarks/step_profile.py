@@ -8,7 +8,9 @@ x G completions, R = 1024). Per model and P and mode: the first call
 one warm step under `torch.profiler` (sum of kernel time: when it is far
 under the wall time, the step waits on the host) and, for LongStraw, one
 under `phase_seconds` (device-synchronised per runtime phase) and one under
-cProfile.
+cProfile. With `--new-length`, also LongStraw's first call at a prompt
+length not seen before (what each step of a real loop pays), under
+`phase_seconds` and cProfile.
 
     python benchmarks/step_profile.py --model dense,hybrid --P 16384 --out-dir $OUT --name step_profile_h200
 """
@@ -53,11 +55,18 @@ def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int)
     return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels)}, text + "\n" + by_cpu
 
 
-def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> str:
+def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
+                 phases: dict[str, float] | None = None) -> str:
+    """cProfile of one step; `phases` (when given) filled by `phase_seconds`."""
     profiler = cProfile.Profile()
     sync()
     profiler.enable()
-    runner.step(batch)
+    if phases is None:
+        runner.step(batch)
+    else:
+        with phase_seconds() as seen:
+            runner.step(batch)
+        phases.update(seen)
     sync()
     profiler.disable()
     out = io.StringIO()
@@ -103,19 +112,43 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
             if args.host_profile:
                 report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
                 release(model)
+            if args.new_length:
+                out["new_length"] = new_length_profile(runner, model, kind, mode, P, args, report)
     return out
 
 
+def new_length_profile(runner: PeerRunner, model, kind: str, mode: str, P: int, args, report: list[str]) -> dict:
+    """The first call at new prompt lengths (shorter than P by a fifth and a
+    third, so neither was planned), then that call again warm: where the
+    difference goes, by phase and in the host's profile."""
+    lengths = [P - P // 5, P - P // 3][: args.prompts]
+    batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device, lengths)
+    phases: dict[str, float] = {}
+    sync()
+    start = time.perf_counter()
+    text = host_profile(runner, batch, args.top, phases)
+    first = time.perf_counter() - start
+    release(model)
+    with phase_seconds() as warm_phases:
+        warm = timed_step(runner, batch)
+    release(model)
+    report.append(f"===== {kind} {mode} P={P}: first call at prompt lengths {lengths}\n{text}")
+    return {"lengths": lengths, "first_s": first, "phases_s": phases, "warm_s": warm, "warm_phases_s": warm_phases}
+
+
 def table(runs: list[dict]) -> str:
-    lines = ["| model | mode | P | first s | warm s | kernel s | launches | peak GB | phases s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| model | mode | P | first s | warm s | kernel s | launches | peak GB | phases s | new length: first s, warm s, first's phases s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in runs:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | |")
+            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | | |")
             continue
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
+        new = r.get("new_length")
+        new = "" if new is None else (f"{new['first_s']:.2f}, {new['warm_s']:.2f}; "
+                                      + ", ".join(f"{k} {v:.2f}" for k, v in new["phases_s"].items()))
         lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r['first_s']:.2f} | {r['warm_s']:.3f} | "
-                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r['peak_gb']:.1f} | {phases} |")
+                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r['peak_gb']:.1f} | {phases} | {new} |")
     return "\n".join(lines)
 
 
@@ -131,6 +164,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-host-profile", dest="host_profile", action="store_false",
                         help="skip the cProfile of LongStraw's step")
+    parser.add_argument("--new-length", action="store_true",
+                        help="also profile LongStraw's first call at new prompt lengths")
     parser.add_argument("--budget-s", type=float, default=300)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
     parser.add_argument("--out-dir", default="benchmarks/results")
