@@ -20,9 +20,10 @@ class GroupFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runner: GroupRunner, backward: bool, *inputs):
-        with runner.options.kernels.active():
+        gate = runner.options.kernels.gate()  # the backward runs the forward's kernels
+        with runner.options.kernels.active(gate):
             outputs, call = runner.forward(inputs, backward)
-        ctx.runner, ctx.call = runner, call
+        ctx.runner, ctx.call, ctx.gate = runner, call, gate
         tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)]
         ctx.tensor_positions = tensor_positions
         ctx.others = [None if isinstance(x, torch.Tensor) else x for x in inputs]
@@ -45,7 +46,7 @@ class GroupFunction(torch.autograd.Function):
         inputs = list(ctx.others)
         for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
             inputs[i] = t
-        with ctx.runner.options.kernels.active():
+        with ctx.runner.options.kernels.active(ctx.gate):
             grads = ctx.runner.backward(ctx.call, inputs, grad_outputs)
         ctx.call = None
         return (None, None, *grads)

@@ -11,6 +11,7 @@ logged on `longstraw.attention` at DEBUG level.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 
@@ -80,7 +81,9 @@ class CudnnKernel(FlashKernel):
     separate calls merged by their log-sum-exp; the backward runs on the
     same blocks with the merged output and log-sum-exp, like flash's. Fixed
     block lengths let cuDNN reuse its execution plans from chunk to chunk
-    (each new shape builds one)."""
+    (each new shape builds one). Under a `CudnnGate` (`gated`), a block
+    whose shape no earlier step ran goes to flash instead: same blocks,
+    same merge, no plan to build."""
 
     def forward(self, q, keys, values, mask, scale, q_start):
         out, lse = None, None
@@ -88,7 +91,9 @@ class CudnnKernel(FlashKernel):
         after = q_start >= keys.shape[-2]
         for start, length in self.earlier_blocks(q, keys.shape[-2]) if after else self.blocks(q, q_start):
             own = start == q_start
-            o, s = self._call(q, keys.narrow(-2, start, length), values.narrow(-2, start, length), own, scale)
+            kb, vb = keys.narrow(-2, start, length), values.narrow(-2, start, length)
+            call = self._call if _admits("forward", q, kb, own) else _flash_block
+            o, s = call(q, kb, vb, own, scale)
             o, s = o.to(compute), s.to(compute)
             if out is None:
                 out, lse = o, s
@@ -99,6 +104,8 @@ class CudnnKernel(FlashKernel):
         return out.to(q.dtype), lse
 
     def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
+        if not _admits("backward", q, keys, k_start == q_start):
+            return super().backward(grad_out, q, keys, values, out, lse.float(), mask, scale, q_start, k_start)
         # attn_bias, cumulative lengths and the philox seed/offset are absent (no bias, no varlen, no dropout)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out, q, keys, values, out, lse.float().unsqueeze(-1), None, None, None, None, None,
@@ -109,6 +116,66 @@ class CudnnKernel(FlashKernel):
     def _call(q, keys, values, causal, scale):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal, False, scale=scale)
         return out, lse.reshape(q.shape[:-1])
+
+
+def _flash_block(q, keys, values, causal, scale):
+    """Flash over one block, top-left causal where `causal` (the block is the step's own square)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+ShapeKey = tuple
+
+
+class CudnnShapes:
+    """The cuDNN attention shapes one compiled loss's steps have run.
+
+    cuDNN builds and compiles an execution plan for every new shape (on the
+    H100, a first call at new prompt lengths spent 7 of its 9 s there:
+    `benchmarks/results/step_profile_new_length_h100.json`). A loop whose
+    prompt and completion lengths change every step meets new shapes at
+    every step, while the capture's full chunks recur. `gate()` hands a
+    step the shapes earlier steps ran: cuDNN runs those, flash the rest."""
+
+    def __init__(self) -> None:
+        self.seen: set[ShapeKey] = set()
+
+    def gate(self) -> CudnnGate:
+        return CudnnGate(frozenset(self.seen), self.seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudnnGate:
+    """One step's view of `CudnnShapes`: `allowed` is frozen when the step's
+    forward starts and its backward reuses it, so a prompt recaptured in the
+    backward runs the forward's kernels; shapes the step meets are added to
+    `seen`, for later steps."""
+
+    allowed: frozenset[ShapeKey]
+    seen: set[ShapeKey]
+
+    def admits(self, key: ShapeKey) -> bool:
+        self.seen.add(key)
+        return key in self.allowed
+
+
+_GATES: list[CudnnGate] = []
+
+
+@contextlib.contextmanager
+def gated(gate: CudnnGate) -> Iterator[None]:
+    """cuDNN calls inside run only at shapes `gate` admits; flash runs the others."""
+    _GATES.append(gate)
+    try:
+        yield
+    finally:
+        _GATES.remove(gate)
+
+
+def _admits(direction: str, q: torch.Tensor, keys: torch.Tensor, causal: bool) -> bool:
+    if not _GATES:
+        return True
+    return _GATES[-1].admits((direction, tuple(q.shape), tuple(keys.shape), causal, q.dtype, q.device))
 
 
 class MathKernel(AttentionKernel):

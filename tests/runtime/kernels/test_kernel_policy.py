@@ -77,6 +77,72 @@ def test_the_compiled_loss_runs_its_policy(kernels, active, caplog):
     assert fla_gated_delta.SWITCH.on and fla_causal_conv.SWITCH.on and not attention._CHOOSERS
 
 
+def test_cudnn_runs_only_at_shapes_an_earlier_step_ran():
+    """A gate is frozen when taken: the shapes its own step meets are
+    admitted only from the next step's gate on."""
+    shapes = KernelPolicy().cudnn_shapes
+    first = shapes.gate()
+    assert not first.admits(("forward", (1, 2, 4, 8)))
+    assert not first.admits(("forward", (1, 2, 4, 8)))  # still this step: the same kernel as its first call
+    second = shapes.gate()
+    assert second.admits(("forward", (1, 2, 4, 8))) and not second.admits(("backward", (1, 2, 4, 8)))
+    assert shapes.gate().admits(("backward", (1, 2, 4, 8)))
+    assert KernelPolicy(attention="cudnn").gate() is None and KernelPolicy(attention="flash").gate() is None
+    assert KernelPolicy() == KernelPolicy() and hash(KernelPolicy()) == hash(KernelPolicy())  # history is not configuration
+
+
+def test_a_step_and_its_backward_share_one_gate():
+    """Forward, replays and reverse pass of one call run under the gate its
+    forward took (a recaptured prompt runs the forward's kernels); the next
+    call takes a new one from the same loss's history; a loss that names
+    its kernel has none."""
+    gates: list[list] = []
+
+    def record(where: str):
+        gates[-1].append(attention._GATES[-1] if attention._GATES else None)
+        return contextlib.nullcontext()
+
+    for kernels in ({}, {"attention": "cudnn"}):
+        backend = longstraw.Backend(kernels=kernels, prefix_chunk_size=8)
+        loss = compile_loss(grpo_loss_f64, backend)
+        with longstraw.around_steps(record):
+            for _ in range(2):
+                gates.append([])
+                compiled_loss_and_grads(loss, make_model("qwen3"), *make_group(2, 20, 4))
+    (first, second), (named, _) = gates[:2], gates[2:]
+    assert len(first) > 2 and len({id(g) for g in first}) == 1 and first[0] is not None
+    assert len({id(g) for g in second}) == 1 and second[0] is not first[0] and second[0].seen is first[0].seen
+    assert set(named) == {None} and not attention._GATES
+
+
+@pytest.mark.gpu
+def test_a_gated_cudnn_kernel_runs_flash_at_new_shapes():
+    """Under a gate that admits nothing, the cuDNN kernel's blocks run
+    flash: the same attention and gradients (float64 reference), every
+    forward and backward shape recorded for the next step's gate."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 96, 64, device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(1, 2, 160, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q_start, scale = 64, 64 ** -0.5
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), keys.double()[..., : q_start + 96, :].repeat_interleave(2, 1),
+        values.double()[..., : q_start + 96, :].repeat_interleave(2, 1), scale=scale,
+        attn_mask=torch.ones(96, q_start + 96, dtype=torch.bool, device="cuda").tril(q_start))
+    k, v = keys[..., : q_start + 96, :], values[..., : q_start + 96, :]
+    shapes = attention.CudnnShapes()
+    outputs = {}
+    for name, gate in (("new", shapes.gate()), ("seen", None)):
+        with attention.gated(gate) if gate is not None else contextlib.nullcontext():
+            out, lse = attention.CUDNN.forward(q, k, v, None, scale, q_start)
+            grads = [attention.CUDNN.backward(torch.ones_like(out), q, k.narrow(-2, s, n), v.narrow(-2, s, n), out, lse,
+                                              None, scale, q_start, s) for s, n in attention.CUDNN.blocks(q, q_start)]
+        outputs[name] = out, [g[0] for g in grads]
+        assert (out.double() - reference).abs().max() < 2e-2
+    assert {key[0] for key in shapes.seen} == {"forward", "backward"} and len(shapes.seen) == 4
+    for a, b in zip(outputs["new"][1], outputs["seen"][1]):
+        assert (a.double() - b.double()).abs().max() < 5e-2 * (1 + b.double().abs().max())
+
+
 @pytest.mark.gpu
 def test_policy_picks_the_kernels_on_cuda():
     q = torch.randn(1, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
