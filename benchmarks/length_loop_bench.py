@@ -14,6 +14,9 @@ longest. Per P and mode this runs, on the same model and TRL's layout
 and reports the loop's mean step against the warm step, Dynamo's graphs
 and LongStraw's plans (with the time planning took, `GroupPlan.seconds`).
 Modes are peers_bench's (peers/modes.py): `compute_loss` of TRL's trainer.
+Each (P, mode) runs in a process of its own: cuDNN keeps the attention
+plans it builds for the whole process, so a mode run after another at the
+same lengths would find them built (`--in-process` runs them all in one).
 
     python benchmarks/length_loop_bench.py --P 8192,32768,131072 --out-dir $OUT --name length_loop_h200
 
@@ -24,7 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -89,16 +96,48 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def isolated_run(P: int, mode: str, clock: Clock) -> dict:
+    """`run_mode` in a process of its own: this script with `--in-process`
+    for one P and one mode, its result read back."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a in ("--P", "--modes", "--out-dir", "--name", "--budget-s"):
+            skip = True
+            continue
+        if not a.startswith(("--P=", "--modes=", "--out-dir=", "--name=", "--budget-s=")):
+            argv.append(a)
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [sys.executable, os.path.abspath(__file__), *argv, "--in-process", "--P", str(P), "--modes", mode,
+                   "--out-dir", scratch, "--name", "one", "--budget-s", str(int(clock.left()))]
+        done = subprocess.run(command, timeout=clock.left() + 30, env=os.environ.copy())
+        path = os.path.join(scratch, "one.json")
+        if done.returncode != 0 or not os.path.exists(path):
+            return {"mode": mode, "P": P, "ok": False, "error": f"the run's process exited with {done.returncode}"}
+        with open(path) as f:
+            return json.load(f)["runs"][0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_loop_arguments(parser, modes=LOOP_MODES, P="8192,32768,131072", G=8, R=1024, steps=20, name="length_loop_bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--options", type=json.loads, default={},
                         help='LongStraw options (JSON) besides prompt_grad, e.g. \'{"kernels": {"attention": "flash"}}\'')
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every P and mode in this process (cuDNN's plans carry from one to the next)")
     args = parser.parse_args()
     clock = Clock(args.budget_s)
-    model, modes, result, stem = loop_start(args, PEERS, use_cache=False)
-    run_loops(args, modes, result, stem, clock, lambda P, mode: run_mode(model, mode, P, args, model.config.vocab_size, model.device), table)
+    model, modes, result, stem = loop_start(args, PEERS, use_cache=False, build=args.in_process)
+    result["isolated"] = not args.in_process
+    if args.in_process:
+        run = lambda P, mode: run_mode(model, mode, P, args, model.config.vocab_size, model.device)  # noqa: E731
+    else:
+        run = lambda P, mode: isolated_run(P, mode, clock)  # noqa: E731
+    run_loops(args, modes, result, stem, clock, run, table)
+
 
 if __name__ == "__main__":
     main()

@@ -246,10 +246,32 @@ def planning_bench(r: Result) -> tuple[str, str]:
             f"then {mean:.2f} s of planning per new length")
 
 
+def length_loop_bench(r: Result) -> tuple[str, str]:
+    kernels = {json.dumps(run.get("options", {}).get("kernels", "sdpa")) for run in r["runs"]}
+    where = "its own process per run" if r.get("isolated") else "one process for every run"
+    head = [f"{run['mode']} {count(run['P'])}: {run['loop_mean_s']:.2f} s against {run['warm_s']:.2f} s warm "
+            f"({run['loop_over_warm']:.2f}x)" if run.get("ok") else f"{run['mode']} {count(run['P'])}: "
+            + ("OOM" if run.get("oom") else "failed") for run in r["runs"]]
+    return (f"a loop of {r['steps']} steps of new prompt and completion lengths ({r['model']} slice, "
+            f"{r['n_prompts']} prompts x G = {r['G']}, R up to {r['R']}), attention {', '.join(sorted(kernels))}, "
+            f"{where}", "; ".join(head))
+
+
+def step_profile(r: Result) -> tuple[str, str]:
+    head = []
+    for run in r["runs"]:
+        if not run.get("ok"):
+            continue
+        new = run.get("new_length")
+        head.append(f"{run['model']} {run['mode']} {count(run['P'])}: warm {run['warm_s']:.2f} s"
+                    + ("" if new is None else f", first call at new lengths {new['first_s']:.2f} s"))
+    return f"where one step's time goes ({r['n_prompts']} prompts x G = {r['G']}, R = {r['R']})", "; ".join(head)
+
+
 # By the name of the script that writes the files.
 DESCRIBE: dict[str, Callable[[Result], tuple[str, str]]] = {f.__name__: f for f in (
     grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes,
-    planning_bench)}
+    planning_bench, length_loop_bench, step_profile)}
 
 
 def describe(result: Result) -> tuple[str, str]:

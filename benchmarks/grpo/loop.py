@@ -33,17 +33,20 @@ def add_loop_arguments(parser: argparse.ArgumentParser, *, modes: Sequence[str],
     parser.add_argument("--name", default=name)
 
 
-def loop_start(args: argparse.Namespace, known: Sequence[str], use_cache: bool) -> tuple[transformers.PreTrainedModel, list[str], dict, str]:
-    """The model (bf16 on CUDA, float32 elsewhere), the modes asked for
-    (refused unless `known`), the result's header and the output stem."""
+def loop_start(args: argparse.Namespace, known: Sequence[str], use_cache: bool,
+               build: bool = True) -> tuple[transformers.PreTrainedModel | None, list[str], dict, str]:
+    """The model (bf16 on CUDA, float32 elsewhere; None unless `build`), the
+    modes asked for (refused unless `known`), the result's header and the
+    output stem."""
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(known)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {tuple(known)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(args.model, args.tiny, dtype, device)
-    model.config.use_cache = use_cache
+    model = build_model(args.model, args.tiny, dtype, device) if build else None
+    if model is not None:
+        model.config.use_cache = use_cache
     argv = [f"benchmarks/{Path(os.sys.argv[0]).name}",
             *["benchmarks/results" if a == args.out_dir else a for a in os.sys.argv[1:]]]
     result = {"n_prompts": args.prompts, "G": args.G, "R": args.R, "steps": args.steps, "dtype": str(dtype),

@@ -50,7 +50,8 @@ def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     """benchmarks/length_loop_bench.py end to end on tiny shapes: the warm
     step, the loop of new lengths, and LongStraw's count of Dynamo
     compiles in the loop (none: the scorer is traced with dynamic sizes)
-    and of plans (one per new length)."""
+    and of plans (one per new length), the run in a process of its own
+    (cuDNN's plans are per process)."""
     import json
 
     import length_loop_bench
@@ -64,6 +65,7 @@ def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert len(runs["longstraw_exact"]["loop_s"]) == 2
     assert runs["longstraw_exact"]["dynamo_graphs"] == 0 and runs["longstraw_exact"]["plans"] == 2
     assert "| longstraw_exact | 48 |" in (tmp_path / "loop.md").read_text()
+    assert json.loads((tmp_path / "loop.json").read_text())["isolated"]
 
 
 def test_kept_graphs_through_trl_give_trls_gradients():
@@ -91,7 +93,7 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
 
     argv = ["step_profile.py", "--tiny", "--P", "48", "--G", "2", "--R", "8", "--modes", "longstraw_exact,prefix_grouper",
             "--options", '{"keep_graphs": true, "recompute_layers": false, "prefix_chunk_size": 16}', "--top", "3",
-            "--out-dir", str(tmp_path), "--name", "profile"]
+            "--new-length", "--out-dir", str(tmp_path), "--name", "profile"]
     monkeypatch.setattr(sys, "argv", argv)
     step_profile.main()
     runs = {run["mode"]: run for run in json.loads((tmp_path / "profile.json").read_text())["runs"]}
@@ -100,6 +102,9 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
     assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
     assert "host profile" in (tmp_path / "profile.txt").read_text()
+    new = exact["new_length"]
+    assert new["lengths"] == [39, 32] and new["first_s"] > 0 and "differentiating the kept branch" in new["phases_s"]
+    assert "first call at prompt lengths [39, 32]" in (tmp_path / "profile.txt").read_text()
 
 
 def test_trainer_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):

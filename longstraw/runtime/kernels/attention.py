@@ -92,7 +92,7 @@ class CudnnKernel(FlashKernel):
         for start, length in self.earlier_blocks(q, keys.shape[-2]) if after else self.blocks(q, q_start):
             own = start == q_start
             kb, vb = keys.narrow(-2, start, length), values.narrow(-2, start, length)
-            call = self._call if _admits("forward", q, kb, own) else _flash_block
+            call = self._call if _admits("forward", own, q, kb, vb) else _flash_block
             o, s = call(q, kb, vb, own, scale)
             o, s = o.to(compute), s.to(compute)
             if out is None:
@@ -104,7 +104,7 @@ class CudnnKernel(FlashKernel):
         return out.to(q.dtype), lse
 
     def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
-        if not _admits("backward", q, keys, k_start == q_start):
+        if not _admits("backward", k_start == q_start, q, keys, values, grad_out, out, lse):
             return super().backward(grad_out, q, keys, values, out, lse.float(), mask, scale, q_start, k_start)
         # attn_bias, cumulative lengths and the philox seed/offset are absent (no bias, no varlen, no dropout)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -130,12 +130,13 @@ ShapeKey = tuple
 class CudnnShapes:
     """The cuDNN attention shapes one compiled loss's steps have run.
 
-    cuDNN builds and compiles an execution plan for every new shape (on the
-    H100, a first call at new prompt lengths spent 7 of its 9 s there:
-    `benchmarks/results/step_profile_new_length_h100.json`). A loop whose
-    prompt and completion lengths change every step meets new shapes at
-    every step, while the capture's full chunks recur. `gate()` hands a
-    step the shapes earlier steps ran: cuDNN runs those, flash the rest."""
+    cuDNN builds and compiles an execution plan for every new layout (sizes
+    and strides; on the H100 a first call at new prompt lengths spent 7 of
+    its 9 s there: `benchmarks/results/step_profile_new_length_h100.json`).
+    A loop whose prompt and completion lengths change every step meets new
+    layouts at every step, while the capture's full chunks recur. `gate()`
+    hands a step the layouts earlier steps ran: cuDNN runs those (its plans
+    are built), flash the rest."""
 
     def __init__(self) -> None:
         self.seen: set[ShapeKey] = set()
@@ -172,10 +173,15 @@ def gated(gate: CudnnGate) -> Iterator[None]:
         _GATES.remove(gate)
 
 
-def _admits(direction: str, q: torch.Tensor, keys: torch.Tensor, causal: bool) -> bool:
+def _admits(direction: str, causal: bool, *tensors: torch.Tensor) -> bool:
+    """Whether the innermost gate admits this cuDNN call. The key is what
+    cuDNN keys its plans on: sizes and strides (a K/V view's strides follow
+    the state buffer's capacity, so the same sizes at a new prompt length
+    are a new plan), dtype, device, causality."""
     if not _GATES:
         return True
-    return _GATES[-1].admits((direction, tuple(q.shape), tuple(keys.shape), causal, q.dtype, q.device))
+    layout = tuple((tuple(t.shape), t.stride()) for t in tensors)
+    return _GATES[-1].admits((direction, causal, layout, tensors[0].dtype, tensors[0].device))
 
 
 class MathKernel(AttentionKernel):

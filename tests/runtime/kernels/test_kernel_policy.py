@@ -139,6 +139,12 @@ def test_a_gated_cudnn_kernel_runs_flash_at_new_shapes():
         outputs[name] = out, [g[0] for g in grads]
         assert (out.double() - reference).abs().max() < 2e-2
     assert {key[0] for key in shapes.seen} == {"forward", "backward"} and len(shapes.seen) == 4
+    wider = torch.randn(1, 2, 192, 64, device="cuda", dtype=torch.bfloat16)[..., : q_start + 96, :]  # new strides
+    with attention.gated(shapes.gate()):
+        attention.CUDNN.forward(q, k, v, None, scale, q_start)
+        assert len(shapes.seen) == 4
+        attention.CUDNN.forward(q, wider, wider, None, scale, q_start)
+        assert len(shapes.seen) == 6  # a new plan for cuDNN
     for a, b in zip(outputs["new"][1], outputs["seen"][1]):
         assert (a.double() - b.double()).abs().max() < 5e-2 * (1 + b.double().abs().max())
 
