@@ -96,3 +96,24 @@ def test_state_at_jamba_v0_1():
     assert report.state_bytes_per_position == attention * 2 * config.num_key_value_heads * head_dim * 2 == 16_384
     assert report.state_fixed_bytes == mixers * d * (config.mamba_d_state * 4 + (config.mamba_d_conv - 1) * 2) \
         == 16_056_320
+
+
+FALCON_MAMBA_7B = dict(hidden_size=4096, num_hidden_layers=64, state_size=16, expand=16, intermediate_size=8192,
+                       conv_kernel=4, time_step_rank=256, vocab_size=65024, tie_word_embeddings=False)
+"""tiiuae/falcon-mamba-7b's published config.json (its `expand` of 16 is
+overridden by its explicit `intermediate_size` of 8,192 = 2 x 4,096)."""
+
+
+@pytest.mark.slow
+def test_state_at_falcon_mamba_7b():
+    """falcon-mamba-7b (shapes from tiiuae/falcon-mamba-7b's config.json),
+    bf16: nothing per position; per layer the scan's state (8,192 channels x
+    16, float32: 524,288 B) and the convolution's last 3 inputs (8,192
+    channels, bf16: 49,152 B); the RMS norms of B, C and dt add none."""
+    config = transformers.FalconMambaConfig(**FALCON_MAMBA_7B)
+    with torch.device("meta"):
+        model = transformers.FalconMambaForCausalLM(config).to(torch.bfloat16)
+    report = explain_on_meta(model)
+    layers, channels, n, k = 64, 8192, 16, 4  # the published config's numbers, not the config object's
+    assert report.state_bytes_per_position == 0
+    assert report.state_fixed_bytes == layers * (channels * n * 4 + channels * (k - 1) * 2) == 36_700_160

@@ -25,6 +25,7 @@ from longstraw.runtime.kernels import attention as attention_kernels
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
 from helpers.parity import deterministic_algorithms
+from helpers.published import explain_on_meta
 from helpers.reference import detached_reference
 from helpers.tiny_models import make_deepseek_v3, make_group
 
@@ -266,3 +267,31 @@ def explicit_causal_mask():
 @pytest.mark.parametrize("mode", SLOW_DETACHED)
 def test_mask_proved_causal_is_claimed(explicit_causal_mask, mode):
     check_parity(make_deepseek_v3(), mode, (3, 10, 4, 3))
+
+
+DEEPSEEK_V2_LITE = dict(
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+    qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+    first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=163840,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},
+)
+"""deepseek-ai/DeepSeek-V2-Lite's published config.json, as `DeepseekV2Config` arguments."""
+
+
+@pytest.mark.slow
+def test_state_at_deepseek_v2_lite():
+    """DeepSeek-V2-Lite (16B-A2.4B; shapes from deepseek-ai/DeepSeek-V2-Lite's
+    config.json) on the meta device, bf16, HF's `batched_mm` experts: each
+    of the 27 MLA layers keeps the latent (512) and the rope key (64) per
+    position, 1,152 B, not the decompressed 16 x (192 + 128) K/V; nothing
+    fixed."""
+    config = transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE)
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(config).to(torch.bfloat16)
+    model.set_experts_implementation("batched_mm")
+    report = explain_on_meta(model, 256, 100)
+    layers, latent, rope = 27, 512, 64
+    assert report.state_bytes_per_position == layers * (latent + rope) * 2 == 31_104
+    assert report.state_fixed_bytes == 0

@@ -331,6 +331,26 @@ def test_state_at_gpt_oss_20b():
     assert report.state_fixed_bytes == sliding * kv * (w - 1) * (2 * d + 1) * 2 == 3_145_536
 
 
+
+@pytest.mark.slow
+def test_state_at_mimo_v2_flash():
+    """`MiMoV2FlashConfig`'s defaults (the full-size shapes HF documents with
+    XiaomiMiMo/MiMo-V2-Flash: 48 layers, 9 of full attention, 256 experts),
+    on the meta device, bf16: 9 full layers keep keys of 192 and values of
+    128 (4 heads) per position, 2,560 B each; 39 sliding layers (twice the
+    K/V heads, sinks) carry their last 128 positions' keys, values and
+    flags, 657,408 B each."""
+    config = transformers.MiMoV2FlashConfig()
+    with torch.device("meta"):
+        model = transformers.MiMoV2FlashForCausalLM(config).to(torch.bfloat16)
+    model.set_experts_implementation("batched_mm")
+    report = explain_on_meta(model, 512, 200)
+    full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
+    kv, d_k, d_v, w = config.num_key_value_heads, config.head_dim, config.v_head_dim, config.sliding_window
+    assert (full, sliding, kv, d_k, d_v, w) == (9, 39, 4, 192, 128, 129)
+    assert report.state_bytes_per_position == full * kv * (d_k + d_v) * 2 == 23_040
+    assert report.state_fixed_bytes == sliding * 2 * kv * (w - 1) * (d_k + d_v + 1) * 2 == 25_638_912
+
 def test_the_detached_reference_is_hf_cache_path():
     """The detached contract cut at HF's eager attention (the families'
     reference) is HF's cached prompt under no_grad, and differs from the
