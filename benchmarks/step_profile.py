@@ -3,8 +3,8 @@ wall time, LongStraw's phases, the heaviest operators, and the host's
 Python profile of LongStraw's step.
 
 Same micro-batch and modes as peers_bench (TRL's `compute_loss`, 2 prompts
-x G completions, R = 1024). Per model and P and mode: the first call
-(LongStraw plans and compiles there), the median of three warm steps, then
+x G completions, R = 1024). Per model and P and mode: the first call,
+split into Dynamo's compiles, LongStraw's planning and the run, the median of three warm steps, then
 one warm step under `torch.profiler` (sum of kernel time: when it is far
 under the wall time, the step waits on the host) and, for LongStraw, one
 under `phase_seconds` (device-synchronised per runtime phase) and one under
@@ -74,6 +74,23 @@ def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
     return out.getvalue()
 
 
+def split_call(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> dict:
+    """One call's seconds, split into Dynamo's compiles (tracing the loss:
+    `entire_frame_compile_time_s` of the compiles it made), LongStraw's
+    planning (`GroupPlan.seconds` of the plans it made) and the rest (running
+    the step)."""
+    backend = getattr(runner.trainer, "longstraw_backend", None)
+    plans_before = 0 if backend is None else len(backend.plans)
+    compiles_before = len(torch._dynamo.utils.get_compilation_metrics())
+    seconds = timed_step(runner, batch)
+    compiles = torch._dynamo.utils.get_compilation_metrics()[compiles_before:]
+    plans = [] if backend is None else list(backend.plans)[plans_before:]
+    dynamo = sum(m.entire_frame_compile_time_s or 0.0 for m in compiles)
+    planning = sum(p.seconds.total for p in plans if p.seconds is not None)
+    return {"s": seconds, "dynamo_compiles": len(compiles), "dynamo_s": dynamo, "plans": len(plans),
+            "plan_s": planning, "run_s": seconds - dynamo - planning}
+
+
 def plan_of(runner: PeerRunner) -> dict:
     backend = getattr(runner.trainer, "longstraw_backend", None)
     if backend is None or not backend.plans:
@@ -92,7 +109,8 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
     batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device)
     out: dict = {"model": kind, "mode": mode, "P": P, "options": args.options}
     with recorded_failure(out, model), PeerRunner(model, mode, rows, args.G, args.R, args.options) as runner:
-        out["first_s"] = timed_step(runner, batch)
+        out["first"] = split_call(runner, batch)
+        out["first_s"] = out["first"]["s"]
         release(model)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -120,7 +138,9 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
 def new_length_profile(runner: PeerRunner, model, kind: str, mode: str, P: int, args, report: list[str]) -> dict:
     """The first call at new prompt lengths (shorter than P by a fifth and a
     third, so neither was planned), then that call again warm: where the
-    difference goes, by phase and in the host's profile."""
+    difference goes, by phase and in the host's profile; then a call at
+    lengths one shorter again, split into compiles, planning and the run
+    (`split_call`)."""
     lengths = [P - P // 5, P - P // 3][: args.prompts]
     batch = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device, lengths)
     phases: dict[str, float] = {}
@@ -129,15 +149,24 @@ def new_length_profile(runner: PeerRunner, model, kind: str, mode: str, P: int, 
     text = host_profile(runner, batch, args.top, phases)
     first = time.perf_counter() - start
     release(model)
+    again = trl_micro_batch(args.prompts, args.G, P, args.R, model.config.vocab_size, model.device,
+                            [n - 1 for n in lengths])
+    split = split_call(runner, again)  # one more new length, outside the profilers
+    release(model)
     with phase_seconds() as warm_phases:
         warm = timed_step(runner, batch)
     release(model)
     report.append(f"===== {kind} {mode} P={P}: first call at prompt lengths {lengths}\n{text}")
-    return {"lengths": lengths, "first_s": first, "phases_s": phases, "warm_s": warm, "warm_phases_s": warm_phases}
+    return {"lengths": lengths, "first_s": first, "phases_s": phases, "warm_s": warm, "warm_phases_s": warm_phases,
+            "next": split}
+
+
+def _split(call: dict) -> str:
+    return f"{call['dynamo_s']:.2f}, {call['plan_s']:.2f}, {call['run_s']:.2f}"
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| model | mode | P | first s | warm s | kernel s | launches | peak GB | phases s | new length: first s, warm s, first's phases s |",
+    lines = ["| model | mode | P | first s (Dynamo, plan, run) | warm s | kernel s | launches | peak GB | phases s | new length: first s, warm s, first's phases s; next (Dynamo, plan, run) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in runs:
         if not r.get("ok"):
@@ -146,8 +175,10 @@ def table(runs: list[dict]) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
         new = r.get("new_length")
         new = "" if new is None else (f"{new['first_s']:.2f}, {new['warm_s']:.2f}; "
-                                      + ", ".join(f"{k} {v:.2f}" for k, v in new["phases_s"].items()))
-        lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r['first_s']:.2f} | {r['warm_s']:.3f} | "
+                                      + ", ".join(f"{k} {v:.2f}" for k, v in new["phases_s"].items())
+                                      + f"; {_split(new['next'])}")
+        first = f"{r['first_s']:.2f}" + (f" ({_split(r['first'])})" if "first" in r else "")
+        lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {first} | {r['warm_s']:.3f} | "
                      f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r['peak_gb']:.1f} | {phases} | {new} |")
     return "\n".join(lines)
 

@@ -102,8 +102,11 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
     assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
     assert "host profile" in (tmp_path / "profile.txt").read_text()
+    assert exact["first"]["dynamo_compiles"] >= 1 and exact["first"]["plans"] == 1
+    assert 0 < exact["first"]["plan_s"] and 0 < exact["first"]["dynamo_s"] < exact["first"]["s"]
     new = exact["new_length"]
     assert new["lengths"] == [39, 32] and new["first_s"] > 0 and "differentiating the kept branch" in new["phases_s"]
+    assert new["next"]["plans"] == 1 and new["next"]["dynamo_compiles"] == 0  # dynamic sizes since the second length
     assert "first call at prompt lengths [39, 32]" in (tmp_path / "profile.txt").read_text()
 
 
