@@ -14,6 +14,7 @@ The kernels are in `longstraw.runtime.kernels`: the chunked PyTorch rule
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -40,33 +41,41 @@ def gated_delta_rule(
     return out, state
 
 
-@gated_delta_rule.register_fake
-def _(q, k, v, g, beta, initial_state, use_qk_l2norm):
+def _delta_rule_fake(q, k, v, g, beta, initial_state, use_qk_l2norm):
     batch, length, _, dim_k = k.shape
     heads_v, dim_v = v.shape[-2:]
     work = torch.promote_types(q.dtype, torch.float32)
     return q.new_empty(batch, length, heads_v, dim_v), q.new_empty(batch, heads_v, dim_k, dim_v, dtype=work)
 
 
-def _setup(ctx, inputs, output):
-    ctx.use_qk_l2norm = inputs[-1]
-    initial_state = inputs[5]
-    # HF caches update their recurrent state in place after the call: keep our own copy
-    ctx.save_for_backward(*inputs[:5], None if initial_state is None else initial_state.clone())
+def register_delta_rule(
+    op: torch.library.CustomOpDef, reference: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """The fake and the autograd of a delta-rule operator `op(q, k, v, g,
+    beta, initial_state, use_qk_l2norm) -> (out [B, T, Hv, Dv], state [B,
+    Hv, Dk, Dv] in at least float32)` whose PyTorch kernel is `reference`:
+    the backward recomputes `reference` under autograd."""
+
+    def setup(ctx, inputs, output):
+        ctx.use_qk_l2norm = inputs[-1]
+        initial_state = inputs[5]
+        # HF caches update their recurrent state in place after the call: keep our own copy
+        ctx.save_for_backward(*inputs[:5], None if initial_state is None else initial_state.clone())
+
+    def backward(ctx, grad_out, grad_state):
+        grads = recompute_grads(
+            lambda *x: reference(*x, ctx.use_qk_l2norm),
+            ctx.saved_tensors,
+            [grad_out, grad_state],
+            ctx.needs_input_grad[:6],
+        )
+        return (*grads, None)
+
+    op.register_fake(_delta_rule_fake)
+    op.register_autograd(backward, setup_context=setup)
 
 
-def _backward(ctx, grad_out, grad_state):
-    inputs = ctx.saved_tensors
-    grads = recompute_grads(
-        lambda *x: gated_delta_rule_reference(*x, ctx.use_qk_l2norm),
-        inputs,
-        [grad_out, grad_state],
-        ctx.needs_input_grad[:6],
-    )
-    return (*grads, None)
-
-
-gated_delta_rule.register_autograd(_backward, setup_context=_setup)
+register_delta_rule(gated_delta_rule, gated_delta_rule_reference)
 
 
 def _step_kernel(q, k, v, g, beta, initial_state, use_qk_l2norm):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.runtime.carry import CarryKernel, recompute_grads
+from longstraw.runtime.carry import CarryKernel
 from longstraw.runtime.kernels.kimi_delta import kimi_delta_rule_reference
 
-from .gated_delta import GatedDeltaPass
+from .gated_delta import GatedDeltaPass, register_delta_rule
 
 
 @torch.library.custom_op("longstraw::kimi_delta_rule", mutates_args=())
@@ -36,31 +36,7 @@ def kimi_delta_rule(
     return out, state
 
 
-@kimi_delta_rule.register_fake
-def _(q, k, v, g, beta, initial_state, use_qk_l2norm):
-    batch, length, heads, dim_k = k.shape
-    work = torch.promote_types(q.dtype, torch.float32)
-    return q.new_empty(batch, length, heads, v.shape[-1]), q.new_empty(batch, heads, dim_k, v.shape[-1], dtype=work)
-
-
-def _setup(ctx, inputs, output):
-    ctx.use_qk_l2norm = inputs[-1]
-    initial_state = inputs[5]
-    # HF caches update their recurrent state in place after the call: keep our own copy
-    ctx.save_for_backward(*inputs[:5], None if initial_state is None else initial_state.clone())
-
-
-def _backward(ctx, grad_out, grad_state):
-    grads = recompute_grads(
-        lambda *x: kimi_delta_rule_reference(*x, ctx.use_qk_l2norm),
-        ctx.saved_tensors,
-        [grad_out, grad_state],
-        ctx.needs_input_grad[:6],
-    )
-    return (*grads, None)
-
-
-kimi_delta_rule.register_autograd(_backward, setup_context=_setup)
+register_delta_rule(kimi_delta_rule, kimi_delta_rule_reference)
 
 
 class KimiDeltaPass(GatedDeltaPass):

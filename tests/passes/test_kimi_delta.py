@@ -72,6 +72,16 @@ def test_the_operators_gradients_are_transformers():
         assert_close(a, b, 1e-5, f"d{name}")
 
 
+def test_the_operator_registration_is_consistent():
+    """`torch.library.opcheck`: the fake (shared with Gated DeltaNet's
+    operator) gives the kernel's shapes and dtypes, the autograd
+    registration runs, and the operator traces, with and without an
+    initial state."""
+    inputs = [x[:, :20].requires_grad_(True) for x in _inputs()]
+    for initial in (None, torch.randn(2, 3, 8, 6, dtype=torch.float64, requires_grad=True)):
+        torch.library.opcheck(kimi_delta_rule, (*inputs, initial, True))
+
+
 def test_the_detached_reference_differs_from_exact():
     family = FAMILIES["kimi_linear"]
     model, group = family.build(), make_group(3, 13, 5, pad=True)
