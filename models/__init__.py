@@ -6,7 +6,9 @@ graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
 `longstraw.models.mamba2` and `longstraw.models.mamba` route Mamba-2's and
 Mamba-1's scans to `longstraw::ssd_scan`, `longstraw.models.kimi_linear`
-Kimi Delta Attention to `longstraw::kimi_delta_rule`; `longstraw.models.moe` traces
+Kimi Delta Attention to `longstraw::kimi_delta_rule`; `longstraw.models.llama4`
+has Dynamo trace Llama 4's MoE with the token axis apart from the expert
+axis; `longstraw.models.moe` traces
 HF's grouped_mm experts as one per-position
 operator; `longstraw.models.sinks` traces gpt-oss's and MiMo-V2-Flash's
 eager attention with learned sinks as one operator;
@@ -55,6 +57,7 @@ BINDINGS = {
         "transformers.models.jamba.modeling_jamba",
     )},
     "transformers.models.kimi_linear.modeling_kimi_linear": "longstraw.models.kimi_linear",
+    "transformers.models.llama4.modeling_llama4": "longstraw.models.llama4",
     "transformers.models.gpt_oss.modeling_gpt_oss": "longstraw.models.sinks",
     "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash": "longstraw.models.sinks",
     "transformers.utils.logging": "longstraw.models.hf_logging",

@@ -253,6 +253,11 @@ SUPPORTED = [
            experts="batched_mm", detached=_latent_detached,
            note="MLA with complex rotary embeddings (`view_as_complex`), MoE with a shared expert"),
     Family("ministral3", _hf(T.Ministral3Config), note="Llama 4's position-dependent attention scale (`floor`)"),
+    Family("llama4_text", _hf(T.Llama4TextConfig, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48,
+                              interleave_moe_layer_step=1, attention_chunk_size=8),
+           note="MoE through a drop-in that keeps the token axis apart from the expert axis (`models/llama4.py`); "
+                "chunked attention (a chunk of 8 in a prompt of 21) as a positions-only mask, every prompt position "
+                "kept; complex rotary embeddings and the `floor` of the attention scale have rules"),
     Family("mamba2", _hf(T.Mamba2Config, _NO_HEAD_DIM, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=1,
                          chunk_size=4), attn_implementation="eager", detached=_hybrid_detached, tol=MAMBA_TOL,
            note="No attention: the SSD scan and its convolution are the state (`longstraw.models.mamba2`)"),
@@ -367,12 +372,6 @@ REFUSED = [
            fix=Fix(model=lambda model: model.eval()),
            note="In train mode HF clamps AltUp's coefficients in place (`prediction_coefs.weight.data.clamp_`): "
                 "compile the loss with the model in eval mode."),
-    Family("llama4_text", _hf(T.Llama4TextConfig, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48,
-                              interleave_moe_layer_step=1, attention_chunk_size=8),
-           refused=r"operator `repeat` .* in module `model\.model\.layers\.0\.feed_forward` .* reduces or drops the sequence "
-                   r"axis\. " + re.escape(NO_FIX),
-           note="Its own MoE routing repeats the tokens per expert, and its chunked attention layers have no pass: "
-                "no fix yet (its complex rotary embeddings have a rule)."),
     Family("qwen3_moe (eager experts)", _hf(T.Qwen3MoeConfig, **_MOE), refused=DATA_DEPENDENT_ROUTING, fix=_BATCHED_MM,
            note=_ISSUE_MOE),
     Family("mixtral (eager experts)", _hf(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
