@@ -136,10 +136,11 @@ class CudnnShapes:
     A loop whose prompt and completion lengths change every step meets new
     layouts at every step, while the capture's full chunks recur. `gate()`
     hands a step the layouts earlier steps ran: cuDNN runs those (its plans
-    are built), flash the rest."""
+    are built), flash the rest. It remembers the last `CUDNN_SHAPES_KEPT`
+    layouts, so a long run of new lengths does not grow it without end."""
 
     def __init__(self) -> None:
-        self.seen: set[ShapeKey] = set()
+        self.seen: dict[ShapeKey, None] = {}  # in the order first met
 
     def gate(self) -> CudnnGate:
         return CudnnGate(frozenset(self.seen), self.seen)
@@ -153,11 +154,17 @@ class CudnnGate:
     `seen`, for later steps."""
 
     allowed: frozenset[ShapeKey]
-    seen: set[ShapeKey]
+    seen: dict[ShapeKey, None]
 
     def admits(self, key: ShapeKey) -> bool:
-        self.seen.add(key)
+        if key not in self.seen:
+            self.seen[key] = None
+            if len(self.seen) > CUDNN_SHAPES_KEPT:
+                del self.seen[next(iter(self.seen))]
         return key in self.allowed
+
+
+CUDNN_SHAPES_KEPT = 16384
 
 
 _GATES: list[CudnnGate] = []

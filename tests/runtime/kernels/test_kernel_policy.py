@@ -91,6 +91,17 @@ def test_cudnn_runs_only_at_shapes_an_earlier_step_ran():
     assert KernelPolicy() == KernelPolicy() and hash(KernelPolicy()) == hash(KernelPolicy())  # history is not configuration
 
 
+def test_the_shapes_kept_are_bounded(monkeypatch):
+    """A long run of new lengths keeps the last `CUDNN_SHAPES_KEPT` layouts, the oldest forgotten first."""
+    monkeypatch.setattr(attention, "CUDNN_SHAPES_KEPT", 3)
+    shapes = attention.CudnnShapes()
+    gate = shapes.gate()
+    for n in range(5):
+        gate.admits(("forward", n))
+    assert list(shapes.seen) == [("forward", 2), ("forward", 3), ("forward", 4)]
+    assert shapes.gate().admits(("forward", 4)) and not shapes.gate().admits(("forward", 0))
+
+
 def test_a_step_and_its_backward_share_one_gate():
     """Forward, replays and reverse pass of one call run under the gate its
     forward took (a recaptured prompt runs the forward's kernels); the next
