@@ -81,9 +81,9 @@ def split_call(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> dict:
     the step)."""
     backend = getattr(runner.trainer, "longstraw_backend", None)
     plans_before = 0 if backend is None else len(backend.plans)
-    compiles_before = len(torch._dynamo.utils.get_compilation_metrics())
+    torch._dynamo.utils.clear_compilation_metrics()  # a bounded record: cleared, not counted from
     seconds = timed_step(runner, batch)
-    compiles = torch._dynamo.utils.get_compilation_metrics()[compiles_before:]
+    compiles = torch._dynamo.utils.get_compilation_metrics()
     plans = [] if backend is None else list(backend.plans)[plans_before:]
     dynamo = sum(m.entire_frame_compile_time_s or 0.0 for m in compiles)
     planning = sum(p.seconds.total for p in plans if p.seconds is not None)
