@@ -82,8 +82,8 @@ class CudnnKernel(FlashKernel):
     same blocks with the merged output and log-sum-exp, like flash's. Fixed
     block lengths let cuDNN reuse its execution plans from chunk to chunk
     (each new shape builds one). Under a `CudnnGate` (`gated`), a block
-    whose shape no earlier step ran goes to flash instead: same blocks,
-    same merge, no plan to build."""
+    whose layout no earlier step ran goes to flash instead, where flash is
+    switched on: same blocks, same merge, no plan to build."""
 
     def forward(self, q, keys, values, mask, scale, q_start):
         out, lse = None, None
@@ -184,8 +184,9 @@ def _admits(direction: str, causal: bool, *tensors: torch.Tensor) -> bool:
     """Whether the innermost gate admits this cuDNN call. The key is what
     cuDNN keys its plans on: sizes and strides (a K/V view's strides follow
     the state buffer's capacity, so the same sizes at a new prompt length
-    are a new plan), dtype, device, causality."""
-    if not _GATES:
+    are a new plan), dtype, device, causality. With flash switched off
+    (`sdpa_kernel` without FLASH_ATTENTION) every call runs cuDNN, as asked."""
+    if not _GATES or not torch.backends.cuda.flash_sdp_enabled():
         return True
     layout = tuple((tuple(t.shape), t.stride()) for t in tensors)
     return _GATES[-1].admits((direction, causal, layout, tensors[0].dtype, tensors[0].device))

@@ -91,6 +91,17 @@ def test_cudnn_runs_only_at_shapes_an_earlier_step_ran():
     assert KernelPolicy() == KernelPolicy() and hash(KernelPolicy()) == hash(KernelPolicy())  # history is not configuration
 
 
+def test_with_flash_switched_off_every_call_runs_cudnn():
+    """`sdpa_kernel` without flash: the gate does not send new layouts to flash."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.empty(1, 2, 4, 8)
+    with attention.gated(attention.CudnnShapes().gate()):
+        assert not attention._admits("forward", True, q, q, q)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+            assert attention._admits("forward", True, q, q, q)
+
+
 def test_the_shapes_kept_are_bounded(monkeypatch):
     """A long run of new lengths keeps the last `CUDNN_SHAPES_KEPT` layouts, the oldest forgotten first."""
     monkeypatch.setattr(attention, "CUDNN_SHAPES_KEPT", 3)
