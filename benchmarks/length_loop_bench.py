@@ -12,7 +12,9 @@ longest. Per P and mode this runs, on the same model and TRL's layout
   timed step by step from the first (what a loop pays, planning included);
 
 and reports the loop's mean step against the warm step, Dynamo's graphs
-and LongStraw's plans (with the time planning took, `GroupPlan.seconds`).
+and LongStraw's plans (with the time planning took, `GroupPlan.seconds`),
+and how many of the loop's fused attention calls the cuDNN gate ran on
+cuDNN and how many on flash (`CudnnShapes.calls`).
 Modes are peers_bench's (peers/modes.py): `compute_loss` of TRL's trainer.
 Each (P, mode) runs in a process of its own: cuDNN keeps the attention
 plans it builds for the whole process, so a mode run after another at the
@@ -66,6 +68,8 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
         torch._dynamo.utils.counters.clear()
         backend = getattr(runner.trainer, "longstraw_backend", None)
         before = set() if backend is None else {id(p) for p in backend.plans}
+        calls = None if backend is None else backend.options.kernels.cudnn_shapes.calls
+        calls_before = None if calls is None else dict(calls)
         seconds = []
         for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
             batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
@@ -81,6 +85,8 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
         out["plan_split_s"] = {part: sum(getattr(p.seconds, part) for p in planned)
                                for part in ("specialize", "analysis", "memory")}
         out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
+        if calls is not None:  # fused attention calls of the loop under the cuDNN gate, by the kernel that ran
+            out["gated_attention_calls"] = {k: calls[k] - calls_before[k] for k in calls}
     return out
 
 

@@ -64,6 +64,7 @@ def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert all(run["ok"] for run in runs.values()), runs
     assert len(runs["longstraw_exact"]["loop_s"]) == 2
     assert runs["longstraw_exact"]["dynamo_graphs"] == 0 and runs["longstraw_exact"]["plans"] == 2
+    assert runs["longstraw_exact"]["gated_attention_calls"] == {"cudnn": 0, "flash": 0}  # no fused kernel on the CPU
     assert "| longstraw_exact | 48 |" in (tmp_path / "loop.md").read_text()
     assert json.loads((tmp_path / "loop.json").read_text())["isolated"]
 

@@ -141,27 +141,33 @@ class CudnnShapes:
 
     def __init__(self) -> None:
         self.seen: dict[ShapeKey, None] = {}  # in the order first met
+        self.calls = {"cudnn": 0, "flash": 0}  # gated calls so far, by the kernel that ran
 
     def gate(self) -> CudnnGate:
-        return CudnnGate(frozenset(self.seen), self.seen)
+        return CudnnGate(frozenset(self.seen), self)
+
+    def record(self, key: ShapeKey, admitted: bool) -> None:
+        self.calls["cudnn" if admitted else "flash"] += 1
+        if key not in self.seen:
+            self.seen[key] = None
+            if len(self.seen) > CUDNN_SHAPES_KEPT:
+                del self.seen[next(iter(self.seen))]
 
 
 @dataclasses.dataclass(frozen=True)
 class CudnnGate:
     """One step's view of `CudnnShapes`: `allowed` is frozen when the step's
     forward starts and its backward reuses it, so a prompt recaptured in the
-    backward runs the forward's kernels; shapes the step meets are added to
-    `seen`, for later steps."""
+    backward runs the forward's kernels; the layouts the step meets are
+    recorded in `shapes`, for later steps."""
 
     allowed: frozenset[ShapeKey]
-    seen: dict[ShapeKey, None]
+    shapes: CudnnShapes
 
     def admits(self, key: ShapeKey) -> bool:
-        if key not in self.seen:
-            self.seen[key] = None
-            if len(self.seen) > CUDNN_SHAPES_KEPT:
-                del self.seen[next(iter(self.seen))]
-        return key in self.allowed
+        admitted = key in self.allowed
+        self.shapes.record(key, admitted)
+        return admitted
 
 
 CUDNN_SHAPES_KEPT = 16384

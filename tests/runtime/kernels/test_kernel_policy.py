@@ -110,6 +110,7 @@ def test_the_shapes_kept_are_bounded(monkeypatch):
     for n in range(5):
         gate.admits(("forward", n))
     assert list(shapes.seen) == [("forward", 2), ("forward", 3), ("forward", 4)]
+    assert shapes.calls == {"cudnn": 0, "flash": 5}
     assert shapes.gate().admits(("forward", 4)) and not shapes.gate().admits(("forward", 0))
 
 
@@ -133,7 +134,7 @@ def test_a_step_and_its_backward_share_one_gate():
                 compiled_loss_and_grads(loss, make_model("qwen3"), *make_group(2, 20, 4))
     (first, second), (named, _) = gates[:2], gates[2:]
     assert len(first) > 2 and len({id(g) for g in first}) == 1 and first[0] is not None
-    assert len({id(g) for g in second}) == 1 and second[0] is not first[0] and second[0].seen is first[0].seen
+    assert len({id(g) for g in second}) == 1 and second[0] is not first[0] and second[0].shapes is first[0].shapes
     assert set(named) == {None} and not attention._GATES
 
 
@@ -167,6 +168,7 @@ def test_a_gated_cudnn_kernel_runs_flash_at_new_shapes():
         assert len(shapes.seen) == 4
         attention.CUDNN.forward(q, wider, wider, None, scale, q_start)
         assert len(shapes.seen) == 6  # a new plan for cuDNN
+    assert shapes.calls == {"cudnn": 2, "flash": 6}
     for a, b in zip(outputs["new"][1], outputs["seen"][1]):
         assert (a.double() - b.double()).abs().max() < 5e-2 * (1 + b.double().abs().max())
 
