@@ -37,9 +37,9 @@ class KernelPolicy:
     everywhere.
 
     Under "sdpa", where SDPA's order picks cuDNN, cuDNN runs only at
-    shapes an earlier step of this loss ran and flash at new ones
+    layouts an earlier step of this loss ran and flash at new ones
     (`attention.CudnnShapes`): a new length costs no plan builds, a
-    repeated one runs cuDNN. "cudnn" runs it at every shape."""
+    repeated one runs cuDNN. "cudnn" runs it at every layout."""
 
     attention: Literal["sdpa", "flash", "cudnn", "math"] = "sdpa"
     gated_delta: Literal["auto", "torch"] = "auto"
@@ -55,7 +55,7 @@ class KernelPolicy:
                 raise LongStrawError(f"kernels['{name}'] must be one of {FLA_CHOICES}, got {getattr(self, name)!r}")
 
     def gate(self) -> CudnnGate | None:
-        """The cuDNN shapes one step may run (None: no gating), taken when its forward starts."""
+        """The cuDNN layouts one step may run (None: no gating), taken when its forward starts."""
         return self.cudnn_shapes.gate() if self.attention == "sdpa" else None
 
     @contextlib.contextmanager

@@ -56,7 +56,11 @@ class FlashKernel(AttentionKernel):
     and the log-sum-exp the block backward needs."""
 
     def forward(self, q, keys, values, mask, scale, q_start):
-        causal = q_start < keys.shape[-2]
+        return self._flash(q, keys, values, q_start < keys.shape[-2], scale)
+
+    @staticmethod
+    def _flash(q, keys, values, causal, scale):
+        """(output, log-sum-exp) of one flash call, lower-right causal where `causal`."""
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False, scale=scale)
         return out, lse
 
@@ -92,7 +96,7 @@ class CudnnKernel(FlashKernel):
         for start, length in self.earlier_blocks(q, keys.shape[-2]) if after else self.blocks(q, q_start):
             own = start == q_start
             kb, vb = keys.narrow(-2, start, length), values.narrow(-2, start, length)
-            call = self._call if _admits("forward", own, q, kb, vb) else _flash_block
+            call = self._call if _admits("forward", own, q, kb, vb) else self._flash
             o, s = call(q, kb, vb, own, scale)
             o, s = o.to(compute), s.to(compute)
             if out is None:
@@ -116,12 +120,6 @@ class CudnnKernel(FlashKernel):
     def _call(q, keys, values, causal, scale):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal, False, scale=scale)
         return out, lse.reshape(q.shape[:-1])
-
-
-def _flash_block(q, keys, values, causal, scale):
-    """Flash over one block, top-left causal where `causal` (the block is the step's own square)."""
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False, scale=scale)
-    return out, lse
 
 
 ShapeKey = tuple
@@ -178,7 +176,7 @@ _GATES: list[CudnnGate] = []
 
 @contextlib.contextmanager
 def gated(gate: CudnnGate) -> Iterator[None]:
-    """cuDNN calls inside run only at shapes `gate` admits; flash runs the others."""
+    """cuDNN calls inside run only at layouts `gate` admits; flash runs the others."""
     _GATES.append(gate)
     try:
         yield
