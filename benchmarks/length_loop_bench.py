@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 from grpo.loop import add_loop_arguments, loop_start, run_loops
-from grpo.measure import Clock, recorded_failure, release, timed_step
+from grpo.measure import Clock, plans_made, recorded_failure, release, timed_step
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
 
@@ -67,15 +67,14 @@ def run_mode(model, mode: str, P: int, args, vocab: int, device: torch.device) -
             torch.cuda.reset_peak_memory_stats()
         torch._dynamo.utils.counters.clear()
         backend = getattr(runner.trainer, "longstraw_backend", None)
-        before = set() if backend is None else {id(p) for p in backend.plans}
         calls = None if backend is None else backend.options.kernels.cudnn_shapes.calls
         calls_before = None if calls is None else dict(calls)
         seconds = []
-        for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
-            batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
-            seconds.append(timed_step(runner, batch))
-            release(model)
-        planned = [] if backend is None else [p for p in backend.plans if id(p) not in before]
+        with plans_made(runner) as planned:
+            for lengths, R in loop_lengths(P, args.R, args.prompts, args.steps, args.seed):
+                batch = trl_micro_batch(args.prompts, args.G, P, R, vocab, device, lengths=lengths)
+                seconds.append(timed_step(runner, batch))
+                release(model)
         out["loop_s"] = seconds
         out["loop_mean_s"] = sum(seconds) / len(seconds)
         out["loop_over_warm"] = out["loop_mean_s"] / out["warm_s"]
@@ -105,19 +104,10 @@ def table(result: dict) -> str:
 def isolated_run(P: int, mode: str, clock: Clock) -> dict:
     """`run_mode` in a process of its own: this script with `--in-process`
     for one P and one mode, its result read back."""
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a in ("--P", "--modes", "--out-dir", "--name", "--budget-s"):
-            skip = True
-            continue
-        if not a.startswith(("--P=", "--modes=", "--out-dir=", "--name=", "--budget-s=")):
-            argv.append(a)
     with tempfile.TemporaryDirectory() as scratch:
-        command = [sys.executable, os.path.abspath(__file__), *argv, "--in-process", "--P", str(P), "--modes", mode,
-                   "--out-dir", scratch, "--name", "one", "--budget-s", str(int(clock.left()))]
+        # the same arguments, the run's own given after them (argparse keeps an option's last value)
+        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--in-process", "--P", str(P),
+                   "--modes", mode, "--out-dir", scratch, "--name", "one", "--budget-s", str(int(clock.left()))]
         done = subprocess.run(command, timeout=clock.left() + 30, env=os.environ.copy())
         path = os.path.join(scratch, "one.json")
         if done.returncode != 0 or not os.path.exists(path):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.measure import Clock, phase_seconds, recorded_failure, release, sync, timed_step
+from grpo.measure import Clock, phase_seconds, plans_made, recorded_failure, release, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -79,12 +79,10 @@ def split_call(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> dict:
     `entire_frame_compile_time_s` of the compiles it made), LongStraw's
     planning (`GroupPlan.seconds` of the plans it made) and the rest (running
     the step)."""
-    backend = getattr(runner.trainer, "longstraw_backend", None)
-    plans_before = 0 if backend is None else len(backend.plans)
     torch._dynamo.utils.clear_compilation_metrics()  # a bounded record: cleared, not counted from
-    seconds = timed_step(runner, batch)
+    with plans_made(runner) as plans:
+        seconds = timed_step(runner, batch)
     compiles = torch._dynamo.utils.get_compilation_metrics()
-    plans = [] if backend is None else list(backend.plans)[plans_before:]
     dynamo = sum(m.entire_frame_compile_time_s or 0.0 for m in compiles)
     planning = sum(p.seconds.total for p in plans if p.seconds is not None)
     return {"s": seconds, "dynamo_compiles": len(compiles), "dynamo_s": dynamo, "plans": len(plans),

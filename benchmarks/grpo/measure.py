@@ -75,6 +75,20 @@ def timed_step(runner, batch) -> float:
 
 
 @contextlib.contextmanager
+def plans_made(runner) -> Iterator[list]:
+    """The LongStraw plans the calls inside make (`GroupPlan`s; none for a
+    peer without a LongStraw backend), filled in on exit. By identity: the
+    backend keeps its last `plan_cache_size` plans, so its length stops
+    growing."""
+    backend = getattr(runner.trainer, "longstraw_backend", None)
+    before = set() if backend is None else {id(p) for p in backend.plans}
+    made: list = []
+    yield made
+    if backend is not None:
+        made.extend(p for p in backend.plans if id(p) not in before)
+
+
+@contextlib.contextmanager
 def phase_seconds() -> Iterator[dict[str, float]]:
     """Seconds per runtime phase (prompt capture, branches, replays, reverse
     pass: `longstraw.runtime.runner.phase_of`) of the steps run inside, device-synchronised."""
