@@ -18,3 +18,14 @@ def explain_on_meta(model: torch.nn.Module, prompt_len: int = 256, chunk: int = 
     weights = torch.zeros(2, dtype=torch.bfloat16, device="meta")
     return longstraw.explain(grpo_loss_f64, model, prompt, responses, weights, weights[:, None].expand(2, 8),
                              options={"prefix_chunk_size": chunk})
+
+
+def explain_published(model_class: type, config, prompt_len: int = 256, chunk: int = 100, *,
+                      experts: str | None = None) -> longstraw.ExplainReport:
+    """`explain_on_meta` of `model_class(config)` built on the meta device in
+    bf16, with HF's `experts` implementation for its MoE layers where given."""
+    with torch.device("meta"):
+        model = model_class(config).to(torch.bfloat16)
+    if experts is not None:
+        model.set_experts_implementation(experts)
+    return explain_on_meta(model, prompt_len, chunk)

@@ -5,10 +5,9 @@ parity against eager in both modes is `tests/models/test_families.py`'s."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 
 LFM2_8B_A1B_ATTENTION = [2, 6, 10, 14, 18, 21]
 """The `full_attention` layers of LiquidAI/LFM2-8B-A1B's `layer_types` (the other 18 of 24 are `conv`)."""
@@ -29,10 +28,7 @@ def test_state_at_lfm2_8b_a1b():
     carry the last 2 inputs of their kernel of 3 (2,048 channels, bf16:
     8,192 B each); the 32 experts add none."""
     config = transformers.Lfm2MoeConfig(**LFM2_8B_A1B)
-    with torch.device("meta"):
-        model = transformers.Lfm2MoeForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.Lfm2MoeForCausalLM, config, experts="batched_mm")
     attention = len(LFM2_8B_A1B_ATTENTION)
     convs, channels, kernel = 24 - attention, 2048, 3
     assert (attention, convs) == (6, 18)

@@ -13,7 +13,7 @@ from transformers.models.llama4 import modeling_llama4
 import longstraw  # noqa: F401 - installs the trace bindings
 from longstraw.models.llama4 import llama4_moe_forward
 
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 
 
 def test_the_drop_in_is_hfs_moe():
@@ -46,9 +46,7 @@ def test_state_at_llama_4_scout():
     too: their mask is positions-only, and a window of the last chunk is
     not taken yet), nothing fixed."""
     config = transformers.Llama4TextConfig()
-    with torch.device("meta"):
-        model = transformers.Llama4ForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.Llama4ForCausalLM, config)
     layers, kv_heads, head_dim = 48, 8, 128
     assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (layers, kv_heads, head_dim)
     assert config.layer_types.count("chunked_attention") == 36 and config.attention_chunk_size == 8192

@@ -17,7 +17,7 @@ from longstraw.models import mamba
 from helpers.compare import assert_close, rel_err
 from helpers.families import FAMILIES
 from helpers.losses import grpo_loss_f64
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
 
@@ -70,9 +70,7 @@ def test_state_at_mamba_2_8b():
     (5,120 channels x 16, float32: 327,680 B) and the convolution's last 3
     inputs (5,120 channels, bf16: 30,720 B)."""
     config = transformers.MambaConfig(**MAMBA_2_8B)
-    with torch.device("meta"):
-        model = transformers.MambaForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model)
+    report = explain_published(transformers.MambaForCausalLM, config)
     d, n, k = config.intermediate_size, config.state_size, config.conv_kernel
     assert report.state_bytes_per_position == 0
     assert report.state_fixed_bytes == config.num_hidden_layers * (d * n * 4 + d * (k - 1) * 2) == 22_937_600
@@ -84,10 +82,7 @@ def test_state_at_jamba_v0_1():
     K and V (8 heads of 128) per position, 16,384 B; 28 Mamba layers carry
     8,192 channels x 16 of float32 state and 3 bf16 inputs, 573,440 B each."""
     config = transformers.JambaConfig(use_mamba_kernels=False)
-    with torch.device("meta"):
-        model = transformers.JambaForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model)
+    report = explain_published(transformers.JambaForCausalLM, config, experts="batched_mm")
     attention = sum(1 for i in range(config.num_hidden_layers)
                     if i % config.attn_layer_period == config.attn_layer_offset)
     mixers, d = config.num_hidden_layers - attention, config.mamba_expand * config.hidden_size
@@ -111,9 +106,7 @@ def test_state_at_falcon_mamba_7b():
     16, float32: 524,288 B) and the convolution's last 3 inputs (8,192
     channels, bf16: 49,152 B); the RMS norms of B, C and dt add none."""
     config = transformers.FalconMambaConfig(**FALCON_MAMBA_7B)
-    with torch.device("meta"):
-        model = transformers.FalconMambaForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model)
+    report = explain_published(transformers.FalconMambaForCausalLM, config)
     layers, channels, n, k = 64, 8192, 16, 4  # the published config's numbers, not the config object's
     assert report.state_bytes_per_position == 0
     assert report.state_fixed_bytes == layers * (channels * n * 4 + channels * (k - 1) * 2) == 36_700_160

@@ -6,10 +6,18 @@ the scan's `tests/passes/test_ssd.py`."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
+
+
+def mixer_bytes(heads: int, head_dim: int, state: int, groups: int, kernel: int = 4) -> int:
+    """What one Mamba-2 mixer carries, bf16 model: the scan's state `[heads,
+    head_dim, state]` in float32 and the convolution's last `kernel - 1`
+    inputs (x, B and C: `heads * head_dim + 2 * groups * state` channels) in bf16."""
+    conv_channels = heads * head_dim + 2 * groups * state
+    return heads * head_dim * state * 4 + (kernel - 1) * conv_channels * 2
+
 
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 """nvidia/Nemotron-H-8B-Base-8K's `hybrid_override_pattern`: M a Mamba-2 layer, * attention, - an MLP."""
@@ -30,15 +38,12 @@ def test_state_at_nemotron_h_8b():
     inputs (8,192 channels and B, C of 8 groups x 128, bf16: 61,440 B)."""
     config = transformers.NemotronHConfig(num_hidden_layers=len(NEMOTRON_H_8B_PATTERN), use_mamba_kernels=False,
                                           **NEMOTRON_H_8B)
-    with torch.device("meta"):
-        model = transformers.NemotronHForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.NemotronHForCausalLM, config)
     attention, mixers = NEMOTRON_H_8B_PATTERN.count("*"), NEMOTRON_H_8B_PATTERN.count("M")
     heads, head_dim, state, groups = 128, 64, 128, 8
-    conv_channels = heads * head_dim + 2 * groups * state
     assert (attention, mixers) == (4, 24)
     assert report.state_bytes_per_position == attention * 2 * 8 * 128 * 2 == 16_384
-    assert report.state_fixed_bytes == mixers * (heads * head_dim * state * 4 + 3 * conv_channels * 2) == 102_137_856
+    assert report.state_fixed_bytes == mixers * mixer_bytes(heads, head_dim, state, groups) == 102_137_856
 
 
 BAMBA_9B = dict(
@@ -57,17 +62,13 @@ def test_state_at_bamba_9b():
     x 64 x 128, float32: 4,194,304 B) and the convolution's last 3 inputs
     (8,192 channels and B, C of 1 group x 128, bf16: 50,688 B)."""
     config = transformers.BambaConfig(**BAMBA_9B)
-    with torch.device("meta"):
-        model = transformers.BambaForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.BambaForCausalLM, config)
     layers, attention = 32, len([9, 18, 27])
     mixers = layers - attention
     heads, head_dim, state, groups, kernel = 128, 64, 128, 1, 4
-    conv_channels = heads * head_dim + 2 * groups * state
     assert (attention, mixers) == (3, 29)
     assert report.state_bytes_per_position == attention * 2 * 8 * (4096 // 32) * 2 == 12_288
-    assert report.state_fixed_bytes == mixers * (heads * head_dim * state * 4 + (kernel - 1) * conv_channels * 2) \
-        == 123_104_768
+    assert report.state_fixed_bytes == mixers * mixer_bytes(heads, head_dim, state, groups, kernel) == 123_104_768
 
 
 GRANITE_4_H_SMALL_ATTENTION = [5, 15, 25, 35]
@@ -94,18 +95,13 @@ def test_state_at_granite_4_0_h_small():
     inputs (8,192 channels and B, C of 1 group x 128, bf16: 50,688 B); the
     72 experts and the shared expert add none."""
     config = transformers.GraniteMoeHybridConfig(**GRANITE_4_H_SMALL)
-    with torch.device("meta"):
-        model = transformers.GraniteMoeHybridForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.GraniteMoeHybridForCausalLM, config, experts="batched_mm")
     attention = len(GRANITE_4_H_SMALL_ATTENTION)
     mixers = 40 - attention
     heads, head_dim, state, groups, kernel = 128, 64, 128, 1, 4
-    conv_channels = heads * head_dim + 2 * groups * state
     assert (attention, mixers) == (4, 36)
     assert report.state_bytes_per_position == attention * 2 * 8 * (4096 // 32) * 2 == 16_384
-    assert report.state_fixed_bytes == mixers * (heads * head_dim * state * 4 + (kernel - 1) * conv_channels * 2) \
-        == 152_819_712
+    assert report.state_fixed_bytes == mixers * mixer_bytes(heads, head_dim, state, groups, kernel) == 152_819_712
 
 
 FALCON_H1_7B = dict(
@@ -126,15 +122,11 @@ def test_state_at_falcon_h1_7b():
     convolution's last 3 inputs (3,072 channels and B, C of 1 group x 256,
     bf16: 21,504 B)."""
     config = transformers.FalconH1Config(**FALCON_H1_7B)
-    with torch.device("meta"):
-        model = transformers.FalconH1ForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.FalconH1ForCausalLM, config)
     layers, kv_heads, kv_dim = 44, 2, 128
     heads, head_dim, state, groups, kernel = 24, 128, 256, 1, 4
-    conv_channels = heads * head_dim + 2 * groups * state
     assert report.state_bytes_per_position == layers * 2 * kv_heads * kv_dim * 2 == 45_056
-    assert report.state_fixed_bytes == layers * (heads * head_dim * state * 4 + (kernel - 1) * conv_channels * 2) \
-        == 139_358_208
+    assert report.state_fixed_bytes == layers * mixer_bytes(heads, head_dim, state, groups, kernel) == 139_358_208
 
 
 ZAMBA2_2_7B_HYBRID = [6, 12, 18, 24, 30, 36, 42, 47, 51]
@@ -160,15 +152,11 @@ def test_state_at_zamba2_2_7b():
     1,310,720 B) and the convolution's last 3 inputs (5,120 channels and
     B, C of 1 group x 64, bf16: 31,488 B)."""
     config = transformers.Zamba2Config(**ZAMBA2_2_7B)
-    with torch.device("meta"):
-        model = transformers.Zamba2ForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.Zamba2ForCausalLM, config)
     layers, attention = 54, len(ZAMBA2_2_7B_HYBRID)
     kv_heads, kv_dim = 32, 2 * 2560 // 32
     heads, state, groups, kernel = 80, 64, 1, 4
     head_dim = 2 * 2560 // heads
-    conv_channels = heads * head_dim + 2 * groups * state
     assert (attention, head_dim) == (9, 64)
     assert report.state_bytes_per_position == attention * 2 * kv_heads * kv_dim * 2 == 184_320
-    assert report.state_fixed_bytes == layers * (heads * head_dim * state * 4 + (kernel - 1) * conv_channels * 2) \
-        == 72_479_232
+    assert report.state_fixed_bytes == layers * mixer_bytes(heads, head_dim, state, groups, kernel) == 72_479_232

@@ -5,10 +5,9 @@ parity against eager in both modes is `tests/models/test_families.py`'s."""
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers
 
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 
 
 @pytest.mark.slow
@@ -19,9 +18,7 @@ def test_state_at_ministral_3_8b():
     position-dependent scale) keep K and V (8 heads of 128) per position,
     4,096 B each; no sliding window, so nothing fixed."""
     config = transformers.Ministral3Config()
-    with torch.device("meta"):
-        model = transformers.Ministral3ForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.Ministral3ForCausalLM, config)
     layers, kv_heads, head_dim = 34, 8, 128  # the 8B's shapes as HF documents them, written out
     assert (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) == (layers, kv_heads, head_dim)
     assert config.sliding_window is None

@@ -27,7 +27,7 @@ from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
 from helpers.compare import assert_close, assert_grads_close, rel_err
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 from helpers.reference import eager_loss_and_grads, hybrid_detached_reference
 from helpers.tiny_models import make_group, make_qwen3_5
 
@@ -247,10 +247,7 @@ def test_state_at_qwen3_5_moe_published_shape():
     and, fixed, the recurrent state and convolution tail of the 30 Gated
     DeltaNet layers."""
     config = transformers.Qwen3_5MoeTextConfig()
-    with torch.device("meta"):
-        model = transformers.Qwen3_5MoeForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("grouped_mm")
-    report = explain_on_meta(model, 128, 64)
+    report = explain_published(transformers.Qwen3_5MoeForCausalLM, config, 128, 64, experts="grouped_mm")
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     assert (full, linear) == (10, 30)
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim
@@ -270,9 +267,7 @@ def test_state_at_olmo_hybrid_7b():
     Gated DeltaNet layers carry a 30 x 96 x 192 float32 state and the last
     3 inputs of the q, k, v convolution (11,520 channels), 2,280,960 B each."""
     config = transformers.OlmoHybridConfig()
-    with torch.device("meta"):
-        model = transformers.OlmoHybridForCausalLM(config).to(torch.bfloat16)
-    report = explain_on_meta(model, 128, 64)
+    report = explain_published(transformers.OlmoHybridForCausalLM, config, 128, 64)
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     head_dim = config.hidden_size // config.num_attention_heads
     key_dim = config.linear_num_key_heads * config.linear_key_head_dim

@@ -19,7 +19,7 @@ from longstraw.runtime.kernels.kimi_delta import kimi_delta_rule_reference
 from helpers.compare import assert_close, rel_err
 from helpers.families import FAMILIES
 from helpers.losses import grpo_loss_f64
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
 
@@ -98,10 +98,7 @@ def test_state_at_kimi_linear_published_shape():
     21 KDA layers carry 32 heads of a 128 x 128 float32 state and the
     convolution's last 3 inputs of q, k and v (3 x 4,096, bf16), 2,170,880 B each."""
     config = transformers.KimiLinearConfig()
-    with torch.device("meta"):
-        model = transformers.KimiLinearForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.KimiLinearForCausalLM, config, experts="batched_mm")
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
     heads, d, k = config.linear_num_heads, config.linear_head_dim, config.linear_conv_kernel_dim
     assert (full, linear) == (6, 21)

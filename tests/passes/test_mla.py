@@ -25,7 +25,7 @@ from longstraw.runtime.kernels import attention as attention_kernels
 from helpers.harness import assert_branch_order_does_not_matter, assert_parity, compile_loss
 from helpers.losses import grpo_loss_f64
 from helpers.parity import deterministic_algorithms
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 from helpers.reference import detached_reference
 from helpers.tiny_models import make_deepseek_v3, make_group
 
@@ -288,10 +288,7 @@ def test_state_at_deepseek_v2_lite():
     position, 1,152 B, not the decompressed 16 x (192 + 128) K/V; nothing
     fixed."""
     config = transformers.DeepseekV2Config(**DEEPSEEK_V2_LITE)
-    with torch.device("meta"):
-        model = transformers.DeepseekV2ForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 256, 100)
+    report = explain_published(transformers.DeepseekV2ForCausalLM, config, experts="batched_mm")
     layers, latent, rope = 27, 512, 64
     assert report.state_bytes_per_position == layers * (latent + rope) * 2 == 31_104
     assert report.state_fixed_bytes == 0

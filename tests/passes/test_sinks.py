@@ -34,7 +34,7 @@ from helpers.losses import coupled_loss, grpo_loss_f64
 from helpers.padding import detached_reference as padded_detached_reference
 from helpers.padding import padded_group, trl_grpo_loss
 from helpers.parity import check_family, deterministic_algorithms
-from helpers.published import explain_on_meta
+from helpers.published import explain_published
 from helpers.reference import detached_at_eager_attention, detached_reference, eager_loss_and_grads
 from helpers.tiny_models import make_group
 
@@ -320,10 +320,7 @@ def test_state_at_gpt_oss_20b():
     (8 heads of 64) per position, 1,024 B each; 12 sliding layers carry
     their last 127 positions' keys, values and flags, 262,128 B each."""
     config = transformers.GptOssConfig(**GPT_OSS_20B)
-    with torch.device("meta"):
-        model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 512, 200)
+    report = explain_published(transformers.GptOssForCausalLM, config, 512, 200, experts="batched_mm")
     full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
     assert (full, sliding) == (12, 12)
     kv, d, w = config.num_key_value_heads, config.head_dim, config.sliding_window
@@ -341,10 +338,7 @@ def test_state_at_mimo_v2_flash():
     K/V heads, sinks) carry their last 128 positions' keys, values and
     flags, 657,408 B each."""
     config = transformers.MiMoV2FlashConfig()
-    with torch.device("meta"):
-        model = transformers.MiMoV2FlashForCausalLM(config).to(torch.bfloat16)
-    model.set_experts_implementation("batched_mm")
-    report = explain_on_meta(model, 512, 200)
+    report = explain_published(transformers.MiMoV2FlashForCausalLM, config, 512, 200, experts="batched_mm")
     full, sliding = config.layer_types.count("full_attention"), config.layer_types.count("sliding_attention")
     kv, d_k, d_v, w = config.num_key_value_heads, config.head_dim, config.v_head_dim, config.sliding_window
     assert (full, sliding, kv, d_k, d_v, w) == (9, 39, 4, 192, 128, 129)
