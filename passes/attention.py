@@ -122,6 +122,18 @@ def mask_reason(mask: object) -> str | None:
     return None
 
 
+def before_head_repetition(node: fx.Node) -> tuple[fx.Node, int]:
+    """The earliest node `node` is computed from by ops the attention step
+    absorbs (identities, `repeat_kv`'s head repetition), and the head
+    repeat factor between the two: K or V as a layer computed them."""
+    current, repeat = node, 1
+    while True:
+        parent, factor = _absorbable(current)
+        if parent is None:
+            return current, repeat
+        current, repeat = parent, repeat * factor
+
+
 def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
     """(input, head repeat factor) if `node` is an op the attention step absorbs."""
     name = op_name(node)

@@ -27,6 +27,7 @@ from longstraw.analysis.dims import DimRules
 from longstraw.analysis.mask_bands import band_of
 from longstraw.nodes import arg, is_sdpa, tensor_of
 
+from .attention import before_head_repetition
 from .base import CarryPass
 
 
@@ -108,16 +109,17 @@ class SlidingWindowAttentionPass(CarryPass):
         return q[:-1] + [v[-1]]
 
     def carry(self, node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
-        k, v = (tensor_of(x) for x in node.args[1:3])
+        k, v = (tensor_of(x) for x in _keys_and_values(node)[:2])
         return (1, k.shape[1], window_of(node) - 1, k.shape[-1] + v.shape[-1] + 1), k.dtype
 
     def step_inputs(self, node: fx.Node):
+        k, v, repeated = _keys_and_values(node)
         constants = {
             "window": window_of(node),
             "scale": arg(node, 6, "scale"),
-            "enable_gqa": bool(arg(node, 7, "enable_gqa", False)),
+            "enable_gqa": bool(arg(node, 7, "enable_gqa", False)) or repeated,
         }
-        return node.args[:3], constants
+        return (node.args[0], k, v), constants
 
     def kernel(self, inputs, *, window: int, scale: float | None, enable_gqa: bool) -> CarryKernel:
         return CarryKernel(
@@ -126,3 +128,14 @@ class SlidingWindowAttentionPass(CarryPass):
             token_dims=(2, 2, 2, 2),
             graph_key=("sliding_window_attention", window, scale, enable_gqa),
         )
+
+
+def _keys_and_values(node: fx.Node) -> tuple[fx.Node, fx.Node, bool]:
+    """K and V as the layer computed them, before `repeat_kv` (the carry
+    then holds the K/V heads, not the query heads; SDPA's `enable_gqa`
+    repeats them), and whether they were repeated. K and V repeated by
+    different factors are taken as SDPA got them."""
+    (k, k_repeat), (v, v_repeat) = (before_head_repetition(x) for x in node.args[1:3])
+    if k_repeat != v_repeat:
+        return node.args[1], node.args[2], False
+    return k, v, k_repeat > 1

@@ -21,11 +21,13 @@ def explain_on_meta(model: torch.nn.Module, prompt_len: int = 256, chunk: int = 
 
 
 def explain_published(model_class: type, config, prompt_len: int = 256, chunk: int = 100, *,
-                      experts: str | None = None) -> longstraw.ExplainReport:
+                      experts: str | None = None, eval_mode: bool = False) -> longstraw.ExplainReport:
     """`explain_on_meta` of `model_class(config)` built on the meta device in
-    bf16, with HF's `experts` implementation for its MoE layers where given."""
+    bf16, with HF's `experts` implementation for its MoE layers where given,
+    in eval mode if `eval_mode` (a model that writes its weights in train mode)."""
     with torch.device("meta"):
         model = model_class(config).to(torch.bfloat16)
+    model.train(not eval_mode)
     if experts is not None:
         model.set_experts_implementation(experts)
     return explain_on_meta(model, prompt_len, chunk)

@@ -121,8 +121,9 @@ def test_mistral_parity_with_fixed_state(mode, chunk):
     plan = _plan_with_parity(make_mistral(window=5), prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
     assert {p.name for p in plan.partition.claims.values()} == {"sliding_window_attention"}
     assert plan.state_bytes_per_position == 0
-    # per layer: the last 4 positions of K and V (4 heads after HF's repeat_kv, 8 + 8 values) and a flag, float64
-    assert plan.state_fixed_bytes == 2 * 4 * 4 * (8 + 8 + 1) * 8
+    # per layer: the last 4 positions of K and V (the 2 K/V heads, before HF's repeat_kv to the 4 query heads;
+    # 8 + 8 values) and a flag, float64
+    assert plan.state_fixed_bytes == 2 * 2 * 4 * (8 + 8 + 1) * 8
 
 
 def test_mistral_without_the_cache():
