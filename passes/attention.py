@@ -22,7 +22,7 @@ from torch import fx
 from longstraw.parallel.shards import SlotKeys
 from longstraw.parallel.collectives import raise_together
 from longstraw.parallel.sharded_attention import round_attention, sharded_causal_attention
-from longstraw.errors import LongStrawError
+from longstraw.errors import LongStrawError, argument_name
 from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.runtime.mask_block import MaskBlock
 from longstraw.analysis.mask_bands import key_padding_of, reads_input, selected_by_topk
@@ -108,11 +108,16 @@ def mask_reason(mask: object) -> str | None:
         return "attn_mask must be a tensor of at least [queries, keys]"
     padding = key_padding_of(mask)
     if reads_input(mask) and padding is None:
+        sources = ancestors([mask])
+        read = ", ".join(f"`{argument_name(n)}`" for n in mask.graph.find_nodes(op="placeholder") if n in sources)
         return (
-            "the attn_mask depends on inputs other than through a key padding mask: LongStraw supports masks "
-            "computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
+            f"the attn_mask depends on inputs ({read}) other than through a key padding mask: LongStraw supports "
+            "masks computed from positions, and-ed with one boolean mask over keys read from an input (HF's mask "
             "from a 2-D attention_mask, 1 = real token, 0 = padding); pass the 2-D padding mask to the model "
-            "instead of a 4-D mask"
+            "instead of a 4-D mask. If the input is position ids that restart inside a row (packed, padding-free "
+            "sequences: HF then masks each sequence from the others), LongStraw does not take packed rows yet: "
+            "pass one sequence per row, [prompt; completion] padded, with a 2-D attention_mask (in verl, "
+            "use_remove_padding=False)"
         )
     if _sees_the_future(mask, padding):
         return (

@@ -248,8 +248,34 @@ def test_a_mask_reading_inputs_otherwise_is_refused():
         logits = model(input_ids=input_ids, attention_mask=both).logits[:, prompt_ids.shape[1] - 1 : -1]
         return trl_tail(logits, completion_ids, completion_mask, advantages)
 
-    with raises_longstraw(r"attn_mask depends on inputs other than through a key padding mask"):
+    with raises_longstraw(r"attn_mask depends on inputs \(`prompt_mask`, `completion_mask`\) other than through a "
+                          r"key padding mask"):
         compile_loss(loss, longstraw.Backend(prefix_chunk_size=8))(make_qwen3(), *padded_group(2, 20, 5, 3))
+
+
+def test_packed_rows_are_refused_naming_the_position_ids():
+    """Two sequences packed in one row, position ids restarting at the
+    second (verl's remove_padding, HF's padding-free layout): HF masks each
+    sequence from the other with a mask built from the position ids. The
+    refusal names that input and says to pass one padded sequence per row."""
+    model = make_qwen3()
+    model.config.use_cache = False  # with a cache HF skips the packed-sequence mask (eager then mixes the two)
+    prompt = torch.randint(0, 64, (6,))
+    ids = torch.cat([prompt, torch.randint(0, 64, (3,)), prompt, torch.randint(0, 64, (4,))])[None]
+    position_ids = torch.cat([torch.arange(9), torch.arange(10)])[None]
+    scored = torch.zeros_like(ids, dtype=torch.bool)
+    scored[0, 6:9] = scored[0, 15:] = True
+
+    def loss(model, ids, position_ids, scored):
+        logits = model(input_ids=ids, position_ids=position_ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        weight = scored[:, 1:].float()
+        return -(logp * weight).sum() / weight.sum()
+
+    with raises_longstraw(r"depends on inputs \(`position_ids`\).*packed, padding-free sequences.*"
+                          r"pass one sequence per row"):
+        compile_loss(loss, longstraw.Backend(prefix_chunk_size=8))(model, ids, position_ids, scored)
+    assert all(p.grad is None for p in model.parameters())
 
 
 # --- the key mask in the step's mask block -----------------------------------
