@@ -87,6 +87,10 @@ SUPERSEDED: dict[str, Supersession] = {
     "grpo_bench_glm5_c_h200": Supersession("grpo_bench_glm5_e_h200", "parity at 2048; float32 ran out of memory here"),
     "grpo_bench_glm5_d_h200": Supersession("grpo_bench_glm5_g_h200", "the profile at 8K after selected attention"),
     "grpo_bench_glm5_f_h200": Supersession("grpo_bench_glm5_h_h200", "same command after TF32 products"),
+    "length_loop_gated_h100": Supersession(
+        "length_loop_strided_h100", "the gate keyed on strides too, each mode in its own process"),
+    "step_profile_new_length_h100": Supersession(
+        "step_profile_new_length_strided_h100", "same command with cuDNN gated at layouts an earlier step ran"),
     "peers_bench_speed_h200": Supersession(
         "peers_bench_speed_b_h200", "LongStraw's warm steps after the padding fix; prefix-grouper's is still this one",
         partly=True),

@@ -135,7 +135,9 @@ class CudnnShapes:
     layouts at every step, while the capture's full chunks recur. `gate()`
     hands a step the layouts earlier steps ran: cuDNN runs those (its plans
     are built), flash the rest. It remembers the last `CUDNN_SHAPES_KEPT`
-    layouts, so a long run of new lengths does not grow it without end."""
+    layouts, so a long run of new lengths does not grow it without end.
+    Calls over fewer than `CUDNN_MIN_KEYS` keys always run flash, which is
+    as fast there, so no plan is built for them at all."""
 
     def __init__(self) -> None:
         self.seen: dict[ShapeKey, None] = {}  # in the order first met
@@ -169,6 +171,13 @@ class CudnnGate:
 
 
 CUDNN_SHAPES_KEPT = 16384
+CUDNN_MIN_KEYS = 65536
+"""A gated call over fewer keys runs flash: on the H100 a loop of new lengths
+at P = 8K and 32K (flash at every call) ran as fast as the warm cuDNN step
+once planning is taken out, while a layout met a second time built cuDNN
+plans for seconds (`benchmarks/results/length_loop_strided_h100.json`,
+`step_profile_new_length_strided_h100.json`). At 262K-position capture
+chunks cuDNN is 1.6x flash (decision 0025); in between is not measured."""
 
 
 _GATES: list[CudnnGate] = []
@@ -192,6 +201,9 @@ def _admits(direction: str, causal: bool, *tensors: torch.Tensor) -> bool:
     (`sdpa_kernel` without FLASH_ATTENTION) every call runs cuDNN, as asked."""
     if not _GATES or not torch.backends.cuda.flash_sdp_enabled():
         return True
+    if tensors[1].shape[-2] < CUDNN_MIN_KEYS:
+        _GATES[-1].shapes.calls["flash"] += 1
+        return False
     layout = tuple((tuple(t.shape), t.stride()) for t in tensors)
     return _GATES[-1].admits((direction, causal, layout, tensors[0].dtype, tensors[0].device))
 

@@ -102,6 +102,24 @@ def test_with_flash_switched_off_every_call_runs_cudnn():
             assert attention._admits("forward", True, q, q, q)
 
 
+def test_a_call_over_few_keys_runs_flash_even_at_a_seen_layout(monkeypatch):
+    """Below `CUDNN_MIN_KEYS` keys a gated call runs flash, at a layout seen
+    before too, and is not remembered; at or above it the gate decides."""
+    q, keys = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 6, 8)
+    shapes = attention.CudnnShapes()
+    monkeypatch.setattr(attention, "CUDNN_MIN_KEYS", 7)
+    for _ in range(2):
+        with attention.gated(shapes.gate()):
+            assert not attention._admits("forward", True, q, keys, keys)
+    assert shapes.seen == {} and shapes.calls == {"cudnn": 0, "flash": 2}
+    monkeypatch.setattr(attention, "CUDNN_MIN_KEYS", 6)
+    admitted = []
+    for _ in range(2):
+        with attention.gated(shapes.gate()):
+            admitted.append(attention._admits("forward", True, q, keys, keys))
+    assert admitted == [False, True] and len(shapes.seen) == 1
+
+
 def test_the_shapes_kept_are_bounded(monkeypatch):
     """A long run of new lengths keeps the last `CUDNN_SHAPES_KEPT` layouts, the oldest forgotten first."""
     monkeypatch.setattr(attention, "CUDNN_SHAPES_KEPT", 3)
@@ -139,10 +157,12 @@ def test_a_step_and_its_backward_share_one_gate():
 
 
 @pytest.mark.gpu
-def test_a_gated_cudnn_kernel_runs_flash_at_new_shapes():
+def test_a_gated_cudnn_kernel_runs_flash_at_new_shapes(monkeypatch):
     """Under a gate that admits nothing, the cuDNN kernel's blocks run
     flash: the same attention and gradients (float64 reference), every
-    forward and backward shape recorded for the next step's gate."""
+    forward and backward shape recorded for the next step's gate (small
+    shapes: `CUDNN_MIN_KEYS` lowered to let cuDNN run them)."""
+    monkeypatch.setattr(attention, "CUDNN_MIN_KEYS", 0)
     torch.manual_seed(0)
     q = torch.randn(1, 4, 96, 64, device="cuda", dtype=torch.bfloat16)
     keys, values = (torch.randn(1, 2, 160, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
