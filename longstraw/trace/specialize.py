@@ -11,7 +11,9 @@ reason about by values flowing along edges:
    transforms (`torch.vmap`, which flex attention's block mask uses) are
    refused: their batched values have no storage and their level
    bookkeeping calls return integers, which step 3 would fold away;
-2. values recorded: FakeTensor propagation at these argument sizes;
+2. values recorded: FakeTensor propagation at these argument sizes, or,
+   for a graph Dynamo traced with dynamic shapes and planned before, its
+   symbolic example values evaluated at these sizes (`symbolic_values.py`);
 3. sizes folded: every integer the graph computes becomes a constant, so
    graphs traced with `dynamic=True` plan like static ones. An integer that
    comes from an argument's *value* (`n.item()` of a tensor argument) is
@@ -28,6 +30,7 @@ reason about by values flowing along edges:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 from typing import Any, Sequence
 
@@ -37,8 +40,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from longstraw.errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
 from longstraw.trace.functionalize import functionalize
+from longstraw.trace.symbolic_values import ValueTemplates, agree, remember, same_value, templates_of
 from longstraw.analysis.dim_types import ELEMENTWISE
 from longstraw.nodes import ancestors, is_call, is_random, is_side_effect, op_name
+
+log = logging.getLogger("longstraw.trace.specialize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +61,68 @@ def scalar_of(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
-def specialize(gm: fx.GraphModule, args: Sequence[Any]) -> Specialization:
+def specialize(gm: fx.GraphModule, args: Sequence[Any], templates: bool = True) -> Specialization:
+    """`templates`: where `symbolic_values` learned the templates of `gm` at
+    an earlier call, read the values off them instead of propagating. The
+    first call of a graph propagates and learns them, and keeps them only if
+    specialising from them there gives back the same graph and values."""
+    learned, known = templates_of(gm)
+    if templates and known is not None:
+        fast = _specialized(gm, args, known)
+        if fast is not None:
+            return fast
+    result, candidate = _propagated(gm, args, learn=not learned)
+    if not learned:
+        check = None if candidate is None else _specialized(gm, args, candidate)
+        agrees = check is not None and check.guards == result.guards and agree(check.gm, result.gm)
+        if candidate is not None and not agrees:
+            log.debug("templates of a graph dropped: they do not give back what propagation gave")
+        remember(gm, candidate if agrees else None)
+    return result
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     copy = fx.GraphModule(gm, graph)
     _inline_regions(copy)
     _refuse_transforms(copy.graph)
+    return copy
+
+
+def _propagated(gm: fx.GraphModule, args: Sequence[Any], learn: bool) -> tuple[Specialization, ValueTemplates | None]:
+    """The specialisation by FakeTensor propagation, and where `learn`, the
+    templates read off its first propagation (before any rewrite)."""
+    copy = _copy(gm)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_args = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     _record(copy, fake_mode, fake_args, args)
+    learned = ValueTemplates.learn(copy) if learn else None
     guards = _fold_integers(copy, args)
     values = {n: n.meta.get("longstraw_value") for n in copy.graph.nodes}
     if functionalize(copy, values):
         _record(copy, fake_mode, fake_args, args)
+    return _finished(copy, guards), learned
+
+
+def _specialized(gm: fx.GraphModule, args: Sequence[Any], templates: ValueTemplates) -> Specialization | None:
+    """The specialisation with values read off `templates`; None where they
+    cannot give this call's. After functionalisation only the nodes it
+    rewrote, and those whose inputs' values changed with them, propagate."""
+    copy = _copy(gm)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    if not templates.fill(copy, args, fake_mode):
+        return None
+    guards = _fold_integers(copy, args)
+    values = {n: n.meta.get("longstraw_value") for n in copy.graph.nodes}
+    before = {n: (n.args, n.kwargs) for n in copy.graph.nodes}
+    if functionalize(copy, values):
+        _record_rewritten(copy, before, fake_mode, args)
+    return _finished(copy, guards)
+
+
+def _finished(copy: fx.GraphModule, guards: tuple[tuple[int, Any], ...]) -> Specialization:
     _merge_common(copy.graph)
     copy.graph.eliminate_dead_code()
     copy.recompile()
@@ -178,6 +232,28 @@ class _Recorder(fx.Interpreter):
 def _record(gm: fx.GraphModule, fake_mode: FakeTensorMode, fake_args: list, args: Sequence[Any]) -> None:
     with fake_mode, torch.no_grad():
         _Recorder(gm, args).run(*fake_args)
+
+
+def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], fake_mode: FakeTensorMode,
+                      args: Sequence[Any]) -> None:
+    """Propagate, after functionalisation, the nodes it added or rewrote
+    (`before`: each node's arguments before it), the nodes reading a value
+    that changed with them, and the side effects that set the grad mode or
+    autocast for them; every other node keeps its value."""
+    recorder = _Recorder(gm, args)
+    changed: set[fx.Node] = set()
+    with fake_mode, torch.no_grad():
+        for node in gm.graph.nodes:
+            old = node.meta.get("longstraw_value")
+            if node.op == "placeholder":
+                recorder.env[node] = old
+                continue
+            if node not in before or before[node] != (node.args, node.kwargs) or old is None or any(
+                    i in changed for i in node.all_input_nodes):
+                new = recorder.run_node(node)
+                if not same_value(old, new):
+                    changed.add(node)
+            recorder.env[node] = node.meta.get("longstraw_value")
 
 
 # 3. sizes and folded values -------------------------------------------------
