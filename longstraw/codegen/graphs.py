@@ -14,6 +14,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from longstraw.analysis.partition import Partition
 from longstraw.codegen.head import HeadRegion
@@ -79,8 +80,12 @@ class GradModeReplay:
 
 
 def generated_module(graph: fx.Graph, name: str, root: torch.nn.Module | None = None) -> fx.GraphModule:
+    """A module running `graph`. Its Python code is generated when it first
+    runs (`_LazyGraphModule`, as Inductor's passes use it): once, however
+    often the graph is edited and recompiled before, and never for a graph
+    that does not run."""
     graph.lint()
-    return fx.GraphModule(torch.nn.Module() if root is None else root, graph, class_name=name)
+    return _LazyGraphModule(torch.nn.Module() if root is None else root, graph, class_name=name)
 
 
 def build_outer(part: Partition) -> StepGraph:

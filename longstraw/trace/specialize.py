@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from longstraw.errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
@@ -85,7 +86,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    copy = fx.GraphModule(gm, graph)
+    copy = _LazyGraphModule(gm, graph)  # its code is generated only if something reads or runs it
     _inline_regions(copy)
     _refuse_transforms(copy.graph)
     return copy
