@@ -91,6 +91,10 @@ SUPERSEDED: dict[str, Supersession] = {
         "length_loop_strided_h100", "the gate keyed on strides too, each mode in its own process"),
     "step_profile_new_length_h100": Supersession(
         "step_profile_new_length_strided_h100", "same command with cuDNN gated at layouts an earlier step ran"),
+    "planning_bench_dense_cpu": Supersession(
+        "planning_bench_dense_b_cpu", "same command with values read off symbolic examples and lazy code generation"),
+    "planning_bench_hybrid_cpu": Supersession(
+        "planning_bench_hybrid_b_cpu", "same command with values read off symbolic examples and lazy code generation"),
     "peers_bench_speed_h200": Supersession(
         "peers_bench_speed_b_h200", "LongStraw's warm steps after the padding fix; prefix-grouper's is still this one",
         partly=True),
