@@ -28,29 +28,10 @@ from trl.trainer.utils import split_tensor_dict
 
 from longstraw.backend import Backend
 from longstraw.errors import InputError, LongStrawError
+from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.options import Options
 
-
-def completion_logps_and_entropies(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    logits_to_keep: int,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What TRL's fused LM head returns, from the model's own logits: the
-    log-prob of each completion token and the entropy of its distribution,
-    both at temperature `temperature` and zero on padding. The HF forward
-    applies the model's logit scaling and soft-capping itself."""
-    # input_ids, attention_mask: [B, P + R]; R = logits_to_keep
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits
-    logits = logits[:, :-1].float() / temperature  # [B, R, V]
-    logp_all = torch.log_softmax(logits, dim=-1)  # [B, R, V]
-    completion_ids = input_ids[:, -logits_to_keep:]  # [B, R]
-    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # [B, R]
-    entropies = -(logp_all.exp() * logp_all).sum(-1)  # [B, R]
-    real = attention_mask[:, -logits_to_keep:] != 0  # [B, R]
-    return torch.where(real, logps, 0.0), torch.where(real, entropies, 0.0)
+__all__ = ["LongStrawGRPOTrainer", "completion_logps_and_entropies", "shuffle_groups"]
 
 
 def shuffle_groups(batch: dict[str, Any], num_generations: int) -> dict[str, Any]:
