@@ -52,6 +52,7 @@ from longstraw.planning.simulation import (
     steps_without_middle,
     tensor_bytes,
 )
+from longstraw.runtime.call_state import GraphSpending
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.runtime.prompt_state import boundaries_on_host
 
@@ -72,6 +73,43 @@ EXTRAPOLATE_FROM = 6
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptGraphs:
+    """The schedule a step with this much room beside its peak runs
+    (`GroupRunner`, decision 0016): whether the forward keeps the prompt's
+    autograd graph for the backward (exact mode; else the reverse pass runs
+    each prompt chunk again) and how many of the G branches' graphs (the
+    others are replayed), for the last group of a batch."""
+
+    prompt_chunks: int
+    prompt: bool
+    branches: int
+    G: int
+    exact: bool
+
+    def lines(self) -> list[str]:
+        prompt = ("kept" if self.prompt else "recomputed in the reverse pass") if self.exact else "no gradient (detached)"
+        again = 0 if self.prompt or not self.exact else 1
+        return [f"the prompt's graph ({self.prompt_chunks} chunks): {prompt}",
+                f"branch graphs kept: {self.branches} of {self.G} (the rest replayed)",
+                f"forwards: the prompt {1 + again}x, the branches {self.G + self.G - self.branches} for {self.G}"]
+
+
+def kept_graphs(room: int, graph_bytes: int, chunks: int, G: int, exact: bool, prompt: bool,
+                branches: bool) -> KeptGraphs:
+    """What `GroupRunner` keeps in `room` bytes of the budget, each prompt
+    chunk's or branch's graph counted at `graph_bytes`, as its
+    `GraphSpending` decides: the prompt's graph first (where `prompt`: exact
+    mode, something upstream of the state needs a gradient), then branches
+    one by one (where `branches`: every claiming pass allows it)."""
+    spending = GraphSpending(room, 0, 0)
+    keep_prompt = prompt and spending.take(chunks * graph_bytes)
+    kept = 0
+    while branches and kept < G and spending.take(graph_bytes):
+        kept += 1
+    return KeptGraphs(chunks, keep_prompt, kept, G, exact)
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Predicted peak memory of one GRPO step (bytes), and the sizes it was predicted for."""
 
@@ -89,6 +127,7 @@ class MemoryPlan:
     budget: int | None
     largest_prompt: int | None
     ranks: int = 1  # context parallelism: the peak is one rank's, holding the largest share of the prompt state
+    kept: KeptGraphs | None = None  # the schedule in the room beside the peak (`explain().plan` with a budget)
 
     @property
     def peak(self) -> int:
@@ -117,6 +156,9 @@ class MemoryPlan:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {'budget':44} {gb(self.budget)}  -> {verdict}")
             lines.append(f"  {'largest P that fits':44} {self.largest_prompt if self.largest_prompt else 'none'}")
+        if self.kept is not None:
+            lines.append("  kept for the backward in the room beside the peak:")
+            lines += [f"    {line}" for line in self.kept.lines()]
         return "\n".join(lines)
 
 

@@ -36,7 +36,17 @@ from longstraw.errors import LongStrawError
 from longstraw.planning.graph_model import COLORS, REGION_TITLES, REGIONS, describe_slot, graph_model
 from longstraw.nodes import tensor_of
 from longstraw.options import Options
-from longstraw.planning.planner import DEFAULT_CHUNK, MemoryModel, MemoryPlan, context_ranks, default_budget
+from longstraw.planning.planner import (
+    DEFAULT_CHUNK,
+    KeptGraphs,
+    MemoryModel,
+    MemoryPlan,
+    context_ranks,
+    default_budget,
+    kept_graphs,
+)
+from longstraw.planning.sizing import KEEP_EVERY_STATE
+from longstraw.runtime.schedule import ChunkSchedule
 
 
 
@@ -114,7 +124,24 @@ class ExplainReport:
             chosen = self.memory.choose(P, R, mode, device, budget, chunk, recompute, dtype, ranks)
             chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
         chunk = DEFAULT_CHUNK if chunk is None else chunk
-        return self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget, ranks)
+        plan = self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget, ranks)
+        if budget is None:
+            return plan
+        return dataclasses.replace(plan, kept=self._kept(plan, budget))
+
+    def _kept(self, plan: MemoryPlan, budget: int) -> KeptGraphs:
+        """The graphs a run of `plan` keeps for the backward in the budget's
+        room beside its peak (`keep_graphs`: None, as room allows; True,
+        all; False, none), as `GroupRunner` decides at a group's forward."""
+        o, program = self.options, self.group_plan.program
+        keeps = (o.keep_graphs is not False and not plan.recompute_layers and not o.attention_outputs_on_host
+                 and plan.ranks == 1 and len(program.stages) == 1 and not program.random)
+        exact = plan.prompt_grad == "exact"
+        branches = keeps and all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
+        room = KEEP_EVERY_STATE if o.keep_graphs else max(budget - plan.peak, 0)
+        chunks = ChunkSchedule(max(plan.P - 1, 1), plan.prefix_chunk_size).count
+        return kept_graphs(room, plan.activations, chunks, plan.G, exact, keeps and exact and self.grads_bytes > 0,
+                           branches)
 
     # views ---------------------------------------------------------------
 

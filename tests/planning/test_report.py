@@ -4,6 +4,7 @@ views show the three regions and the state edges."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -97,6 +98,33 @@ def test_memory_plan_adds_up_and_finds_the_largest_prompt():
     assert report.plan(P=4096, G=2).peak == report.plan(P=4096, G=64).peak
     table = plan.table()
     assert "predicted peak" in table and "largest P that fits" in table
+
+
+def test_the_plan_reports_the_graphs_kept_in_the_room_beside_the_peak():
+    """With a budget, the plan says what a run keeps for the backward in the
+    room beside its peak, as the runner's `GraphSpending` decides: the
+    prompt's graph first (exact mode), then branch graphs one by one; none
+    without room, under layer-wise recomputation, or with keep_graphs=False;
+    no prompt graph in detached mode."""
+    report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
+    sized = {"prefix_chunk_size": 8, "recompute_layers": False}
+    base = report.plan(P=64, G=6, **sized)
+    assert base.kept is None  # no budget on the CPU: nothing to keep against
+    graph, chunks = base.activations, 8  # (64 - 1) positions in chunks of 8
+    for room, prompt, branches in [(0, False, 0), (chunks * graph, True, 0), (chunks * graph + 3 * graph, True, 3),
+                                   (10 ** 12, True, 6)]:
+        plan = report.plan(P=64, G=6, budget_gb=(base.peak + room) / 1e9, **sized)
+        assert (plan.kept.prompt, plan.kept.branches, plan.kept.prompt_chunks) == (prompt, branches, chunks), room
+    roomy = (base.peak + 10 ** 12) / 1e9
+    detached = report.plan(P=64, G=6, budget_gb=roomy, prompt_grad="detached", **sized).kept
+    assert not detached.prompt and detached.branches == 6
+    assert report.plan(P=64, G=6, budget_gb=roomy, prefix_chunk_size=8, recompute_layers=True).kept.branches == 0
+    table = report.plan(P=64, G=6, budget_gb=(base.peak + chunks * graph + 3 * graph) / 1e9, **sized).table()
+    assert "the prompt's graph (8 chunks): kept" in table and "branch graphs kept: 3 of 6" in table
+    assert "forwards: the prompt 1x, the branches 9 for 6" in table
+    report.options = dataclasses.replace(report.options, keep_graphs=False)
+    unkept = report.plan(P=64, G=6, budget_gb=roomy, **sized).kept
+    assert not unkept.prompt and unkept.branches == 0
 
 
 H200_RESULTS = REPO / "benchmarks" / "results"
