@@ -49,6 +49,14 @@ class _TensorTemplate:
     storage: int  # values with the same number share one storage
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sequence:
+    """A tuple, list or `torch.Size` of values, rebuilt as its own type."""
+
+    kind: type
+    items: tuple[Any, ...]
+
+
 class Unknown(Exception):
     """A template that cannot be built or evaluated: propagate instead."""
 
@@ -91,7 +99,7 @@ def _template(example: Any, recorded: Any, storages: _Storages) -> Any:
     if isinstance(recorded, (tuple, list)):
         if not isinstance(example, (tuple, list)) or len(example) != len(recorded):
             raise Unknown("a sequence of another length")
-        return type(recorded)(_template(e, r, storages) for e, r in zip(example, recorded))
+        return _Sequence(type(recorded), tuple(_template(e, r, storages) for e, r in zip(example, recorded)))
     if isinstance(recorded, (bool, int, float)) or recorded is None:
         return _expr(example) if isinstance(example, SymValue) else recorded
     raise Unknown(f"a {type(recorded).__name__} value")
@@ -169,6 +177,9 @@ class ValueTemplates:
         except Unknown as why:
             log.debug("no templates for this graph: %s", why)
             return None
+        except (TypeError, ValueError, RuntimeError):
+            log.debug("no templates for this graph", exc_info=True)
+            return None
         return cls(templates)
 
     def _bindings(self, gm: fx.GraphModule, real: dict[fx.Node, Any]) -> dict[sympy.Symbol, Any]:
@@ -213,15 +224,19 @@ class ValueTemplates:
                 if isinstance(value, torch.Tensor) and (layouts[node].size, layouts[node].stride, layouts[node].offset) != (
                         tuple(value.shape), value.stride(), value.storage_offset()):
                     raise Unknown(f"argument {node.name} has another layout")
+            ends: dict[int, int] = {}
+            for layout in _leaves(layouts.values()):
+                ends[layout.template.storage] = max(ends.get(layout.template.storage, 0), layout.end_bytes())
+            storages = {number: torch.UntypedStorage(end, device="meta") for number, end in ends.items()}
+            values = {node: _value(layout, storages, fake_mode) for node, layout in layouts.items()}
         except Unknown as why:
             log.debug("propagating at these sizes: %s", why)
             return False
-        ends: dict[int, int] = {}
-        for layout in _leaves(layouts.values()):
-            ends[layout.template.storage] = max(ends.get(layout.template.storage, 0), layout.end_bytes())
-        storages = {number: torch.UntypedStorage(end, device="meta") for number, end in ends.items()}
-        for node, layout in layouts.items():
-            node.meta["longstraw_value"] = _value(layout, storages, fake_mode)
+        except (TypeError, ValueError, RuntimeError):  # a value the templates rebuild wrongly: propagation is right
+            log.debug("propagating at these sizes: the templates failed", exc_info=True)
+            return False
+        for node, value in values.items():
+            node.meta["longstraw_value"] = value
         for node in gm.graph.find_nodes(op="output"):  # propagation records the outputs too
             node.meta["longstraw_value"] = fx.node.map_aggregate(
                 node.args[0], lambda n: n.meta["longstraw_value"] if isinstance(n, fx.Node) else n)
@@ -232,8 +247,8 @@ def _layout(template: Any, evaluate: _Evaluator) -> Any:
     if isinstance(template, _TensorTemplate):
         return _Layout(template, tuple(evaluate(s) for s in template.size), tuple(evaluate(s) for s in template.stride),
                        evaluate(template.offset))
-    if isinstance(template, (tuple, list)):
-        return type(template)(_layout(t, evaluate) for t in template)
+    if isinstance(template, _Sequence):
+        return _Sequence(template.kind, tuple(_layout(t, evaluate) for t in template.items))
     return evaluate(template)
 
 
@@ -242,8 +257,8 @@ def _leaves(values: Any) -> list[_Layout]:
     for value in values:
         if isinstance(value, _Layout):
             out.append(value)
-        elif isinstance(value, (tuple, list)):
-            out.extend(_leaves(value))
+        elif isinstance(value, _Sequence):
+            out.extend(_leaves(value.items))
     return out
 
 
@@ -255,8 +270,8 @@ def _value(layout: Any, storages: dict[int, torch.UntypedStorage], fake_mode: Fa
         if t.requires_grad:
             meta.requires_grad_(True)
         return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, t.device)
-    if isinstance(layout, (tuple, list)):
-        return type(layout)(_value(v, storages, fake_mode) for v in layout)
+    if isinstance(layout, _Sequence):
+        return layout.kind(tuple(_value(v, storages, fake_mode) for v in layout.items))
     return layout
 
 

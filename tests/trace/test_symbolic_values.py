@@ -63,6 +63,30 @@ def test_values_at_new_lengths_are_the_propagated_ones(make):
         assert_same_values(specialize(gm, args), specialize(gm, args, templates=False))
 
 
+def test_sizes_and_tuples_of_values(monkeypatch):
+    """A `torch.Size` value and an operator returning a named tuple
+    (`max(dim)`) are rebuilt as their own types at new lengths."""
+
+    def loss(model, prompt, responses, advantages, mask):
+        ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], 1)
+        logits = model(input_ids=ids).logits[:, prompt.shape[0] - 1:-1]
+        shape = logits.size()
+        top = logits.max(-1)
+        centred = (logits - top.values[..., None]).reshape(shape)
+        logp = torch.log_softmax(centred, -1).gather(-1, responses[..., None]).squeeze(-1)
+        return -(logp * advantages[:, None] * mask).sum() / mask.sum() + 0.0 * top.indices.sum()
+
+    calls = dynamo_graphs(loss, make_qwen3(), LENGTHS)
+    dynamic = [(gm, args) for gm, args in calls if gm is calls[1][0]]
+    specialize(*dynamic[0])
+    assert templates_of(dynamic[0][0])[1] is not None
+    fills = counted_fills(monkeypatch)
+    kinds = {type(n.meta.get("longstraw_value")) for n in specialize(*dynamic[1]).gm.graph.nodes}
+    assert torch.return_types.max in kinds and fills == [True]
+    for gm, args in dynamic[1:]:
+        assert_same_values(specialize(gm, args), specialize(gm, args, templates=False))
+
+
 def test_templates_refuse_an_argument_of_another_signature(monkeypatch):
     """An argument whose requires_grad is not the one learned leaves the
     call to propagation (the templates hold later nodes' requires_grad)."""
