@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
@@ -249,12 +250,20 @@ def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], fake_mod
             if node.op == "placeholder":
                 recorder.env[node] = old
                 continue
-            if node not in before or before[node] != (node.args, node.kwargs) or old is None or any(
+            if node not in before or not _same_arguments(before[node], (node.args, node.kwargs)) or old is None or any(
                     i in changed for i in node.all_input_nodes):
                 new = recorder.run_node(node)
                 if not same_value(old, new):
                     changed.add(node)
             recorder.env[node] = node.meta.get("longstraw_value")
+
+
+def _same_arguments(a: Any, b: Any) -> bool:
+    """Whether two (args, kwargs) are the same nodes and constants (tensors by identity)."""
+    flat_a, spec_a = pytree.tree_flatten(a)
+    flat_b, spec_b = pytree.tree_flatten(b)
+    return spec_a == spec_b and all(
+        x is y or (not isinstance(x, torch.Tensor) and type(x) is type(y) and x == y) for x, y in zip(flat_a, flat_b))
 
 
 # 3. sizes and folded values -------------------------------------------------
