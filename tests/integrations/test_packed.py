@@ -45,7 +45,7 @@ def packed_row(prompt_lengths=(7, 5), layout=LAYOUT, seed=0, vocab=64):
 
 def token_scores(logits, ids, marked):
     """(log-prob, entropy) of each marked token [1, N] from logits [1, N, V] at the positions before it."""
-    logp_all = torch.log_softmax(logits[:, :-1], -1)
+    logp_all = torch.log_softmax(logits[:, :-1].float(), -1)  # float32, as the scorer (TRL's) computes it
     logps = torch.zeros(ids.shape, dtype=logp_all.dtype)
     entropies = torch.zeros(ids.shape, dtype=logp_all.dtype)
     logps[:, 1:] = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
