@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from longstraw.errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
@@ -119,8 +120,9 @@ def _specialized(gm: fx.GraphModule, args: Sequence[Any], templates: ValueTempla
     guards = _fold_integers(copy, args)
     values = {n: n.meta.get("longstraw_value") for n in copy.graph.nodes}
     before = {n: (n.args, n.kwargs) for n in copy.graph.nodes}
+    owners = _StorageOwners.of_graph(copy)
     if functionalize(copy, values):
-        _record_rewritten(copy, before, fake_mode, args)
+        _record_rewritten(copy, before, owners, fake_mode, args)
     return _finished(copy, guards)
 
 
@@ -228,7 +230,17 @@ class _Recorder(fx.Interpreter):
         else:
             value = super().run_node(n)
         n.meta["longstraw_value"] = value
+        # a later in-place write can make this very tensor require grad; the templates need it as computed
+        n.meta["longstraw_requires_grad"] = _requires_grad(value)
         return value
+
+
+def _requires_grad(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return tuple(_requires_grad(v) for v in value)
+    return None
 
 
 def _record(gm: fx.GraphModule, fake_mode: FakeTensorMode, fake_args: list, args: Sequence[Any]) -> None:
@@ -236,26 +248,62 @@ def _record(gm: fx.GraphModule, fake_mode: FakeTensorMode, fake_args: list, args
         _Recorder(gm, args).run(*fake_args)
 
 
-def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], fake_mode: FakeTensorMode,
-                      args: Sequence[Any]) -> None:
+def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], owners_before: dict[fx.Node, tuple],
+                      fake_mode: FakeTensorMode, args: Sequence[Any]) -> None:
     """Propagate, after functionalisation, the nodes it added or rewrote
     (`before`: each node's arguments before it), the nodes reading a value
-    that changed with them, and the side effects that set the grad mode or
-    autocast for them; every other node keeps its value."""
+    that changed with them (in layout or in the value it is a view of:
+    `owners_before`, `_StorageOwners.of` each node's value before), and the
+    side effects that set the grad mode or autocast for them; every other
+    node keeps its value."""
     recorder = _Recorder(gm, args)
+    owners = _StorageOwners()
     changed: set[fx.Node] = set()
     with fake_mode, torch.no_grad():
         for node in gm.graph.nodes:
             old = node.meta.get("longstraw_value")
-            if node.op == "placeholder":
-                recorder.env[node] = old
-                continue
-            if node not in before or not _same_arguments(before[node], (node.args, node.kwargs)) or old is None or any(
-                    i in changed for i in node.all_input_nodes):
-                new = recorder.run_node(node)
-                if not same_value(old, new):
-                    changed.add(node)
-            recorder.env[node] = node.meta.get("longstraw_value")
+            if node.op != "placeholder":
+                rewritten = node not in before or not _same_arguments(before[node], (node.args, node.kwargs))
+                if (rewritten or old is None or any(i in changed for i in node.all_input_nodes)
+                        or owners.of(node, old) != owners_before.get(node)):
+                    new = recorder.run_node(node)
+                    if rewritten or not same_value(old, new) or owners.of(node, new) != owners_before.get(node):
+                        changed.add(node)
+            value = node.meta.get("longstraw_value")
+            owners.add(node, value)
+            recorder.env[node] = value
+
+
+class _StorageOwners:
+    """For each tensor in a value, the first node in graph order whose value
+    holds its storage: which values are views of which."""
+
+    def __init__(self) -> None:
+        self.first: dict[StorageWeakRef, fx.Node] = {}
+
+    def of(self, node: fx.Node, value: Any) -> tuple:
+        return tuple(self.first.get(StorageWeakRef(t.untyped_storage()), node) for t in _tensors(value))
+
+    def add(self, node: fx.Node, value: Any) -> None:
+        for t in _tensors(value):
+            self.first.setdefault(StorageWeakRef(t.untyped_storage()), node)
+
+    @classmethod
+    def of_graph(cls, gm: fx.GraphModule) -> dict[fx.Node, tuple]:
+        owners, out = cls(), {}
+        for node in gm.graph.nodes:
+            value = node.meta.get("longstraw_value")
+            out[node] = owners.of(node, value)
+            owners.add(node, value)
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _same_arguments(a: Any, b: Any) -> bool:

@@ -87,19 +87,22 @@ class _Storages:
         return self.numbers.setdefault(StorageWeakRef(tensor.untyped_storage()), len(self.numbers))
 
 
-def _template(example: Any, recorded: Any, storages: _Storages) -> Any:
+def _template(example: Any, recorded: Any, requires_grad: Any, storages: _Storages) -> Any:
     """The template of one value: Dynamo's `example` for what depends on sizes,
-    the `recorded` value (propagated at the first call) for the rest."""
+    the `recorded` value (propagated at the first call) for the rest, with
+    `requires_grad` as it was when recorded (a later in-place write can
+    change the tensor's)."""
     if isinstance(recorded, torch.Tensor):
-        if not isinstance(example, torch.Tensor):
+        if not isinstance(example, torch.Tensor) or not isinstance(requires_grad, bool):
             raise Unknown("no example tensor")
         return _TensorTemplate(tuple(_expr(s) for s in example.shape), tuple(_expr(s) for s in example.stride()),
-                               _expr(example.storage_offset()), recorded.dtype, recorded.device, recorded.requires_grad,
+                               _expr(example.storage_offset()), recorded.dtype, recorded.device, requires_grad,
                                storages(recorded))
     if isinstance(recorded, (tuple, list)):
         if not isinstance(example, (tuple, list)) or len(example) != len(recorded):
             raise Unknown("a sequence of another length")
-        return _Sequence(type(recorded), tuple(_template(e, r, storages) for e, r in zip(example, recorded)))
+        flags = requires_grad if isinstance(requires_grad, tuple) else (None,) * len(recorded)
+        return _Sequence(type(recorded), tuple(_template(e, r, g, storages) for e, r, g in zip(example, recorded, flags)))
     if isinstance(recorded, (bool, int, float)) or recorded is None:
         return _expr(example) if isinstance(example, SymValue) else recorded
     raise Unknown(f"a {type(recorded).__name__} value")
@@ -173,7 +176,8 @@ class ValueTemplates:
                 elif example is None and recorded is None:
                     templates[node.name] = None  # a side effect (`_set_grad_enabled`): no value
                 else:
-                    templates[node.name] = _template(example, recorded, storages)
+                    templates[node.name] = _template(example, recorded, node.meta.get("longstraw_requires_grad"),
+                                                     storages)
         except Unknown as why:
             log.debug("no templates for this graph: %s", why)
             return None
