@@ -129,12 +129,43 @@ def _write_of(node: fx.Node, values: dict[fx.Node, Any]) -> _Write | None:
     return None
 
 
-def _storages(value: Any) -> list[StorageWeakRef]:
+def storages_of(value: Any) -> list[StorageWeakRef]:
+    """The storage of each tensor in a value (a tensor, or a tuple or list of values)."""
     if isinstance(value, torch.Tensor):
         return [StorageWeakRef(value.untyped_storage())]
     if isinstance(value, (tuple, list)):
-        return [s for v in value for s in _storages(v)]
+        return [s for v in value for s in storages_of(v)]
     return []
+
+
+Owner = tuple[fx.Node, int]
+"""A node and the index of a tensor among its value's tensors."""
+
+
+class StorageOwners:
+    """For each storage met, the first tensor in graph order whose storage it
+    is (`Owner`): which values are views of which."""
+
+    def __init__(self) -> None:
+        self.first: dict[StorageWeakRef, Owner] = {}
+
+    def of(self, node: fx.Node, value: Any) -> tuple[Owner, ...]:
+        """The owner of each tensor in `node`'s `value` (itself for a storage not met yet)."""
+        return tuple(self.first.get(s, (node, i)) for i, s in enumerate(storages_of(value)))
+
+    def add(self, node: fx.Node, value: Any) -> None:
+        for i, s in enumerate(storages_of(value)):
+            self.first.setdefault(s, (node, i))
+
+    @classmethod
+    def of_graph(cls, gm: fx.GraphModule) -> dict[fx.Node, tuple[Owner, ...]]:
+        """`of` every node's recorded value (`longstraw_value`), in graph order."""
+        owners, out = cls(), {}
+        for node in gm.graph.nodes:
+            value = node.meta.get("longstraw_value")
+            out[node] = owners.of(node, value)
+            owners.add(node, value)
+        return out
 
 
 class _Functionalizer:
@@ -177,7 +208,7 @@ class _Functionalizer:
         name = op_name(node)
         if isinstance(value, (tuple, list)) and name not in _SPLIT_VIEWS:
             return  # a tuple of results: each `getitem` of it is a tensor of its own
-        storages = _storages(value)
+        storages = storages_of(value)
         if not storages:
             return
         known = [self.owner[s] for s in storages if s in self.owner]

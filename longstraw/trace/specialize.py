@@ -38,11 +38,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from longstraw.errors import UnsupportedGraphError, describe_node, module_classes, sdpa_advice
-from longstraw.trace.functionalize import functionalize
+from longstraw.trace.functionalize import StorageOwners, functionalize
 from longstraw.trace.symbolic_values import ValueTemplates, agree, remember, same_value, templates_of
 from longstraw.analysis.dim_types import ELEMENTWISE
 from longstraw.nodes import ancestors, is_call, is_random, is_side_effect, op_name
@@ -76,7 +75,11 @@ def specialize(gm: fx.GraphModule, args: Sequence[Any], templates: bool = True) 
             return fast
     result, candidate = _propagated(gm, args, learn=not learned)
     if not learned:
-        check = None if candidate is None else _specialized(gm, args, candidate)
+        try:
+            check = None if candidate is None else _specialized(gm, args, candidate)
+        except UnsupportedGraphError:  # propagation planned this graph: the templates are at fault
+            log.debug("templates of a graph dropped", exc_info=True)
+            check = None
         agrees = check is not None and check.guards == result.guards and agree(check.gm, result.gm)
         if candidate is not None and not agrees:
             log.debug("templates of a graph dropped: they do not give back what propagation gave")
@@ -120,7 +123,7 @@ def _specialized(gm: fx.GraphModule, args: Sequence[Any], templates: ValueTempla
     guards = _fold_integers(copy, args)
     values = {n: n.meta.get("longstraw_value") for n in copy.graph.nodes}
     before = {n: (n.args, n.kwargs) for n in copy.graph.nodes}
-    owners = _StorageOwners.of_graph(copy)
+    owners = StorageOwners.of_graph(copy)
     if functionalize(copy, values):
         _record_rewritten(copy, before, owners, fake_mode, args)
     return _finished(copy, guards)
@@ -253,11 +256,11 @@ def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], owners_b
     """Propagate, after functionalisation, the nodes it added or rewrote
     (`before`: each node's arguments before it), the nodes reading a value
     that changed with them (in layout or in the value it is a view of:
-    `owners_before`, `_StorageOwners.of` each node's value before), and the
+    `owners_before`: `StorageOwners.of_graph` before it), and the
     side effects that set the grad mode or autocast for them; every other
     node keeps its value."""
     recorder = _Recorder(gm, args)
-    owners = _StorageOwners()
+    owners = StorageOwners()
     changed: set[fx.Node] = set()
     with fake_mode, torch.no_grad():
         for node in gm.graph.nodes:
@@ -272,38 +275,6 @@ def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], owners_b
             value = node.meta.get("longstraw_value")
             owners.add(node, value)
             recorder.env[node] = value
-
-
-class _StorageOwners:
-    """For each tensor in a value, the first node in graph order whose value
-    holds its storage: which values are views of which."""
-
-    def __init__(self) -> None:
-        self.first: dict[StorageWeakRef, fx.Node] = {}
-
-    def of(self, node: fx.Node, value: Any) -> tuple:
-        return tuple(self.first.get(StorageWeakRef(t.untyped_storage()), node) for t in _tensors(value))
-
-    def add(self, node: fx.Node, value: Any) -> None:
-        for t in _tensors(value):
-            self.first.setdefault(StorageWeakRef(t.untyped_storage()), node)
-
-    @classmethod
-    def of_graph(cls, gm: fx.GraphModule) -> dict[fx.Node, tuple]:
-        owners, out = cls(), {}
-        for node in gm.graph.nodes:
-            value = node.meta.get("longstraw_value")
-            out[node] = owners.of(node, value)
-            owners.add(node, value)
-        return out
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _same_arguments(a: Any, b: Any) -> bool:

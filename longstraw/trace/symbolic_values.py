@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import sympy
@@ -32,6 +33,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from longstraw.trace.functionalize import StorageOwners
 
 log = logging.getLogger("longstraw.trace.symbolic_values")
 
@@ -46,7 +49,7 @@ class _TensorTemplate:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
-    storage: int  # values with the same number share one storage
+    storage: str  # the tensor that holds its storage ("node.index"): values with the same one share it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,32 +80,22 @@ def _expr(value: Any) -> Any:
     raise Unknown(f"a {type(value).__name__}")
 
 
-class _Storages:
-    """Numbers the storages of the values met, in the order met."""
-
-    def __init__(self) -> None:
-        self.numbers: dict[StorageWeakRef, int] = {}
-
-    def __call__(self, tensor: torch.Tensor) -> int:
-        return self.numbers.setdefault(StorageWeakRef(tensor.untyped_storage()), len(self.numbers))
-
-
-def _template(example: Any, recorded: Any, requires_grad: Any, storages: _Storages) -> Any:
+def _template(example: Any, recorded: Any, requires_grad: Any, owner: Callable[[torch.Tensor], str]) -> Any:
     """The template of one value: Dynamo's `example` for what depends on sizes,
     the `recorded` value (propagated at the first call) for the rest, with
     `requires_grad` as it was when recorded (a later in-place write can
-    change the tensor's)."""
+    change the tensor's) and `owner`: the node whose value holds its storage."""
     if isinstance(recorded, torch.Tensor):
         if not isinstance(example, torch.Tensor) or not isinstance(requires_grad, bool):
             raise Unknown("no example tensor")
         return _TensorTemplate(tuple(_expr(s) for s in example.shape), tuple(_expr(s) for s in example.stride()),
                                _expr(example.storage_offset()), recorded.dtype, recorded.device, requires_grad,
-                               storages(recorded))
+                               owner(recorded))
     if isinstance(recorded, (tuple, list)):
         if not isinstance(example, (tuple, list)) or len(example) != len(recorded):
             raise Unknown("a sequence of another length")
         flags = requires_grad if isinstance(requires_grad, tuple) else (None,) * len(recorded)
-        return _Sequence(type(recorded), tuple(_template(e, r, g, storages) for e, r, g in zip(example, recorded, flags)))
+        return _Sequence(type(recorded), tuple(_template(e, r, g, owner) for e, r, g in zip(example, recorded, flags)))
     if isinstance(recorded, (bool, int, float)) or recorded is None:
         return _expr(example) if isinstance(example, SymValue) else recorded
     raise Unknown(f"a {type(recorded).__name__} value")
@@ -165,19 +158,25 @@ class ValueTemplates:
         recorded (`longstraw_value`) and Dynamo's example values; None where
         a node's value has no template."""
         templates: dict[str, Any] = {}
-        storages = _Storages()
+        owners = StorageOwners()
+
+        def owner(tensor: torch.Tensor) -> str:
+            node, index = owners.first[StorageWeakRef(tensor.untyped_storage())]
+            return f"{node.name}.{index}"
+
         try:
             for node in gm.graph.nodes:
                 if node.op == "output":
                     continue
                 example, recorded = node.meta.get("example_value"), node.meta.get("longstraw_value")
+                owners.add(node, recorded)
                 if node.op == "call_method" and node.target == "item":
                     templates[node.name] = ITEM
                 elif example is None and recorded is None:
                     templates[node.name] = None  # a side effect (`_set_grad_enabled`): no value
                 else:
                     templates[node.name] = _template(example, recorded, node.meta.get("longstraw_requires_grad"),
-                                                     storages)
+                                                     owner)
         except Unknown as why:
             log.debug("no templates for this graph: %s", why)
             return None
@@ -188,7 +187,7 @@ class ValueTemplates:
 
     def _bindings(self, gm: fx.GraphModule, real: dict[fx.Node, Any]) -> dict[sympy.Symbol, Any]:
         symbols: dict[sympy.Symbol, Any] = {}
-        storages: dict[StorageWeakRef, int] = {}
+        storages: dict[StorageWeakRef, str] = {}
         for node, value in real.items():
             template = self.templates[node.name]
             if isinstance(template, _TensorTemplate) and isinstance(value, torch.Tensor):
@@ -228,10 +227,10 @@ class ValueTemplates:
                 if isinstance(value, torch.Tensor) and (layouts[node].size, layouts[node].stride, layouts[node].offset) != (
                         tuple(value.shape), value.stride(), value.storage_offset()):
                     raise Unknown(f"argument {node.name} has another layout")
-            ends: dict[int, int] = {}
+            ends: dict[str, int] = {}
             for layout in _leaves(layouts.values()):
                 ends[layout.template.storage] = max(ends.get(layout.template.storage, 0), layout.end_bytes())
-            storages = {number: torch.UntypedStorage(end, device="meta") for number, end in ends.items()}
+            storages = {owner: torch.UntypedStorage(end, device="meta") for owner, end in ends.items()}
             values = {node: _value(layout, storages, fake_mode) for node, layout in layouts.items()}
         except Unknown as why:
             log.debug("propagating at these sizes: %s", why)
@@ -266,7 +265,7 @@ def _leaves(values: Any) -> list[_Layout]:
     return out
 
 
-def _value(layout: Any, storages: dict[int, torch.UntypedStorage], fake_mode: FakeTensorMode) -> Any:
+def _value(layout: Any, storages: dict[str, torch.UntypedStorage], fake_mode: FakeTensorMode) -> Any:
     if isinstance(layout, _Layout):
         t = layout.template
         meta = torch.empty((0,), dtype=t.dtype, device="meta").set_(storages[t.storage], layout.offset, layout.size,
@@ -290,19 +289,9 @@ def same_value(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _sharing(gm: fx.GraphModule) -> list[int]:
-    """Which of the graph's tensor values share storage: each one's storage numbered in the order met."""
-    storages = _Storages()
-    out = []
-    for node in gm.graph.nodes:
-        stack = [node.meta.get("longstraw_value")]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, torch.Tensor):
-                out.append(storages(value))
-            elif isinstance(value, (tuple, list)):
-                stack.extend(reversed(value))
-    return out
+def _sharing(gm: fx.GraphModule) -> list[str]:
+    """Which of the graph's tensor values share storage: each one's owner (`StorageOwners`), by name."""
+    return [f"{node.name}.{index}" for owners in StorageOwners.of_graph(gm).values() for node, index in owners]
 
 
 def agree(a: fx.GraphModule, b: fx.GraphModule) -> bool:
