@@ -76,14 +76,7 @@ class CausalAttentionPass(ArchitecturePass):
     def candidates(self, node: fx.Node, state_input: fx.Node) -> list[Candidate]:
         """Walk up from the key/value input through ops the step can absorb:
         identities (contiguous, clone, `cat([empty, k])`) and head repetition."""
-        out = [Candidate(state_input, 1)]
-        current, repeat = state_input, 1
-        while True:
-            parent, factor = _absorbable(current)
-            if parent is None:
-                return out
-            current, repeat = parent, repeat * factor
-            out.append(Candidate(current, repeat))
+        return [Candidate(n, repeat) for n, repeat in _absorbed_chain(state_input)]
 
     def emit_step(self, emitter: StepEmitter, node: fx.Node, sites: list[SiteState]) -> fx.Node:
         k_site, v_site = sites
@@ -131,12 +124,18 @@ def before_head_repetition(node: fx.Node) -> tuple[fx.Node, int]:
     """The earliest node `node` is computed from by ops the attention step
     absorbs (identities, `repeat_kv`'s head repetition), and the head
     repeat factor between the two: K or V as a layer computed them."""
-    current, repeat = node, 1
+    return _absorbed_chain(node)[-1]
+
+
+def _absorbed_chain(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """`node` and each input it is computed from by ops the attention step
+    absorbs, walking up, with the head repeat factor from each to `node`."""
+    chain = [(node, 1)]
     while True:
-        parent, factor = _absorbable(current)
+        parent, factor = _absorbable(chain[-1][0])
         if parent is None:
-            return current, repeat
-        current, repeat = parent, repeat * factor
+            return chain
+        chain.append((parent, chain[-1][1] * factor))
 
 
 def _absorbable(node: fx.Node) -> tuple[fx.Node | None, int]:
