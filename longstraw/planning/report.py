@@ -46,6 +46,7 @@ from longstraw.planning.planner import (
     kept_graphs,
 )
 from longstraw.planning.sizing import KEEP_EVERY_STATE
+from longstraw.runtime.runner import branch_graphs_keepable, graphs_keepable
 from longstraw.runtime.schedule import ChunkSchedule
 
 
@@ -134,10 +135,10 @@ class ExplainReport:
         room beside its peak (`keep_graphs`: None, as room allows; True,
         all; False, none), as `GroupRunner` decides at a group's forward."""
         o, program = self.options, self.group_plan.program
-        keeps = (o.keep_graphs is not False and not plan.recompute_layers and not o.attention_outputs_on_host
-                 and plan.ranks == 1 and len(program.stages) == 1 and not program.random)
+        keeps = plan.ranks == 1 and graphs_keepable(
+            program, dataclasses.replace(o, recompute_layers=plan.recompute_layers, context_parallel=None))
         exact = plan.prompt_grad == "exact"
-        branches = keeps and all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
+        branches = keeps and branch_graphs_keepable(program)
         room = KEEP_EVERY_STATE if o.keep_graphs else max(budget - plan.peak, 0)
         chunks = ChunkSchedule(max(plan.P - 1, 1), plan.prefix_chunk_size).count
         return kept_graphs(room, plan.activations, chunks, plan.G, exact, keeps and exact and self.grads_bytes > 0,

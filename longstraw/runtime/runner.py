@@ -132,14 +132,12 @@ class GroupRunner(BackwardPass):
         graphs need exact mode (a carried operator's backward reads the
         chunk boundary's carry, which exact mode's capture keeps); branch
         graphs, passes that allow them (`branch_graphs_kept`)."""
-        o = self.options
-        return (o.keep_graphs is not False and self.graph_room > 0
-                and self.options.context_parallel is None and self.ranks is None and not o.recompute_layers
-                and not o.attention_outputs_on_host and len(self.stages) == 1 and not self.random and not self.sampled)
+        return (graphs_keepable(self.program, self.options) and self.graph_room > 0 and self.ranks is None
+                and not self.sampled)
 
     @functools.cached_property
     def keeps_branch_graphs(self) -> bool:
-        return self.keeps_graphs and all(p.branch_graphs_kept for p in set(self.part.claims.values()))
+        return self.keeps_graphs and branch_graphs_keepable(self.program)
 
     def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
         """Exact mode cannot give per-row gradients to per-row inputs of the
@@ -465,6 +463,22 @@ class GroupRunner(BackwardPass):
         )
 
     # backward -----------------------------------------------------------
+
+
+def graphs_keepable(program: StepProgram, options: Options) -> bool:
+    """Whether `options` and `program` let the forward keep its autograd
+    graphs (`GroupRunner.keeps_graphs`, before the room for them): none of
+    what changes how the backward replays (layer-wise recomputation,
+    attention outputs on the host, frozen stages, random operators, context
+    parallelism) and `keep_graphs` not False."""
+    o = options
+    return (o.keep_graphs is not False and o.context_parallel is None and not o.recompute_layers
+            and not o.attention_outputs_on_host and len(program.stages) == 1 and not program.random)
+
+
+def branch_graphs_keepable(program: StepProgram) -> bool:
+    """Whether every pass claiming an operator of `program` lets a branch's graph be kept."""
+    return all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
 
 
 def _seated(turn: BranchTurn, outs: Sequence[torch.Tensor], state: PromptState) -> list[tuple[int, Sequence[torch.Tensor]]]:
