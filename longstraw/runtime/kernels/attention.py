@@ -146,8 +146,11 @@ class CudnnShapes:
     def gate(self) -> CudnnGate:
         return CudnnGate(frozenset(self.seen), self)
 
-    def record(self, key: ShapeKey, admitted: bool) -> None:
+    def count(self, admitted: bool) -> None:
         self.calls["cudnn" if admitted else "flash"] += 1
+
+    def record(self, key: ShapeKey, admitted: bool) -> None:
+        self.count(admitted)
         if key not in self.seen:
             self.seen[key] = None
             if len(self.seen) > CUDNN_SHAPES_KEPT:
@@ -202,7 +205,7 @@ def _admits(direction: str, causal: bool, *tensors: torch.Tensor) -> bool:
     if not _GATES or not torch.backends.cuda.flash_sdp_enabled():
         return True
     if tensors[1].shape[-2] < CUDNN_MIN_KEYS:
-        _GATES[-1].shapes.calls["flash"] += 1
+        _GATES[-1].shapes.count(False)  # not remembered: it never runs cuDNN
         return False
     layout = tuple((tuple(t.shape), t.stride()) for t in tensors)
     return _GATES[-1].admits((direction, causal, layout, tensors[0].dtype, tensors[0].device))
