@@ -136,19 +136,20 @@ class PackedSegments:
             positions[b, first:] = torch.arange(P + R - first, device=ids.device)
         return PaddedLayout(out, mask, positions, R)
 
-    def packed(self, per_token: torch.Tensor) -> torch.Tensor:
+    def packed(self, per_token: torch.Tensor, shift: int = 0, fill: float = 0.0) -> torch.Tensor:
         """Completion values `[B, R]` of the padded batch at their packed
-        positions `[1, N]` (the value of token t at t); 0 on prompt tokens.
-        Differentiable."""
+        positions `[1, N]`: the value of token t at t + `shift` (verl's
+        model output puts the value predicting token t at t - 1), `fill`
+        elsewhere. Differentiable."""
         R = per_token.shape[1]
         rows, dest = [], []
         for b, (start, prompt, completion) in enumerate(zip(self.starts, self.prompt_lengths, self.completion_lengths)):
             rows.extend(b * R + j for j in range(completion))
-            dest.extend(range(start + prompt, start + prompt + completion))
+            dest.extend(range(start + prompt + shift, start + prompt + completion + shift))
         device = per_token.device
         values = per_token.reshape(-1)[torch.tensor(rows, device=device)]
         total = self.starts[-1] + self.lengths[-1]
-        return per_token.new_zeros(total).index_put((torch.tensor(dest, device=device),), values)[None]
+        return per_token.new_full((total,), fill).index_put((torch.tensor(dest, device=device),), values)[None]
 
 
 Scorer = Callable[..., tuple[torch.Tensor, torch.Tensor]]

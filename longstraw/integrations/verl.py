@@ -1,0 +1,313 @@
+"""verl's FSDP actor with its log-probs and entropies computed through LongStraw.
+
+    from longstraw.integrations.verl import register
+    register({"prompt_grad": "exact"})  # in every worker process, before verl builds its engines
+
+verl 0.9.1's actor is an engine (`FSDPEngineWithLMHead`) that verl's
+`TrainingWorker` makes from `EngineRegistry` by `actor.strategy`. `register`
+puts `LongStrawActorEngine` there for `strategy=fsdp2`. The engine's
+`forward_step`, the one place verl runs the policy, scores each micro-batch
+with a function compiled with `backend="longstraw"` and hands verl's own
+loss function (`ppo_loss`, unchanged) the per-token log-probs and entropies
+in the layout verl's model path returns: nested `[rows, j]` tensors over
+each row's `[prompt; response]` tokens, the value predicting token t+1 at t.
+LongStraw scores only what predicts response tokens; the other positions
+hold NaN, so a loss that read them would fail loudly rather than train on
+made-up values. Old and reference log-probs (`infer_batch`, under
+`no_grad`) go through the same function.
+
+Sharding: FSDP2's hooks cannot be traced, so the model is sharded at its
+root only (not per layer, verl's wrap policy is not applied) and the
+compiled unit is the root module itself: its class gains a scoring forward
+(`forward(..., longstraw_score=True)`; any other call is the model's own
+forward), so parameter names, checkpoints and weight sync stay verl's.
+Parameters, gradients and optimizer state stay sharded between steps; the
+step gathers the whole model, as `longstraw.LossModule` under FSDP2 does.
+
+Groups: a micro-batch in which a prompt has a single response is refused.
+Rows of one prompt must be adjacent (verl's `rollout.n` repeats are, unless
+`actor.shuffle=True`); with dynamic batch size the engine keeps each group
+in one micro-batch (`force_group_size`), and a fixed micro-batch size must
+be a multiple of the group size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.fsdp_utils import fsdp2_load_full_state_dict
+from verl.utils.torch_dtypes import PrecisionType
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree
+
+from longstraw.backend import Backend
+from longstraw.errors import InputError, LongStrawError
+from longstraw.integrations.packed import PackedSegments
+from longstraw.integrations.scoring import completion_logps_and_entropies
+from longstraw.options import Options
+
+__all__ = ["LongStrawActorEngine", "longstraw_engine", "register"]
+
+
+class LongStrawActorEngine(FSDPEngineWithLMHead):
+    """verl's FSDP2 actor engine whose policy scoring runs through LongStraw.
+
+    Built by verl as its own engine is, from (model, engine, optimizer,
+    checkpoint) configs; `longstraw_engine(options)` binds LongStraw's
+    options. Refused at construction, with the setting to change: a strategy
+    other than `fsdp2`, Ulysses sequence parallelism, fused kernels, LoRA,
+    activation offload, gradient checkpointing (verl's default), and a value
+    model. Refused at the call: vision inputs, per-row temperatures that
+    differ, Σπ² and top-k distillation outputs, rows of one prompt that are
+    not adjacent, and a fixed micro-batch size that splits a group.
+    `longstraw_backend` is the backend object (its `plans`, `fallbacks`)."""
+
+    longstraw_options: Options = Options()
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any) -> None:
+        _check_settings(model_config, engine_config)
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self.longstraw_backend = Backend(self.longstraw_options)
+        self._scorer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _build_fsdp_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 at the root only, with verl's mixed precision and offload
+        policy; the root's class gains the scoring forward first."""
+        module.__class__ = _scoring_class(type(module))
+        precision = self.engine_config.mixed_precision or {}
+        param_dtype = PrecisionType.to_dtype(precision.get("param_dtype", "bf16"))
+        reduce_dtype = PrecisionType.to_dtype(precision.get("reduce_dtype", "fp32"))
+        self._autocast_dtype = param_dtype
+        if param_dtype == torch.float16:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(growth_interval=400)
+        offload = None
+        if self.engine_config.offload_policy or self.engine_config.forward_only:
+            self._is_offload_param = self._is_offload_optimizer = False
+            offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            self._uses_fsdp2_cpu_offload_policy = True
+        full_state = module.state_dict()
+        fully_shard(module, mesh=self.device_mesh, offload_policy=offload or OffloadPolicy(),
+                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                   cast_forward_inputs=True),
+                    reshard_after_forward=self.engine_config.reshard_after_forward)
+        fsdp2_load_full_state_dict(module, full_state, self.device_mesh, offload)
+        return module
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
+        """verl's micro-batch loop, with each prompt group kept whole."""
+        group = _group_size(data)
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            tu.assign_non_tensor(data, force_group_size=group)
+        else:
+            rows = data["micro_batch_size_per_gpu"]
+            if rows % group:
+                raise InputError(
+                    f"the micro-batch size ({rows} rows) would split a prompt's group of {group} responses across "
+                    "micro-batches, and LongStraw refuses a micro-batch in which a prompt has one response: set "
+                    "actor.ppo_micro_batch_size_per_gpu (and log_prob_micro_batch_size_per_gpu) to a multiple of "
+                    f"rollout.n ({group}), or use_dynamic_bsz=True"
+                )
+        return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+
+    def forward_step(self, micro_batch: TensorDict, loss_function: Callable | None,
+                     forward_only: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The micro-batch's log-probs (and entropies) through LongStraw, then
+        verl's loss function on them, as verl's `forward_step` returns them."""
+        micro_batch = micro_batch.to(get_device_id())
+        _check_batch(micro_batch)
+        input_ids = micro_batch["input_ids"]  # nested [rows, j]: each row's prompt and response tokens
+        offsets = input_ids.offsets()  # [rows + 1]
+        tokens = input_ids.values()  # [N]
+        prompt_lengths, _ = _parts(micro_batch)
+        segments = PackedSegments.from_cu_seqlens(offsets, _response_marks(offsets, prompt_lengths), tokens)
+        layout = segments.padded(tokens)
+        autocast = (contextlib.nullcontext() if self._autocast_dtype == torch.float32
+                    else torch.autocast(device_type=get_device_name(), dtype=self._autocast_dtype))
+        with autocast:
+            logps, entropies = self._compiled_scorer()(
+                layout.input_ids, layout.attention_mask, layout.logits_to_keep, _temperature(micro_batch),
+                layout.position_ids, longstraw_score=True,
+            )  # [rows, R] each
+            model_output = {"log_probs": _as_verl_output(segments.packed(logps, shift=-1, fill=float("nan")), offsets)}
+            if tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False):
+                model_output["entropy"] = _as_verl_output(segments.packed(entropies, shift=-1, fill=float("nan")),
+                                                          offsets)
+            if loss_function is None:
+                if not forward_only:
+                    raise LongStrawError("verl asked for a training step without a loss function")
+                loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
+            else:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+    def _compiled_scorer(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The root module compiled with LongStraw, made at the first step
+        (verl builds the module in `initialize`). Dynamic sizes from the first
+        call: every rollout brings new prompt and response lengths."""
+        if self._scorer is None:
+            self._scorer = torch.compile(self.module, backend=self.longstraw_backend, dynamic=True)
+        return self._scorer
+
+
+class _Scoring:
+    """Placed before the model's class: `forward(..., longstraw_score=True)`
+    returns the completions' log-probs and entropies
+    (`completion_logps_and_entropies` over the model's own forward); any
+    other call is the model's forward."""
+
+    def forward(self, *args: Any, longstraw_score: bool = False, **kwargs: Any) -> Any:
+        if not longstraw_score:
+            return super().forward(*args, **kwargs)
+        model_forward = super().forward
+        return completion_logps_and_entropies(lambda **inputs: model_forward(**inputs), *args, **kwargs)
+
+
+_SCORING_CLASSES: dict[type, type] = {}
+
+
+def _scoring_class(cls: type) -> type:
+    """`cls` with `_Scoring`'s forward (one class per model class, so that
+    pickling and Dynamo's guards see a stable type)."""
+    if issubclass(cls, _Scoring):
+        return cls
+    if cls not in _SCORING_CLASSES:
+        _SCORING_CLASSES[cls] = type(f"LongStrawScoring{cls.__name__}", (_Scoring, cls), {"__module__": cls.__module__})
+    return _SCORING_CLASSES[cls]
+
+
+def _check_settings(model_config: Any, engine_config: Any) -> None:
+    """Refuse, at construction, the settings whose model calls the compiled
+    scorer does not reproduce."""
+    refusals = []
+    if engine_config.strategy != "fsdp2":
+        refusals.append(f"strategy={engine_config.strategy!r}: LongStraw's engine shards with FSDP2 at the model's "
+                        "root (FSDP1 and per-layer sharding put hooks inside the graph); set actor.strategy=fsdp2")
+    if getattr(engine_config, "ulysses_sequence_parallel_size", 1) > 1:
+        refusals.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported; set it "
+                        "to 1 (LongStraw's own context parallelism splits the prompt state instead)")
+    if getattr(model_config, "model_type", "language_model") != "language_model":
+        refusals.append(f"model_type={model_config.model_type!r}: only the policy (language_model) is scored")
+    if getattr(model_config, "use_fused_kernels", False):
+        refusals.append("use_fused_kernels=True replaces the LM head's forward; set use_fused_kernels=False")
+    if getattr(model_config, "lora_rank", 0) > 0:
+        refusals.append("LoRA (lora_rank > 0) is not supported by this engine; set lora_rank=0")
+    if getattr(model_config, "enable_activation_offload", False):
+        refusals.append("enable_activation_offload=True wraps the layers in offload hooks; set it to False "
+                        "(LongStraw keeps only the prompt's state)")
+    if getattr(model_config, "enable_gradient_checkpointing", False):
+        refusals.append("enable_gradient_checkpointing=True (verl's default) buys nothing here, as LongStraw "
+                        "replays the responses anyway; set actor_rollout_ref.model.enable_gradient_checkpointing=False")
+    if refusals:
+        raise ValueError("LongStrawActorEngine: " + "; ".join(refusals))
+
+
+def _check_batch(micro_batch: TensorDict) -> None:
+    """Refuse, at the call, what the scorer does not compute."""
+    flag = lambda key: tu.get_non_tensor_data(data=micro_batch, key=key, default=False)  # noqa: E731
+    pad_mode = tu.get_non_tensor_data(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+    if pad_mode != DatasetPadMode.NO_PADDING:
+        raise InputError(f"pad_mode={pad_mode!r}: verl's actor batches are no-padding (nested) rows")
+    for key, what in (("use_fused_kernels", "fused kernels"), ("calculate_sum_pi_squared", "Σπ² of the policy"),
+                      ("distillation_use_topk", "top-k distillation outputs")):
+        if flag(key):
+            raise InputError(f"{key}=True: LongStraw's engine does not compute {what}; turn it off")
+    if micro_batch.get("multi_modal_inputs", None) is not None:
+        raise InputError("the batch has multi_modal_inputs; LongStraw's engine runs text-only models")
+    if micro_batch["position_ids"].dim() == 3:
+        raise InputError("3-D (multimodal RoPE) position ids are not supported; LongStraw's engine runs text-only "
+                         "models")
+
+
+def _parts(data: TensorDict) -> tuple[list[int], list[int]]:
+    """Each row's prompt and response lengths, as verl's `no_padding_2_padding` reads them."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().tolist(), responses.offsets().diff().tolist()
+    mask = data["attention_mask"]  # [rows, P + R]
+    width = prompts.shape[1]
+    return mask[:, :width].sum(1).tolist(), mask[:, width:].sum(1).tolist()
+
+
+def _response_marks(offsets: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
+    """[N]: 1 on every response token of the packed rows (the loss masks its own)."""
+    marks = torch.zeros(int(offsets[-1]), dtype=torch.long, device=offsets.device)
+    for start, stop, prompt in zip(offsets[:-1].tolist(), offsets[1:].tolist(), prompt_lengths):
+        marks[start + prompt:stop] = 1
+    return marks
+
+
+def _group_size(data: TensorDict) -> int:
+    """The number of responses per prompt: runs of adjacent rows with equal
+    prompt tokens, all of one size. Refused otherwise, naming the rows."""
+    input_ids = data["input_ids"]
+    offsets = input_ids.offsets().tolist()
+    tokens = input_ids.values()
+    prompt_lengths, _ = _parts(data)
+    prompts = [tuple(tokens[start:start + n].tolist()) for start, n in zip(offsets, prompt_lengths)]
+    runs: list[tuple[int, int]] = []  # (first row, rows)
+    for row, prompt in enumerate(prompts):
+        if runs and prompts[runs[-1][0]] == prompt:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    seen: dict[tuple[int, ...], int] = {}
+    for first, _ in runs:
+        if prompts[first] in seen:
+            raise InputError(
+                f"rows {seen[prompts[first]]} and {first} share a prompt but are not adjacent: LongStraw's engine "
+                "keeps a prompt's responses in one micro-batch and needs them in a row, as verl's rollout.n repeats "
+                "them; set actor.shuffle=False"
+            )
+        seen[prompts[first]] = first
+    sizes = {n for _, n in runs}
+    if len(sizes) != 1 or sizes == {1}:
+        raise InputError(
+            f"prompt groups of sizes {sorted(sizes)}: LongStraw's engine needs every prompt with the same number "
+            "(> 1) of responses in the batch (rollout.n), each group in adjacent rows"
+        )
+    return sizes.pop()
+
+
+def _temperature(micro_batch: TensorDict) -> float:
+    """The micro-batch's sampling temperature, one for all rows."""
+    value = micro_batch["temperature"]
+    if isinstance(value, torch.Tensor):
+        values = value.reshape(-1).unique()
+        if values.numel() != 1:
+            raise InputError(f"per-row temperatures {values.tolist()} differ; LongStraw's engine scores a "
+                             "micro-batch at one temperature")
+        return float(values.item())
+    return float(value)
+
+
+def _as_verl_output(packed: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`[1, N]` packed values as verl's nested `[rows, j]` model output."""
+    return torch.nested.nested_tensor_from_jagged(packed.reshape(-1), offsets)
+
+
+def longstraw_engine(options: Options | Mapping[str, Any] | None = None) -> type[LongStrawActorEngine]:
+    """`LongStrawActorEngine` with LongStraw's `options` bound (verl builds
+    engines from a class and its four configs)."""
+    return type("LongStrawActorEngine", (LongStrawActorEngine,), {"longstraw_options": Options.from_any(options)})
+
+
+def register(options: Options | Mapping[str, Any] | None = None, devices: tuple[str, ...] = ("cuda",)) -> None:
+    """Make verl build `LongStrawActorEngine` for its policy with
+    `strategy=fsdp2` on `devices`, in this process (call it in each worker,
+    e.g. from a module named in `actor_rollout_ref.model.external_lib`)."""
+    engine = longstraw_engine(options)
+    backends = EngineRegistry._engines.setdefault("language_model", {}).setdefault("fsdp2", {})
+    for device in devices:
+        backends[device] = engine
