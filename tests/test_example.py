@@ -58,3 +58,13 @@ def test_custom_pass_example():
     assert "options={'passes': [...]} or longstraw.register_pass" in output, output
     assert "parity against eager (float64)" in output, output
     assert re.search(r"total: 0 B per prompt position, 256 B fixed", output), output
+
+
+def test_verl_actor_update_example():
+    """One verl actor update through LongStraw against verl's own engine: gradients within 1e-5."""
+    output = _run("verl_actor_update.py")
+    parity = re.search(r"loss (\S+) vs verl's (\S+), max relative gradient error (\S+); tolerance (\S+)", output)
+    assert parity is not None, output
+    loss, verl_loss, grad_error, tolerance = (float(x) for x in parity.groups())
+    assert tolerance == 1e-5 and abs(verl_loss) > 1e-3, output
+    assert abs(loss - verl_loss) <= tolerance * abs(verl_loss) and grad_error <= tolerance, output

@@ -1,1 +1,1 @@
-"""Integrations with training libraries (TRL)."""
+"""Integrations with training libraries (TRL, verl) and packed rows."""

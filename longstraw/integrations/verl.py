@@ -48,6 +48,7 @@ from verl.utils.torch_dtypes import PrecisionType
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
+from verl.workers.utils.padding import left_right_2_no_padding
 
 from longstraw.backend import Backend
 from longstraw.errors import InputError, LongStrawError
@@ -55,7 +56,7 @@ from longstraw.integrations.packed import PackedSegments
 from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.options import Options
 
-__all__ = ["LongStrawActorEngine", "longstraw_engine", "register"]
+__all__ = ["LongStrawActorEngine", "longstraw_engine", "recorded_batch", "register"]
 
 
 class LongStrawActorEngine(FSDPEngineWithLMHead):
@@ -178,8 +179,8 @@ _SCORING_CLASSES: dict[type, type] = {}
 
 
 def _scoring_class(cls: type) -> type:
-    """`cls` with `_Scoring`'s forward (one class per model class, so that
-    pickling and Dynamo's guards see a stable type)."""
+    """`cls` with `_Scoring`'s forward: one class per model class, so that
+    Dynamo's guards see the same type for every engine of that model."""
     if issubclass(cls, _Scoring):
         return cls
     if cls not in _SCORING_CLASSES:
@@ -311,3 +312,28 @@ def register(options: Options | Mapping[str, Any] | None = None, devices: tuple[
     backends = EngineRegistry._engines.setdefault("language_model", {}).setdefault("fsdp2", {})
     for device in devices:
         backends[device] = engine
+
+
+def recorded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int,
+                   advantages: torch.Tensor, old_log_probs: torch.Tensor, ref_log_prob: torch.Tensor | None = None,
+                   **settings: Any) -> TensorDict:
+    """A recorded rollout as verl's trainer hands it to the actor, for an
+    update offline: `input_ids` and `attention_mask` `[rows, prompt_width +
+    R]` (prompts left-padded to `prompt_width`, responses right-padded),
+    `advantages` `[rows]` or `[rows, R]`, the old (and reference) policy's
+    log-probs `[rows, R]`, converted to verl's no-padding layout
+    (`left_right_2_no_padding`); `settings` are verl's non-tensor keys
+    (temperature, micro-batch size, ...)."""
+    rows, R = input_ids.shape[0], input_ids.shape[1] - prompt_width
+    fields = {
+        "input_ids": input_ids, "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "prompts": input_ids[:, :prompt_width], "responses": input_ids[:, prompt_width:],
+        "response_mask": attention_mask[:, prompt_width:].float(), "old_log_probs": old_log_probs,
+        "advantages": (advantages[:, None] if advantages.dim() == 1 else advantages).expand(rows, R).contiguous(),
+    }
+    if ref_log_prob is not None:
+        fields["ref_log_prob"] = ref_log_prob
+    batch = left_right_2_no_padding(TensorDict(fields, batch_size=[rows]))
+    tu.assign_non_tensor(batch, **settings)
+    return batch

@@ -19,21 +19,26 @@ from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import left_right_2_no_padding
 
+from longstraw.integrations.verl import recorded_batch
 from longstraw.integrations.verl_cpu import use_cpu_platform
 
 VOCAB = 97
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
-def start_process_group() -> None:
-    """verl on the CPU: its platform and a one-rank gloo group. verl 0.9.1
-    patches `trl.AutoModelForCausalLMWithValueHead` whenever trl imports,
-    a class trl 1.16 (which the TRL tests need) no longer has, so verl's
-    engine build fails beside it: verl is told trl is absent."""
+def prepare_verl() -> None:
+    """verl on the CPU: its platform. verl 0.9.1 patches
+    `trl.AutoModelForCausalLMWithValueHead` whenever trl imports, a class
+    trl 1.16 (which the TRL tests need) no longer has, so verl's engine
+    build fails beside it: verl is told trl is absent."""
     use_cpu_platform()
     monkey_patch.is_trl_available = lambda: False
+
+
+def start_process_group() -> None:
+    """`prepare_verl` and a one-rank gloo group in this process."""
+    prepare_verl()
     if dist.is_initialized():
         return
     with socket.socket() as s:
@@ -83,18 +88,12 @@ def grpo_batch(prompt_lengths=(9, 6), response_lengths=((6, 3, 5), (2, 6, 4)), s
             ids[row, P:P + response_length] = torch.randint(1, VOCAB, (response_length,), generator=g)
             mask[row, P - prompt_length:P + response_length] = 1
             row += 1
-    advantages = torch.randn(rows, 1, generator=g).expand(rows, R).contiguous()
-    batch = TensorDict({
-        "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-        "prompts": ids[:, :P], "responses": ids[:, P:], "response_mask": mask[:, P:].float(),
-        "old_log_probs": -3 * torch.rand(rows, R, generator=g), "ref_log_prob": -3 * torch.rand(rows, R, generator=g),
-        "advantages": advantages,
-    }, batch_size=[rows])
     if row_order is not None:
-        batch = batch[torch.tensor(row_order)]
-    batch = left_right_2_no_padding(batch)
-    tu.assign_non_tensor(batch, temperature=temperature, calculate_entropy=True, global_batch_size=rows)
-    return batch
+        ids, mask = ids[row_order], mask[row_order]
+    advantages = torch.randn(rows, generator=g)
+    return recorded_batch(ids, mask, P, advantages, old_log_probs=-3 * torch.rand(rows, R, generator=g),
+                          ref_log_prob=-3 * torch.rand(rows, R, generator=g), temperature=temperature,
+                          calculate_entropy=True, global_batch_size=rows)
 
 
 def with_micro_batches(batch: TensorDict, *, rows: int | None = None, max_tokens: int | None = None,
@@ -124,4 +123,5 @@ def dapo_loss(rollout_n: int):
 
 def grads(engine) -> dict[str, torch.Tensor | None]:
     """The engine's full gradients by parameter name (one rank: the shard is the whole)."""
-    return {name: None if p.grad is None else p.grad.full_tensor().clone() for name, p in engine.module.named_parameters()}
+    return {name: None if p.grad is None else p.grad.full_tensor().clone()
+            for name, p in engine.module.named_parameters()}

@@ -1,7 +1,8 @@
 """verl's FSDP actor with LongStraw's scoring (longstraw/integrations/verl.py),
-against verl's own engine on the same tiny model and recorded batch, in
-this process on the CPU: one update (gradients, losses, grad norm) within 1e-5 in float32 for GRPO and DAPO, with remove-padding on
-and off, a fixed micro-batch size splitting rows and dynamic batch size;
+against verl's own engine on the same tiny model and recorded batch, on the
+CPU: one update (gradients, losses, grad norm) within 1e-5 in float32 for
+GRPO and DAPO, with remove-padding on and off, a fixed micro-batch size
+splitting rows (also over two gloo ranks) and dynamic batch size;
 old log-probs; detached mode; settings and batches refused with the fix,
 `.grad` untouched. Uninitialised memory is NaN throughout."""
 
@@ -17,10 +18,11 @@ from verl.workers.utils.padding import no_padding_2_padding
 from longstraw.errors import InputError
 from longstraw.integrations.verl import LongStrawActorEngine, longstraw_engine, register
 
+from helpers import gloo
 from helpers.compare import assert_close, assert_grads_close
 from helpers.parity import deterministic_algorithms
-from helpers.verl_actor import (build_engine, dapo_loss, grads, grpo_batch, grpo_loss, save_tiny_qwen3,
-                                start_process_group, with_micro_batches)
+from helpers.verl_actor import (build_engine, dapo_loss, grads, grpo_batch, grpo_loss, prepare_verl,
+                                save_tiny_qwen3, start_process_group, with_micro_batches)
 
 TOL = 1e-5  # float32, as the issue asks of verl's own path
 G = 3  # responses per prompt in grpo_batch
@@ -63,6 +65,27 @@ def test_grpo_update_matches_verl(model_path, remove_padding):
     assert_same_update(*results)
     assert len(ours.longstraw_backend.plans) >= 1 and not ours.longstraw_backend.fallbacks
     assert len(results[0][1]["loss"]) == 2  # two micro-batches
+
+
+def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank updates on its own two prompts, with verl's engine and with LongStraw's."""
+    gloo.init(rank, world, port)
+    prepare_verl()
+    results = {}
+    for name, engine_class in (("ours", longstraw_engine()), ("theirs", FSDPEngineWithLMHead)):
+        engine = build_engine(engine_class, f"{out}/model")
+        batch = with_micro_batches(grpo_batch(seed=1 + rank), rows=G)
+        results[name] = update(engine, batch, grpo_loss(G))
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_verl(tmp_path):
+    """Data parallel over two gloo ranks, each with its own prompts: FSDP2
+    at the root averages the same gradient as verl's per-layer FSDP2."""
+    save_tiny_qwen3(tmp_path / "model")
+    for rank in gloo.spawn(_two_rank_worker, 2, tmp_path):
+        assert_same_update(rank["ours"], rank["theirs"])
 
 
 def test_dapo_dynamic_batch_size_matches_verl(model_path):

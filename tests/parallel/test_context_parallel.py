@@ -178,12 +178,22 @@ STEP_CASES = {
         StepCase("dense", "exact", P=30), StepCase("hybrid", "detached", P=30),
         # each branch's outputs, gathered, in its own row: a tail that tells the rows apart
         StepCase("dense", "exact", coupled=True), StepCase("hybrid", "detached", coupled=True)],
-    3: [StepCase("dense", "exact"), StepCase("dense", "detached"), StepCase("hybrid", "exact", P=29),
-        StepCase("hybrid", "detached", P=29), StepCase("dense", "exact", left=11),
-        StepCase("latent", "exact"), StepCase("sparse", "exact"),
+    3: [StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29), StepCase("hybrid", "detached", P=29),
         # four rows over three ranks: two shadows in the second round of branches
         StepCase("sparse", "exact", G=4, coupled=True), StepCase("hybrid", "exact", G=4, coupled=True)],
 }
+"""The cases CI runs, per world size; `SLOW_STEP_CASES` adds the rest under `-m slow`."""
+SLOW_STEP_CASES = {
+    3: [StepCase("dense", "detached"), StepCase("dense", "exact", left=11), StepCase("latent", "exact"),
+        StepCase("sparse", "exact")],
+}
+
+
+def _step_cases(world: int, out: str) -> list[StepCase]:
+    """The cases of `world` ranks the test asked for (`cases` in its directory: "ci" or "slow")."""
+    with open(os.path.join(out, "cases")) as f:
+        which = f.read()
+    return (STEP_CASES if which == "ci" else SLOW_STEP_CASES)[world]
 STEP_TOL = 1e-10  # against the same step in one process: only the merge's rounding differs
 
 
@@ -281,7 +291,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
     sharded_attention.merge_partials = counting
     host_offload.HostCopier.to_host = keeping
     res = {}
-    for case in STEP_CASES[world]:
+    for case in _step_cases(world, out):
         torch._dynamo.reset()  # each case compiles the loss anew: past Dynamo's recompile limit it would run eagerly
         lengths.clear()
         held.clear()
@@ -352,8 +362,11 @@ def _fsdp2_step(case: StepCase) -> tuple[set[str], torch.Tensor, dict]:
     return {type(p).__name__ for p in module.parameters()}, loss.detach(), grads
 
 
-@pytest.mark.parametrize("world", sorted(STEP_CASES))
-def test_step_matches_one_process(world, tmp_path):
+@pytest.mark.parametrize("world, which", [
+    *((world, "ci") for world in sorted(STEP_CASES)),
+    *(pytest.param(world, "slow", marks=pytest.mark.slow) for world in sorted(SLOW_STEP_CASES)),
+])
+def test_step_matches_one_process(world, which, tmp_path):
     """Loss and every gradient of a GRPO step whose prompt state is sharded
     over `world` gloo processes equal the same step in one process (both
     modes; that step's parity with eager is test_families' and
@@ -384,8 +397,10 @@ def test_step_matches_one_process(world, tmp_path):
     from helpers.reference import eager_loss_and_grads
     from helpers.tiny_models import make_group
 
+    (tmp_path / "cases").write_text(which)
     results = gloo.spawn(_step_worker, world, tmp_path)
-    for case in STEP_CASES[world]:
+    cases = _step_cases(world, str(tmp_path))
+    for case in cases:
         torch._dynamo.reset()
         model, (loss_fn, inputs) = _model(case.model), case.loss_and_inputs()
         want_loss, want = compiled_loss_and_grads(compile_loss(loss_fn, _backend(case)), model, *inputs)
