@@ -65,9 +65,9 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
     Built by verl as its own engine is, from (model, engine, optimizer,
     checkpoint) configs; `longstraw_engine(options)` binds LongStraw's
     options. Refused at construction, with the setting to change: a strategy
-    other than `fsdp2`, Ulysses sequence parallelism, fused kernels, LoRA,
+    other than `fsdp2`, Ulysses sequence parallelism, fused kernels,
     activation offload, gradient checkpointing (verl's default), and a value
-    model. Refused at the call: vision inputs, per-row temperatures that
+    model. LoRA (`lora_rank > 0`) trains its adapters as verl's does. Refused at the call: vision inputs, per-row temperatures that
     differ, Σπ² and top-k distillation outputs, rows of one prompt that are
     not adjacent, and a fixed micro-batch size that splits a group.
     `longstraw_backend` is the backend object (its `plans`, `fallbacks`)."""
@@ -79,6 +79,15 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self.longstraw_backend = Backend(self.longstraw_options)
         self._scorer: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _build_lora_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """verl's LoRA adapters, without the hook that makes the embeddings'
+        output require grad (`enable_input_require_grads`): it serves
+        gradient checkpointing over frozen embeddings, which this engine
+        does not run, and `requires_grad_` inside the model breaks the graph."""
+        module = super()._build_lora_module(module)
+        module.disable_input_require_grads()
+        return module
 
     def _build_fsdp_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 at the root only, with verl's mixed precision and offload
@@ -202,8 +211,6 @@ def _check_settings(model_config: Any, engine_config: Any) -> None:
         refusals.append(f"model_type={model_config.model_type!r}: only the policy (language_model) is scored")
     if getattr(model_config, "use_fused_kernels", False):
         refusals.append("use_fused_kernels=True replaces the LM head's forward; set use_fused_kernels=False")
-    if getattr(model_config, "lora_rank", 0) > 0:
-        refusals.append("LoRA (lora_rank > 0) is not supported by this engine; set lora_rank=0")
     if getattr(model_config, "enable_activation_offload", False):
         refusals.append("enable_activation_offload=True wraps the layers in offload hooks; set it to False "
                         "(LongStraw keeps only the prompt's state)")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import distribute_tensor
 from tensordict import TensorDict
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from verl.models.transformers import monkey_patch
@@ -59,14 +60,22 @@ def save_tiny_qwen3(path: Path) -> str:
 
 
 def build_engine(engine_class: type, model_path: str, *, remove_padding: bool = True,
-                 checkpointing: bool = False, **engine_fields):
-    """An initialised engine of `engine_class` (verl's own or LongStraw's) in float32."""
+                 checkpointing: bool = False, lora_rank: int = 0, **engine_fields):
+    """An initialised engine of `engine_class` (verl's own or LongStraw's) in
+    float32. With `lora_rank`, verl's LoRA adapters on every linear layer,
+    set from their names (peft draws them from the global generator)."""
     model = HFModelConfig(path=model_path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
-                          use_remove_padding=remove_padding, enable_gradient_checkpointing=checkpointing)
+                          use_remove_padding=remove_padding, enable_gradient_checkpointing=checkpointing,
+                          lora_rank=lora_rank, lora_alpha=2 * lora_rank)
     engine_fields = {"strategy": "fsdp2", "mixed_precision": FP32, "use_torch_compile": False, **engine_fields}
     engine = engine_class(model, FSDPEngineConfig(**engine_fields), FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
                           CheckpointConfig())
     engine.initialize()
+    with torch.no_grad():
+        for index, (name, p) in enumerate(engine.module.named_parameters()):
+            if "lora_" in name:
+                value = 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(index))
+                p.copy_(distribute_tensor(value, p.device_mesh, p.placements))
     return engine
 
 

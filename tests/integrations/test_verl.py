@@ -67,6 +67,15 @@ def test_grpo_update_matches_verl(model_path, remove_padding):
     assert len(results[0][1]["loss"]) == 2  # two micro-batches
 
 
+def test_lora_update_matches_verl(model_path):
+    """verl's LoRA adapters (rank 4 on every linear layer): the adapters' gradients."""
+    engines = [build_engine(engine_class, model_path, lora_rank=4)
+               for engine_class in (longstraw_engine(), FSDPEngineWithLMHead)]
+    results = [update(engine, with_micro_batches(grpo_batch(), rows=G), grpo_loss(G)) for engine in engines]
+    assert_same_update(*results)
+    assert sum("lora_" in name for name in results[0][0]) == 28  # A and B of 7 linear layers x 2
+
+
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     """Each rank updates on its own two prompts, with verl's engine and with LongStraw's."""
     gloo.init(rank, world, port)
