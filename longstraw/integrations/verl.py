@@ -67,9 +67,10 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
     options. Refused at construction, with the setting to change: a strategy
     other than `fsdp2`, Ulysses sequence parallelism, fused kernels,
     activation offload, gradient checkpointing (verl's default), and a value
-    model. LoRA (`lora_rank > 0`) trains its adapters as verl's does. Refused at the call: vision inputs, per-row temperatures that
+    model. Refused at the call: vision inputs, per-row temperatures that
     differ, Σπ² and top-k distillation outputs, rows of one prompt that are
-    not adjacent, and a fixed micro-batch size that splits a group.
+    not adjacent, and a fixed micro-batch size that splits a group. LoRA
+    (`lora_rank > 0`) trains its adapters as verl's engine does.
     `longstraw_backend` is the backend object (its `plans`, `fallbacks`)."""
 
     longstraw_options: Options = Options()
