@@ -11,19 +11,21 @@ def completion_logps_and_entropies(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     logits_to_keep: int,
-    temperature: float,
+    temperature: float | torch.Tensor,
     position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What TRL's fused LM head returns, from the model's own logits: the
     log-prob of each completion token and the entropy of its distribution,
-    both at temperature `temperature` and zero on padding, in float32 as
-    TRL computes them. The HF forward
+    both at temperature `temperature` (one, or one per row `[B]`, as verl
+    samples) and zero on padding, in float32 as TRL computes them. The HF forward
     applies the model's logit scaling and soft-capping itself. `position_ids`
     (optional, `[B, P + R]`): the positions the model sees, as in a packed
     row where each sequence starts at 0 whatever padding precedes it."""
     # input_ids, attention_mask: [B, P + R]; R = logits_to_keep
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=logits_to_keep + 1).logits
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.float().view(-1, 1, 1)  # [B, 1, 1]
     logits = logits[:, :-1].float() / temperature  # [B, R, V], float32 as TRL's
     logp_all = torch.log_softmax(logits, dim=-1)  # [B, R, V]
     completion_ids = input_ids[:, -logits_to_keep:]  # [B, R]

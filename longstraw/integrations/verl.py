@@ -67,9 +67,9 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
     options. Refused at construction, with the setting to change: a strategy
     other than `fsdp2`, Ulysses sequence parallelism, fused kernels,
     activation offload, gradient checkpointing (verl's default), and a value
-    model. Refused at the call: vision inputs, per-row temperatures that
-    differ, Σπ² and top-k distillation outputs, rows of one prompt that are
-    not adjacent, and a fixed micro-batch size that splits a group. LoRA
+    model. Refused at the call: vision inputs, Σπ² and top-k distillation
+    outputs, rows of one prompt that are not adjacent, and a fixed
+    micro-batch size that splits a group. LoRA
     (`lora_rank > 0`) trains its adapters as verl's engine does.
     `longstraw_backend` is the backend object (its `plans`, `fallbacks`)."""
 
@@ -289,16 +289,15 @@ def _group_size(data: TensorDict) -> int:
     return sizes.pop()
 
 
-def _temperature(micro_batch: TensorDict) -> float:
-    """The micro-batch's sampling temperature, one for all rows."""
+def _temperature(micro_batch: TensorDict) -> float | torch.Tensor:
+    """The micro-batch's sampling temperature: one float, or one per row
+    `[rows]` where verl's per-sample temperatures differ."""
     value = micro_batch["temperature"]
-    if isinstance(value, torch.Tensor):
-        values = value.reshape(-1).unique()
-        if values.numel() != 1:
-            raise InputError(f"per-row temperatures {values.tolist()} differ; LongStraw's engine scores a "
-                             "micro-batch at one temperature")
-        return float(values.item())
-    return float(value)
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if value.numel() == 1 or bool((value == value.reshape(-1)[0]).all()):
+        return float(value.reshape(-1)[0])
+    return value.reshape(-1)
 
 
 def _as_verl_output(packed: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

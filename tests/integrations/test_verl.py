@@ -76,6 +76,16 @@ def test_lora_update_matches_verl(model_path):
     assert sum("lora_" in name for name in results[0][0]) == 28  # A and B of 7 linear layers x 2
 
 
+def test_per_row_temperatures_match_verl(model_path):
+    """verl's per-sample temperatures, differing inside a group: each row's logits at its own."""
+    results = []
+    for engine_class in (longstraw_engine(), FSDPEngineWithLMHead):
+        batch = with_micro_batches(grpo_batch(), rows=G)
+        batch["temperature"] = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.7, 1.3])
+        results.append(update(build_engine(engine_class, model_path), batch, grpo_loss(G)))
+    assert_same_update(*results)
+
+
 def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     """Each rank updates on its own two prompts, with verl's engine and with LongStraw's."""
     gloo.init(rank, world, port)
@@ -151,16 +161,10 @@ def test_refused_settings(model_path, fields, match):
         build_engine(longstraw_engine(), model_path, **fields)
 
 
-def with_row_temperatures(batch):
-    batch["temperature"] = torch.tensor([0.7, 1.0, 0.7, 1.0, 0.7, 1.0])
-    return batch
-
-
 @pytest.mark.parametrize("make_batch, match", [
     # verl's actor.shuffle=True: the rows of a prompt no longer adjacent
     (lambda: with_micro_batches(grpo_batch(row_order=[0, 3, 1, 4, 2, 5]), rows=G), "set actor.shuffle=False"),
     (lambda: with_micro_batches(grpo_batch(), rows=2), r"to a multiple of rollout.n \(3\)"),
-    (lambda: with_micro_batches(with_row_temperatures(grpo_batch()), rows=G), "per-row temperatures"),
 ])
 def test_refused_batches_leave_grad_untouched(model_path, make_batch, match):
     engine = build_engine(longstraw_engine(), model_path)
