@@ -26,14 +26,16 @@ step gathers the whole model, as `longstraw.LossModule` under FSDP2 does.
 
 Groups: a micro-batch in which a prompt has a single response is refused.
 Rows of one prompt must be adjacent (verl's `rollout.n` repeats are, unless
-`actor.shuffle=True`); with dynamic batch size the engine keeps each group
-in one micro-batch (`force_group_size`), and a fixed micro-batch size must
-be a multiple of the group size.
+`actor.shuffle=True`); with dynamic batch size the engine keeps each block
+of one prompt's rows in one micro-batch (`force_group_size`), and a fixed
+micro-batch size must leave no prompt alone in a micro-batch (a multiple
+of `rollout.n` does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -116,19 +118,21 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
         return module
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only: bool = False) -> Any:
-        """verl's micro-batch loop, with each prompt group kept whole."""
-        group = _group_size(data)
+        """verl's micro-batch loop, with every micro-batch holding at least
+        two responses of each prompt in it: dynamic batch size balances
+        whole blocks of one prompt (`force_group_size`); a fixed micro-batch
+        size that leaves a prompt alone in a micro-batch is refused."""
+        prompts = _prompts(data)
+        block = _block_size(prompts)
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            tu.assign_non_tensor(data, force_group_size=group)
-        else:
-            rows = data["micro_batch_size_per_gpu"]
-            if rows % group:
-                raise InputError(
-                    f"the micro-batch size ({rows} rows) would split a prompt's group of {group} responses across "
-                    "micro-batches, and LongStraw refuses a micro-batch in which a prompt has one response: set "
-                    "actor.ppo_micro_batch_size_per_gpu (and log_prob_micro_batch_size_per_gpu) to a multiple of "
-                    f"rollout.n ({group}), or use_dynamic_bsz=True"
-                )
+            tu.assign_non_tensor(data, force_group_size=block)
+        elif (lonely := _lonely_row(prompts, rows := data["micro_batch_size_per_gpu"])) is not None:
+            raise InputError(
+                f"micro-batch {lonely[0]} of {rows} rows holds row {lonely[1]} but no other response to its prompt, "
+                "and LongStraw refuses a micro-batch in which a prompt has one response: set "
+                "actor.ppo_micro_batch_size_per_gpu (and log_prob_micro_batch_size_per_gpu) to a multiple of "
+                f"rollout.n ({block} here), or use_dynamic_bsz=True"
+            )
         return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
 
     def forward_step(self, micro_batch: TensorDict, loss_function: Callable | None,
@@ -257,36 +261,44 @@ def _response_marks(offsets: torch.Tensor, prompt_lengths: list[int]) -> torch.T
     return marks
 
 
-def _group_size(data: TensorDict) -> int:
-    """The number of responses per prompt: runs of adjacent rows with equal
-    prompt tokens, all of one size. Refused otherwise, naming the rows."""
-    input_ids = data["input_ids"]
-    offsets = input_ids.offsets().tolist()
-    tokens = input_ids.values()
+def _prompts(data: TensorDict) -> list[tuple[int, ...]]:
+    """Each row's prompt tokens."""
+    offsets = data["input_ids"].offsets().tolist()
+    tokens = data["input_ids"].values()
     prompt_lengths, _ = _parts(data)
-    prompts = [tuple(tokens[start:start + n].tolist()) for start, n in zip(offsets, prompt_lengths)]
-    runs: list[tuple[int, int]] = []  # (first row, rows)
-    for row, prompt in enumerate(prompts):
-        if runs and prompts[runs[-1][0]] == prompt:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((row, 1))
-    seen: dict[tuple[int, ...], int] = {}
-    for first, _ in runs:
-        if prompts[first] in seen:
-            raise InputError(
-                f"rows {seen[prompts[first]]} and {first} share a prompt but are not adjacent: LongStraw's engine "
-                "keeps a prompt's responses in one micro-batch and needs them in a row, as verl's rollout.n repeats "
-                "them; set actor.shuffle=False"
-            )
-        seen[prompts[first]] = first
-    sizes = {n for _, n in runs}
-    if len(sizes) != 1 or sizes == {1}:
+    return [tuple(tokens[start:start + n].tolist()) for start, n in zip(offsets, prompt_lengths)]
+
+
+def _block_size(prompts: list[tuple[int, ...]]) -> int:
+    """The largest block size that cuts the rows into blocks of one prompt
+    each: the gcd of the runs of adjacent rows with equal prompts (a
+    dataset's duplicate prompt makes a longer run, or a run elsewhere).
+    Refused, naming the row, where it is 1."""
+    runs, first = [], 0
+    for row in range(1, len(prompts) + 1):
+        if row == len(prompts) or prompts[row] != prompts[first]:
+            runs.append((first, row - first))
+            first = row
+    block = math.gcd(*(n for _, n in runs))
+    if block < 2:
+        row = next(first for first, n in runs if n % 2)
         raise InputError(
-            f"prompt groups of sizes {sorted(sizes)}: LongStraw's engine needs every prompt with the same number "
-            "(> 1) of responses in the batch (rollout.n), each group in adjacent rows"
+            f"row {row}'s prompt is not repeated in the rows next to it: LongStraw's engine keeps each prompt's "
+            "responses together in a micro-batch and needs them in adjacent rows, as verl's rollout.n repeats "
+            "them (rollout.n > 1); set actor.shuffle=False"
         )
-    return sizes.pop()
+    return block
+
+
+def _lonely_row(prompts: list[tuple[int, ...]], rows: int) -> tuple[int, int] | None:
+    """The first (micro-batch, row) whose prompt no other row of its
+    micro-batch of `rows` consecutive rows shares, if any."""
+    for start in range(0, len(prompts), rows):
+        chunk = prompts[start:start + rows]
+        for row, prompt in enumerate(chunk):
+            if chunk.count(prompt) == 1:
+                return start // rows, start + row
+    return None
 
 
 def _temperature(micro_batch: TensorDict) -> float | torch.Tensor:

@@ -80,18 +80,23 @@ def build_engine(engine_class: type, model_path: str, *, remove_padding: bool = 
 
 
 def grpo_batch(prompt_lengths=(9, 6), response_lengths=((6, 3, 5), (2, 6, 4)), seed: int = 1,
-               temperature: float = 0.7, row_order: list[int] | None = None) -> TensorDict:
+               temperature: float = 0.7, row_order: list[int] | None = None,
+               same_prompt_as: dict[int, int] | None = None) -> TensorDict:
     """A rollout batch, each prompt's responses in adjacent rows as verl's
     `rollout.n` repeats them (or in `row_order`), converted as verl's
-    trainer converts it."""
+    trainer converts it. `same_prompt_as` {group: earlier group}: a
+    dataset's duplicate prompt."""
     g = torch.Generator().manual_seed(seed)
     P, R = max(prompt_lengths), max(max(r) for r in response_lengths)
     rows = sum(len(r) for r in response_lengths)
     ids = torch.zeros(rows, P + R, dtype=torch.long)
     mask = torch.zeros(rows, P + R, dtype=torch.long)
-    row = 0
-    for prompt_length, responses in zip(prompt_lengths, response_lengths):
+    row, prompts = 0, []
+    for group, (prompt_length, responses) in enumerate(zip(prompt_lengths, response_lengths)):
         prompt = torch.randint(1, VOCAB, (prompt_length,), generator=g)
+        if same_prompt_as and group in same_prompt_as:
+            prompt = prompts[same_prompt_as[group]]
+        prompts.append(prompt)
         for response_length in responses:
             ids[row, P - prompt_length:P] = prompt
             ids[row, P:P + response_length] = torch.randint(1, VOCAB, (response_length,), generator=g)
