@@ -8,6 +8,10 @@ old log-probs; detached mode; settings and batches refused with the fix,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,3 +199,21 @@ def test_register_makes_verl_build_longstraw(monkeypatch):
     engine_class = EngineRegistry.get_engine_cls("language_model", "fsdp2")
     assert issubclass(engine_class, LongStrawActorEngine)
     assert engine_class.longstraw_options.prompt_grad == "detached"
+
+
+def test_plugin_registers_from_verls_model_config(model_path):
+    """`external_lib=longstraw.integrations.verl_plugin` in verl's model config
+    registers the engine where the worker builds its model config, with the
+    options of LONGSTRAW_OPTIONS (in a fresh process: it changes verl's registry)."""
+    script = (
+        "from verl.workers.config import HFModelConfig\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        f"HFModelConfig(path={model_path!r}, load_tokenizer=False, "
+        "external_lib='longstraw.integrations.verl_plugin')\n"
+        "engine = EngineRegistry.get_engine_cls('language_model', 'fsdp2')\n"
+        "print(engine.__name__, engine.longstraw_options.prompt_grad)\n"
+    )
+    env = {**os.environ, "LONGSTRAW_OPTIONS": '{"prompt_grad": "detached"}', "VERL_ENGINE_DEVICE": "cuda"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "LongStrawActorEngine detached", done.stdout
