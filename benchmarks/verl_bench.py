@@ -36,18 +36,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
-from verl.models.transformers import monkey_patch
-from verl.trainer.config import CheckpointConfig
-from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-from verl.workers.utils.losses import ppo_loss
 
-from grpo.measure import GiB, is_oom, release
-from grpo.models import build_model
-from grpo.results import provenance
-from longstraw.integrations.verl import longstraw_engine, recorded_batch
-from longstraw.integrations.verl_cpu import use_cpu_platform
+from verl_stand_ins import stand_in_for_ray
+
+stand_in_for_ray()  # before verl imports it
+
+from tensordict import TensorDict  # noqa: E402
+from verl.models.transformers import monkey_patch  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from grpo.measure import GiB, is_oom, release  # noqa: E402
+from grpo.models import build_model  # noqa: E402
+from grpo.results import provenance  # noqa: E402
+from longstraw.integrations.verl import longstraw_engine, recorded_batch  # noqa: E402
+from longstraw.integrations.verl_cpu import use_cpu_platform  # noqa: E402
 
 MODES = ("verl", "longstraw_exact", "longstraw_detached")
 
