@@ -2,9 +2,10 @@
 against verl's own engine on the same tiny model and recorded batch, on the
 CPU: one update (gradients, losses, grad norm) within 1e-5 in float32 for
 GRPO and DAPO, with remove-padding on and off, a fixed micro-batch size
-splitting rows (also over two gloo ranks) and dynamic batch size;
-old log-probs; detached mode; settings and batches refused with the fix,
-`.grad` untouched. Uninitialised memory is NaN throughout."""
+splitting rows (also over two gloo ranks) and dynamic batch size, LoRA,
+per-sample temperatures and duplicate prompts; old log-probs; detached
+mode; the plugin's registration; settings and batches refused with the
+fix, `.grad` untouched. Uninitialised memory is NaN throughout."""
 
 from __future__ import annotations
 
