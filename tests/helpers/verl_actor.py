@@ -60,15 +60,17 @@ def save_tiny_qwen3(path: Path) -> str:
 
 
 def build_engine(engine_class: type, model_path: str, *, remove_padding: bool = True,
-                 checkpointing: bool = False, lora_rank: int = 0, **engine_fields):
+                 checkpointing: bool = False, lora_rank: int = 0, lr: float = 1e-2, **engine_fields):
     """An initialised engine of `engine_class` (verl's own or LongStraw's) in
     float32. With `lora_rank`, verl's LoRA adapters on every linear layer,
-    set from their names (peft draws them from the global generator)."""
+    set from their names (peft draws them from the global generator). With
+    `lr=0` its updates leave the weights as they are, so one engine serves
+    several updates compared one by one."""
     model = HFModelConfig(path=model_path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
                           use_remove_padding=remove_padding, enable_gradient_checkpointing=checkpointing,
                           lora_rank=lora_rank, lora_alpha=2 * lora_rank)
     engine_fields = {"strategy": "fsdp2", "mixed_precision": FP32, "use_torch_compile": False, **engine_fields}
-    engine = engine_class(model, FSDPEngineConfig(**engine_fields), FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
+    engine = engine_class(model, FSDPEngineConfig(**engine_fields), FSDPOptimizerConfig(lr=lr, clip_grad=1.0),
                           CheckpointConfig())
     engine.initialize()
     with torch.no_grad():

@@ -9,13 +9,12 @@ fix, `.grad` untouched. Uninitialised memory is NaN throughout."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from verl.workers.config import HFModelConfig
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.padding import no_padding_2_padding
@@ -40,6 +39,15 @@ def model_path(tmp_path_factory):
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def engines(model_path):
+    """LongStraw's engine and verl's with the default settings, at learning
+    rate 0: every test's update starts from the same weights, and the
+    compiled scorer is compiled once for the module."""
+    return (build_engine(longstraw_engine(), model_path, lr=0.0),
+            build_engine(FSDPEngineWithLMHead, model_path, lr=0.0))
+
+
 def update(engine, batch, loss):
     """One actor update as verl's worker runs it (zero the gradients, the
     micro-batches' forwards and backwards, the clipped optimizer step); the
@@ -59,17 +67,21 @@ def assert_same_update(ours, theirs):
                  "grad norm")
 
 
-@pytest.mark.parametrize("remove_padding", [True, False])
-def test_grpo_update_matches_verl(model_path, remove_padding):
+def test_grpo_update_matches_verl(engines):
     """GRPO (sequence-mean token-mean, KL to the reference, entropy bonus),
     two micro-batches of one group each."""
-    ours = build_engine(longstraw_engine(), model_path, remove_padding=remove_padding)
-    theirs = build_engine(FSDPEngineWithLMHead, model_path, remove_padding=remove_padding)
-    results = [update(engine, with_micro_batches(grpo_batch(), rows=G, remove_padding=remove_padding), grpo_loss(G))
-               for engine in (ours, theirs)]
+    results = [update(engine, with_micro_batches(grpo_batch(), rows=G), grpo_loss(G)) for engine in engines]
     assert_same_update(*results)
-    assert len(ours.longstraw_backend.plans) >= 1 and not ours.longstraw_backend.fallbacks
+    assert len(engines[0].longstraw_backend.plans) >= 1 and not engines[0].longstraw_backend.fallbacks
     assert len(results[0][1]["loss"]) == 2  # two micro-batches
+
+
+def test_without_remove_padding_matches_verl(model_path):
+    """verl's model path on the padded batch (`use_remove_padding=False`); LongStraw's is the same either way."""
+    results = [update(build_engine(engine_class, model_path, remove_padding=False),
+                      with_micro_batches(grpo_batch(), rows=G, remove_padding=False), grpo_loss(G))
+               for engine_class in (longstraw_engine(), FSDPEngineWithLMHead)]
+    assert_same_update(*results)
 
 
 def test_lora_update_matches_verl(model_path):
@@ -83,24 +95,24 @@ def test_lora_update_matches_verl(model_path):
 
 @pytest.mark.parametrize("prompt_lengths, same_prompt_as", [((9, 9, 6), {1: 0}), ((9, 6, 9), {2: 0})],
                          ids=["adjacent", "apart"])
-def test_duplicate_prompts_match_verl(model_path, prompt_lengths, same_prompt_as):
+def test_duplicate_prompts_match_verl(engines, prompt_lengths, same_prompt_as):
     """A dataset's duplicate prompt: two groups with one prompt, next to each
     other or not, one group per micro-batch."""
     results = []
-    for engine_class in (longstraw_engine(), FSDPEngineWithLMHead):
+    for engine in engines:
         batch = grpo_batch(prompt_lengths=prompt_lengths, response_lengths=((6, 3, 5), (2, 6, 4), (5, 5, 1)),
                            same_prompt_as=same_prompt_as)
-        results.append(update(build_engine(engine_class, model_path), with_micro_batches(batch, rows=G), grpo_loss(G)))
+        results.append(update(engine, with_micro_batches(batch, rows=G), grpo_loss(G)))
     assert_same_update(*results)
 
 
-def test_per_row_temperatures_match_verl(model_path):
+def test_per_row_temperatures_match_verl(engines):
     """verl's per-sample temperatures, differing inside a group: each row's logits at its own."""
     results = []
-    for engine_class in (longstraw_engine(), FSDPEngineWithLMHead):
+    for engine in engines:
         batch = with_micro_batches(grpo_batch(), rows=G)
         batch["temperature"] = torch.tensor([0.7, 1.0, 1.3, 1.0, 0.7, 1.3])
-        results.append(update(build_engine(engine_class, model_path), batch, grpo_loss(G)))
+        results.append(update(engine, batch, grpo_loss(G)))
     assert_same_update(*results)
 
 
@@ -125,25 +137,22 @@ def test_two_ranks_match_verl(tmp_path):
         assert_same_update(rank["ours"], rank["theirs"])
 
 
-def test_dapo_dynamic_batch_size_matches_verl(model_path):
+def test_dapo_dynamic_batch_size_matches_verl(engines):
     """DAPO (token-mean, clip 0.2/0.28) with dynamic batch size: a token
     budget that holds one group per micro-batch; groups stay whole."""
-    ours = build_engine(longstraw_engine(), model_path)
-    theirs = build_engine(FSDPEngineWithLMHead, model_path)
     lengths = ((6, 3, 5), (2, 6, 4), (5, 5, 1))
     batch = lambda: with_micro_batches(grpo_batch(prompt_lengths=(9, 6, 4), response_lengths=lengths),  # noqa: E731
                                        max_tokens=45)
-    results = [update(engine, batch(), dapo_loss(G)) for engine in (ours, theirs)]
+    results = [update(engine, batch(), dapo_loss(G)) for engine in engines]
     assert_same_update(*results)
     assert len(results[0][1]["loss"]) >= 2
 
 
-def test_log_probs_match_verl(model_path):
+def test_log_probs_match_verl(engines):
     """Old log-probs (`infer_batch`, no grad): verl's values at every
     position that predicts a response token, NaN where LongStraw scores nothing."""
     outputs = []
-    for engine_class in (longstraw_engine(), FSDPEngineWithLMHead):
-        engine = build_engine(engine_class, model_path)
+    for engine in engines:
         batch = with_micro_batches(grpo_batch(), rows=2 * G)
         with deterministic_algorithms(True), engine.eval_mode():
             outputs.append(engine.infer_batch(batch)["model_output"])
@@ -158,12 +167,11 @@ def test_log_probs_match_verl(model_path):
         assert ours[key].values()[ends].isnan().all()
 
 
-def test_detached_mode_drops_the_prompt_term(model_path):
+def test_detached_mode_drops_the_prompt_term(model_path, engines):
     """Detached mode: the same loss, a different gradient (the term through the prompt is dropped)."""
     detached = build_engine(longstraw_engine({"prompt_grad": "detached"}), model_path)
-    exact = build_engine(longstraw_engine(), model_path)
     (got, got_out), (want, want_out) = [
-        update(engine, with_micro_batches(grpo_batch(), rows=G), grpo_loss(G)) for engine in (detached, exact)]
+        update(engine, with_micro_batches(grpo_batch(), rows=G), grpo_loss(G)) for engine in (detached, engines[0])]
     assert_close(torch.tensor(got_out["loss"]), torch.tensor(want_out["loss"]), TOL, "loss")
     with pytest.raises(AssertionError, match="gradients differ"):
         assert_grads_close(got, want, 1e-3)
@@ -184,8 +192,9 @@ def test_refused_settings(model_path, fields, match):
     (lambda: with_micro_batches(grpo_batch(row_order=[0, 3, 1, 4, 2, 5]), rows=G), "set actor.shuffle=False"),
     (lambda: with_micro_batches(grpo_batch(), rows=2), r"row 2 but no other response .* rollout.n \(3 here\)"),
 ])
-def test_refused_batches_leave_grad_untouched(model_path, make_batch, match):
-    engine = build_engine(longstraw_engine(), model_path)
+def test_refused_batches_leave_grad_untouched(engines, make_batch, match):
+    engine = engines[0]
+    engine.optimizer_zero_grad()
     with pytest.raises(InputError, match=match), engine.train_mode():
         engine.forward_backward_batch(make_batch(), loss_function=grpo_loss(G))
     assert all(g is None for g in grads(engine).values())
@@ -202,19 +211,17 @@ def test_register_makes_verl_build_longstraw(monkeypatch):
     assert engine_class.longstraw_options.prompt_grad == "detached"
 
 
-def test_plugin_registers_from_verls_model_config(model_path):
+def test_plugin_registers_from_verls_model_config(model_path, monkeypatch):
     """`external_lib=longstraw.integrations.verl_plugin` in verl's model config
     registers the engine where the worker builds its model config, with the
-    options of LONGSTRAW_OPTIONS (in a fresh process: it changes verl's registry)."""
-    script = (
-        "from verl.workers.config import HFModelConfig\n"
-        "from verl.workers.engine.base import EngineRegistry\n"
-        f"HFModelConfig(path={model_path!r}, load_tokenizer=False, "
-        "external_lib='longstraw.integrations.verl_plugin')\n"
-        "engine = EngineRegistry.get_engine_cls('language_model', 'fsdp2')\n"
-        "print(engine.__name__, engine.longstraw_options.prompt_grad)\n"
-    )
-    env = {**os.environ, "LONGSTRAW_OPTIONS": '{"prompt_grad": "detached"}', "VERL_ENGINE_DEVICE": "cuda"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "LongStrawActorEngine detached", done.stdout
+    options of LONGSTRAW_OPTIONS."""
+    monkeypatch.setitem(EngineRegistry._engines["language_model"], "fsdp2",
+                        dict(EngineRegistry._engines["language_model"]["fsdp2"]))
+    monkeypatch.delitem(sys.modules, "longstraw.integrations.verl_plugin", raising=False)  # imported anew
+    monkeypatch.setenv("LONGSTRAW_OPTIONS", '{"prompt_grad": "detached"}')
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead
+    HFModelConfig(path=model_path, load_tokenizer=False, external_lib="longstraw.integrations.verl_plugin")
+    engine_class = EngineRegistry.get_engine_cls("language_model", "fsdp2")
+    assert issubclass(engine_class, LongStrawActorEngine)
+    assert engine_class.longstraw_options.prompt_grad == "detached"
