@@ -93,17 +93,16 @@ def test_lora_update_matches_verl(model_path):
     assert sum("lora_" in name for name in results[0][0]) == 28  # A and B of 7 linear layers x 2
 
 
-@pytest.mark.parametrize("prompt_lengths, same_prompt_as", [((9, 9, 6), {1: 0}), ((9, 6, 9), {2: 0})],
-                         ids=["adjacent", "apart"])
-def test_duplicate_prompts_match_verl(engines, prompt_lengths, same_prompt_as):
+def test_duplicate_prompts_match_verl(engines):
     """A dataset's duplicate prompt: two groups with one prompt, next to each
-    other or not, one group per micro-batch."""
-    results = []
-    for engine in engines:
-        batch = grpo_batch(prompt_lengths=prompt_lengths, response_lengths=((6, 3, 5), (2, 6, 4), (5, 5, 1)),
-                           same_prompt_as=same_prompt_as)
-        results.append(update(engine, with_micro_batches(batch, rows=G), grpo_loss(G)))
-    assert_same_update(*results)
+    other, then apart; one group per micro-batch."""
+    for prompt_lengths, same_prompt_as in (((9, 9, 6), {1: 0}), ((9, 6, 9), {2: 0})):
+        results = []
+        for engine in engines:
+            batch = grpo_batch(prompt_lengths=prompt_lengths, response_lengths=((6, 3, 5), (2, 6, 4), (5, 5, 1)),
+                               same_prompt_as=same_prompt_as)
+            results.append(update(engine, with_micro_batches(batch, rows=G), grpo_loss(G)))
+        assert_same_update(*results)
 
 
 def test_per_row_temperatures_match_verl(engines):
@@ -129,6 +128,7 @@ def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # root-only FSDP2 over two ranks is CI's in tests/parallel/test_data_parallel.py
 def test_two_ranks_match_verl(tmp_path):
     """Data parallel over two gloo ranks, each with its own prompts: FSDP2
     at the root averages the same gradient as verl's per-layer FSDP2."""
