@@ -9,6 +9,7 @@ fix, `.grad` untouched. Uninitialised memory is NaN throughout."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -175,6 +176,23 @@ def test_detached_mode_drops_the_prompt_term(model_path, engines):
     assert_close(torch.tensor(got_out["loss"]), torch.tensor(want_out["loss"]), TOL, "loss")
     with pytest.raises(AssertionError, match="gradients differ"):
         assert_grads_close(got, want, 1e-3)
+
+
+def test_weight_sync_and_checkpoint_are_verls(engines, tmp_path):
+    """The scoring class changes no name: the weights verl sends its rollout
+    engine (`get_per_tensor_param`) and its checkpoint (files, HF
+    architecture, state dict keys) are those of verl's own engine."""
+    sent, saved = [], []
+    for index, engine in enumerate(engines):
+        params, _ = engine.get_per_tensor_param()
+        sent.append({name: value.full_tensor() if hasattr(value, "full_tensor") else value for name, value in params})
+        folder = tmp_path / str(index)
+        engine.save_checkpoint(str(folder), global_step=1)
+        config = json.loads((folder / "huggingface" / "config.json").read_text())
+        state = torch.load(folder / "model_world_size_1_rank_0.pt", weights_only=False)
+        saved.append((sorted(p.name for p in folder.iterdir()), config["architectures"], sorted(state)))
+    assert sent[0].keys() == sent[1].keys() and all(torch.equal(sent[0][n], sent[1][n]) for n in sent[1])
+    assert saved[0] == saved[1] and saved[0][1] == ["Qwen3ForCausalLM"]
 
 
 @pytest.mark.parametrize("fields, match", [
