@@ -77,10 +77,7 @@ class PackedSegments:
         """Sequences at the cumulative lengths `cu_seqlens` ([S + 1], from 0 to
         N), as flash-attention's varlen arguments give them. With
         `position_ids` too, both must name the same sequences."""
-        cuts = [int(c) for c in cu_seqlens.flatten().tolist()]
-        total = _row(input_ids, "input_ids").numel()
-        if not cuts or cuts[0] != 0 or cuts[-1] != total or any(b <= a for a, b in zip(cuts, cuts[1:])):
-            raise InputError(f"cu_seqlens must rise strictly from 0 to the packed length {total}; got {cuts}")
+        cuts = _cuts(cu_seqlens, input_ids)
         if position_ids is not None:
             restarts = [i for i, p in enumerate(_row(position_ids, "position_ids").tolist()) if p == 0]
             if restarts != cuts[:-1]:
@@ -90,10 +87,24 @@ class PackedSegments:
         return cls._with_prompts(list(zip(cuts, cuts[1:])), completion_mask, input_ids)
 
     @classmethod
+    def from_prompt_lengths(cls, cu_seqlens: torch.Tensor, prompt_lengths: list[int],
+                            input_ids: torch.Tensor) -> PackedSegments:
+        """Sequences at `cu_seqlens` whose prompts are their first
+        `prompt_lengths` tokens (verl's batches say how long each row's prompt is)."""
+        cuts = _cuts(cu_seqlens, input_ids)
+        bounds = list(zip(cuts, cuts[1:]))
+        for index, ((start, stop), prompt) in enumerate(zip(bounds, prompt_lengths, strict=True)):
+            if not 0 < prompt < stop - start:
+                what = "no prompt token" if prompt <= 0 else "no completion token"
+                raise InputError(f"packed sequence {index} (tokens {start}..{stop - 1}) has {what} (its prompt is "
+                                 f"{prompt} of its {stop - start} tokens); each sequence is a prompt followed by its "
+                                 "completion")
+        return cls._shared(bounds, list(prompt_lengths), input_ids)
+
+    @classmethod
     def _with_prompts(cls, bounds: list[tuple[int, int]], completion_mask: torch.Tensor,
                       input_ids: torch.Tensor) -> PackedSegments:
         scored = _row(completion_mask, "completion_mask").bool().tolist()
-        ids = _row(input_ids, "input_ids").tolist()
         prompts = []
         for index, (start, stop) in enumerate(bounds):
             first = next((i for i in range(start, stop) if scored[i]), None)
@@ -102,6 +113,12 @@ class PackedSegments:
                 raise InputError(f"packed sequence {index} (tokens {start}..{stop - 1}) has {what} in completion_mask; "
                                  "each sequence is a prompt followed by its completion")
             prompts.append(first - start)
+        return cls._shared(bounds, prompts, input_ids)
+
+    @classmethod
+    def _shared(cls, bounds: list[tuple[int, int]], prompts: list[int], input_ids: torch.Tensor) -> PackedSegments:
+        """The segments, once every sequence's prompt is another's too (refused, naming it, otherwise)."""
+        ids = _row(input_ids, "input_ids").tolist()
         shared: dict[tuple[int, ...], list[int]] = {}
         for index, ((start, _), prompt) in enumerate(zip(bounds, prompts)):
             shared.setdefault(tuple(ids[start:start + prompt]), []).append(index)
@@ -174,6 +191,15 @@ def packed_logps_and_entropies(
     logps, entropies = scorer(model, layout.input_ids, layout.attention_mask, layout.logits_to_keep, temperature,
                               layout.position_ids)
     return segments.packed(logps), segments.packed(entropies)
+
+
+def _cuts(cu_seqlens: torch.Tensor, input_ids: torch.Tensor) -> list[int]:
+    """`cu_seqlens` as a list, checked to rise strictly from 0 to the packed length."""
+    cuts = [int(c) for c in cu_seqlens.flatten().tolist()]
+    total = _row(input_ids, "input_ids").numel()
+    if not cuts or cuts[0] != 0 or cuts[-1] != total or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise InputError(f"cu_seqlens must rise strictly from 0 to the packed length {total}; got {cuts}")
+    return cuts
 
 
 def _row(value: Any, name: str) -> torch.Tensor:

@@ -144,8 +144,7 @@ class LongStrawActorEngine(FSDPEngineWithLMHead):
         input_ids = micro_batch["input_ids"]  # nested [rows, j]: each row's prompt and response tokens
         offsets = input_ids.offsets()  # [rows + 1]
         tokens = input_ids.values()  # [N]
-        prompt_lengths, _ = _parts(micro_batch)
-        segments = PackedSegments.from_cu_seqlens(offsets, _response_marks(offsets, prompt_lengths), tokens)
+        segments = PackedSegments.from_prompt_lengths(offsets, _prompt_lengths(micro_batch), tokens)
         layout = segments.padded(tokens)
         autocast = (contextlib.nullcontext() if self._autocast_dtype == torch.float32
                     else torch.autocast(device_type=get_device_name(), dtype=self._autocast_dtype))
@@ -198,7 +197,7 @@ def _scoring_class(cls: type) -> type:
     if issubclass(cls, _Scoring):
         return cls
     if cls not in _SCORING_CLASSES:
-        _SCORING_CLASSES[cls] = type(f"LongStrawScoring{cls.__name__}", (_Scoring, cls), {"__module__": cls.__module__})
+        _SCORING_CLASSES[cls] = type(f"LongStrawScoring{cls.__name__}", (_Scoring, cls), {})
     return _SCORING_CLASSES[cls]
 
 
@@ -243,30 +242,19 @@ def _check_batch(micro_batch: TensorDict) -> None:
                          "models")
 
 
-def _parts(data: TensorDict) -> tuple[list[int], list[int]]:
-    """Each row's prompt and response lengths, as verl's `no_padding_2_padding` reads them."""
-    prompts, responses = data["prompts"], data["responses"]
+def _prompt_lengths(data: TensorDict) -> list[int]:
+    """Each row's prompt length, as verl's `no_padding_2_padding` reads it."""
+    prompts = data["prompts"]
     if prompts.is_nested:
-        return prompts.offsets().diff().tolist(), responses.offsets().diff().tolist()
-    mask = data["attention_mask"]  # [rows, P + R]
-    width = prompts.shape[1]
-    return mask[:, :width].sum(1).tolist(), mask[:, width:].sum(1).tolist()
-
-
-def _response_marks(offsets: torch.Tensor, prompt_lengths: list[int]) -> torch.Tensor:
-    """[N]: 1 on every response token of the packed rows (the loss masks its own)."""
-    marks = torch.zeros(int(offsets[-1]), dtype=torch.long, device=offsets.device)
-    for start, stop, prompt in zip(offsets[:-1].tolist(), offsets[1:].tolist(), prompt_lengths):
-        marks[start + prompt:stop] = 1
-    return marks
+        return prompts.offsets().diff().tolist()
+    return data["attention_mask"][:, :prompts.shape[1]].sum(1).tolist()  # attention_mask: [rows, P + R]
 
 
 def _prompts(data: TensorDict) -> list[tuple[int, ...]]:
     """Each row's prompt tokens."""
     offsets = data["input_ids"].offsets().tolist()
     tokens = data["input_ids"].values()
-    prompt_lengths, _ = _parts(data)
-    return [tuple(tokens[start:start + n].tolist()) for start, n in zip(offsets, prompt_lengths)]
+    return [tuple(tokens[start:start + n].tolist()) for start, n in zip(offsets, _prompt_lengths(data))]
 
 
 def _block_size(prompts: list[tuple[int, ...]]) -> int:

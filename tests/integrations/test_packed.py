@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import longstraw
+from longstraw.errors import InputError
 from longstraw.integrations.packed import PackedSegments, packed_logps_and_entropies
 from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.models import qwen3_5
@@ -192,3 +193,21 @@ def test_bad_packing_is_refused_naming_the_sequence(fault, match):
         scorer = torch.compile(completion_logps_and_entropies, backend="longstraw", dynamic=True)
         packed_logps_and_entropies(scorer, model, ids, marked, position_ids=positions, cu_seqlens=cu_seqlens)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_segments_from_prompt_lengths():
+    """verl's rows, whose prompt lengths are known: the same segments as the
+    completion mask gives; a sequence without a completion or a prompt, or a
+    prompt no other sequence shares, refused naming it."""
+    ids, positions, marked, bounds = packed_row()
+    cu_seqlens = torch.tensor([start for start, _, _ in bounds] + [bounds[-1][1]])
+    prompts = [prompt for _, _, prompt in bounds]
+    assert (PackedSegments.from_prompt_lengths(cu_seqlens, prompts, ids)
+            == PackedSegments.from_cu_seqlens(cu_seqlens, marked, ids))
+    (start0, stop0, _), (start2, stop2, _) = bounds[0], bounds[2]
+    first, third = rf"sequence 0 \(tokens {start0}\.\.{stop0 - 1}\)", rf"sequence 2 \(tokens {start2}\.\.{stop2 - 1}\)"
+    for lengths, match in (([*prompts[:2], stop2 - start2, *prompts[3:]], third + " has no completion token"),
+                           ([0, *prompts[1:]], first + " has no prompt token"),
+                           ([prompts[0] - 1, *prompts[1:]], first + rf" has a prompt \({prompts[0] - 1} tokens\)")):
+        with pytest.raises(InputError, match=match):
+            PackedSegments.from_prompt_lengths(cu_seqlens, lengths, ids)
