@@ -232,7 +232,7 @@ class SlidingSinkAttentionPass(CarryPass):
     values are the carry (`SlidingWindowAttentionPass`'s)."""
 
     name = "sliding_sink_attention"
-    branch_graphs_kept = False  # as SlidingWindowAttentionPass: kept graphs not shown for it yet
+    branch_graphs_kept = True
     runs_rounds = False  # context parallelism's rounds not shown for it yet (its full layers refuse them)
     sequence = (0, 2)
 

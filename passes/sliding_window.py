@@ -84,7 +84,7 @@ class SlidingWindowAttentionPass(CarryPass):
 
     name = "sliding_window_attention"
     overrides = ("causal_attention",)
-    branch_graphs_kept = False  # its own step, not `CarryStep`: kept graphs not shown for it yet
+    branch_graphs_kept = True
     sequence = (0, 2)  # q [B, H, L, D]
 
     def claims(self, node: fx.Node) -> bool:

@@ -127,7 +127,7 @@ def test_where_the_graph_is_not_kept_the_reverse_pass_runs(why):
 
 
 # carried state: Gated DeltaNet and a short convolution, Mamba-2's scan, LFM2's convolution; a sliding window
-CARRIED = ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.slow), "lfm2", "mistral"]
+CARRIED = ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.slow), "lfm2", "mistral", "gemma3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", CARRIED)
@@ -135,13 +135,15 @@ def test_carried_state_keeps_graphs(family):
     """A carried operator's kept prompt chunk reads the boundary's carry the
     capture kept, and a kept branch the prompt's carry, as the reverse pass
     and the replays do: eager's gradients with every graph kept. A sliding
-    window's branches (its own step, `branch_graphs_kept` False) replay."""
+    window (Mistral; Gemma 3's sliding layers beside full ones; gpt-oss's
+    with sinks) carries its last W-1 keys and values, which a branch's
+    backward reads at the prompt's end as the replay would."""
     seen = run_batch(family, [2, 2], 4, keep_graphs=True, recompute_layers=False)
     assert seen.count(KEPT) == 6 and REVERSE not in seen
-    assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == ((0, 4) if family == "mistral" else (4, 0))
+    assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == (4, 0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "mistral"])
 def test_carried_state_detached_kept_branches_give_the_replays_gradients(family):
     """Detached mode on a hybrid: kept branches against replayed ones, to rounding (float64)."""
     fam = FAMILIES[family]
@@ -321,9 +323,10 @@ def test_cuda_hybrid_kept_graphs_match_the_replays(mode):
 
 
 def test_the_plan_says_nothing_is_kept_where_nothing_can_be():
-    """Detached mode on a model whose branches replay (a sliding window):
-    `keep_graphs=True` keeps nothing, and the plan says the branches replay."""
-    model = FAMILIES["mistral"].build()
+    """Detached mode on a model whose branches replay (MLA, whose pass does
+    not allow kept branch graphs): `keep_graphs=True` keeps nothing, and
+    the plan says the branches replay."""
+    model = FAMILIES["deepseek_v3"].build()
     batch = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
     backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=True, prompt_grad="detached")
     with phases() as seen:
