@@ -224,6 +224,7 @@ class LatentAttentionPass(ArchitecturePass):
     name = "latent_attention"
     overrides = ("causal_attention",)
     runs_rounds = True  # `round_attention` over `LatentKeys`, the own keys `[latent | rope key]`
+    branch_graphs_kept = True  # the backward reads the state before the step only (`latent_attention._keys`)
 
     def claims(self, node: fx.Node) -> bool:
         return mla_of(node) is not None

@@ -208,6 +208,7 @@ class SparseLatentAttentionPass(ArchitecturePass):
     name = "sparse_latent_attention"
     overrides = ("causal_attention",)
     runs_rounds = True  # `_round_topk`, then `latent_attention._RoundLatentOverSelection`
+    branch_graphs_kept = True  # the selection is made in the forward; the backward reads earlier keys only
 
     def claims(self, node: fx.Node) -> bool:
         return selected_by_topk(node)

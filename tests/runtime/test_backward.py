@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import longstraw
 from longstraw import pipeline
+from longstraw.passes.mla import LatentAttentionPass
 from longstraw.planning.sizing import KeptRoom
 from longstraw.runtime import backward
 from longstraw.runtime.phases import phase_of
@@ -138,6 +139,17 @@ def test_carried_state_keeps_graphs(family):
     window (Mistral; Gemma 3's sliding layers beside full ones; gpt-oss's
     with sinks) carries its last W-1 keys and values, which a branch's
     backward reads at the prompt's end as the replay would."""
+    seen = run_batch(family, [2, 2], 4, keep_graphs=True, recompute_layers=False)
+    assert seen.count(KEPT) == 6 and REVERSE not in seen
+    assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == (4, 0)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_latent_attention_keeps_branch_graphs(family):
+    """MLA, and DSA's selection over it: a kept branch's backward reads the prompt's
+    latents and rope keys from the state and its own from what it saved
+    (`latent_attention._keys`), as a replay does: eager's gradients with
+    every graph kept."""
     seen = run_batch(family, [2, 2], 4, keep_graphs=True, recompute_layers=False)
     assert seen.count(KEPT) == 6 and REVERSE not in seen
     assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == (4, 0)
@@ -322,10 +334,11 @@ def test_cuda_hybrid_kept_graphs_match_the_replays(mode):
         assert_grads_close(grads[0][1], want, TOL)
 
 
-def test_the_plan_says_nothing_is_kept_where_nothing_can_be():
-    """Detached mode on a model whose branches replay (MLA, whose pass does
-    not allow kept branch graphs): `keep_graphs=True` keeps nothing, and
-    the plan says the branches replay."""
+def test_the_plan_says_nothing_is_kept_where_nothing_can_be(monkeypatch):
+    """Detached mode on a model whose branches replay (MLA, its pass set to
+    the default of a pass of one's own, `branch_graphs_kept = False`):
+    `keep_graphs=True` keeps nothing, and the plan says the branches replay."""
+    monkeypatch.setattr(LatentAttentionPass, "branch_graphs_kept", False)
     model = FAMILIES["deepseek_v3"].build()
     batch = make_batch([3], P=13, R=3, vocab=model.config.vocab_size)
     backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, keep_graphs=True, prompt_grad="detached")
