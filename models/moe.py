@@ -23,6 +23,7 @@ import functools
 import types
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from longstraw.runtime.carry import recompute_grads
 
@@ -80,6 +81,13 @@ def moe_experts(
 def _(hidden_states, top_k_index, top_k_weights, up_proj, down_proj, up_proj_bias, down_proj_bias,
       has_gate, is_transposed, activation):
     return hidden_states.new_empty(hidden_states.shape)  # HF's sum over k: contiguous
+
+
+@register_flop_formula(torch.ops.longstraw.moe_experts)
+def _moe_experts_flops(hidden_shape, index_shape, weights_shape, up_shape, down_shape, *args, out_shape=None) -> int:
+    """Each routed token through its expert's up (gated: and gate) and down projections."""
+    tokens_times_k = index_shape[0] * index_shape[1]
+    return 2 * tokens_times_k * (up_shape[1] * up_shape[2] + down_shape[1] * down_shape[2])
 
 
 def _setup(ctx, inputs, output):

@@ -14,10 +14,12 @@ blocks. Both keep the log-sum-exp, so backward runs block by block.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import torch
 from torch import fx
+from torch.utils.flop_counter import register_flop_formula
 
 from longstraw.parallel.shards import SlotKeys
 from longstraw.parallel.collectives import raise_together
@@ -494,6 +496,13 @@ def _causal_forward(
 causal_attention_forward = torch.library.custom_op("longstraw::causal_attention_forward", mutates_args=())(_causal_forward)
 # the same kernels run on fake tensors: the memory planner sees their temporaries
 causal_attention_forward.register_fake(_causal_forward)
+
+
+@register_flop_formula(torch.ops.longstraw.causal_attention_forward)
+def _causal_forward_flops(q_shape, keys_shape, values_shape, scale, q_start, *, out_shape=None) -> int:
+    """Scores and weighted values of the causal pairs: queries `[q_start, q_start + n)` over keys up to theirs."""
+    *batch, heads, n, dim = q_shape
+    return 2 * math.prod(batch) * heads * (dim + values_shape[-1]) * (n * q_start + n * (n + 1) // 2)
 
 
 keep_through_recomputation(attention_step, torch.ops.longstraw.causal_attention_forward.default)

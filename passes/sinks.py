@@ -23,9 +23,12 @@ passes run it, both over the masks HF builds for eager attention
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from longstraw.analysis.dims import DimRules
 from longstraw.nodes import op_name, tensor_of
@@ -72,6 +75,13 @@ def sink_attention(
 @sink_attention.register_fake
 def _(q, k, v, attn_mask, sinks, dropout_p, scale, enable_gqa):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@register_flop_formula(torch.ops.longstraw.sink_attention)
+def _sink_attention_flops(q_shape, k_shape, v_shape, *args, out_shape=None) -> int:
+    """Scores and weighted values of every query-key pair (eager attention computes the masked ones too)."""
+    *batch, heads, queries, dim = q_shape
+    return 2 * math.prod(batch) * heads * queries * k_shape[-2] * (dim + v_shape[-1])
 
 
 def _setup(ctx, inputs, output):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,6 +56,9 @@ from longstraw.planning.simulation import (
 from longstraw.runtime.call_state import GraphSpending
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.runtime.prompt_state import boundaries_on_host
+
+if TYPE_CHECKING:
+    from longstraw.planning.step_time import StepTime
 
 log = logging.getLogger("longstraw.planning.planner")
 
@@ -128,6 +132,7 @@ class MemoryPlan:
     largest_prompt: int | None
     ranks: int = 1  # context parallelism: the peak is one rank's, holding the largest share of the prompt state
     kept: KeptGraphs | None = None  # the schedule in the room beside the peak (`explain().plan` with a budget)
+    time: StepTime | None = None  # the step's predicted time (`explain().plan` where a rate is known)
 
     @property
     def peak(self) -> int:
@@ -159,6 +164,9 @@ class MemoryPlan:
         if self.kept is not None:
             lines.append("  kept for the backward in the room beside the peak:")
             lines += [f"    {line}" for line in self.kept.lines()]
+        if self.time is not None:
+            lines.append("  predicted time (longstraw.planning.step_time):")
+            lines += [f"    {line}" for line in self.time.lines()]
         return "\n".join(lines)
 
 

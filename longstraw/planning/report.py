@@ -46,6 +46,7 @@ from longstraw.planning.planner import (
     kept_graphs,
 )
 from longstraw.planning.sizing import KEEP_EVERY_STATE
+from longstraw.planning.step_time import RATES, StepWork, predict, simulate_work
 from longstraw.runtime.runner import branch_graphs_keepable, graphs_keepable
 from longstraw.runtime.schedule import ChunkSchedule
 
@@ -69,6 +70,7 @@ class ExplainReport:
         self.traced_response_len = self.memory.branch_len
         params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
         self.example_device = params[0].device if params else torch.device("cpu")
+        self._work: dict[tuple, StepWork] = {}  # (recompute, device, dtype) -> the simulated `StepWork`
 
     @property
     def traced_prompt_len(self) -> int:
@@ -97,6 +99,8 @@ class ExplainReport:
         dtype: torch.dtype | None = None,
         recompute_layers: bool | None = None,
         ranks: int | None = None,
+        tflops: float | None = None,
+        op_us: float | None = None,
     ) -> MemoryPlan:
         """Predicted peak for a group of G branches of R positions after a
         P-token prompt (R as in the plan summary: the positions one branch
@@ -111,7 +115,13 @@ class ExplainReport:
         `memory_budget_gb`, else on CUDA the device's free memory; with
         none of these, 8192 without recomputation. `ranks` (default: the
         options' `context_parallel` group's size, else 1) predicts one
-        rank's peak with the prompt state sharded over that many."""
+        rank's peak with the prompt state sharded over that many.
+
+        The result's `time` is the step's predicted time on one rank
+        (`longstraw.planning.step_time`) at `tflops` (achieved TFLOP/s) and
+        `op_us` (microseconds per operator launched), by default the
+        measured `step_time.RATES` of the device type for 16-bit floats;
+        None where neither applies (the CPU, float32) or under `ranks` > 1."""
         G = self.traced_group_size if G is None else G
         R = self.traced_response_len if R is None else R
         mode = prompt_grad or self.options.prompt_grad
@@ -126,9 +136,27 @@ class ExplainReport:
             chunk, recompute = chosen.prefix_chunk_size, chosen.recompute_layers
         chunk = DEFAULT_CHUNK if chunk is None else chunk
         plan = self.memory.predict(P, G, R, mode, chunk, bool(recompute), device, dtype, budget, ranks)
-        if budget is None:
+        if budget is not None:
+            plan = dataclasses.replace(plan, kept=self._kept(plan, budget))
+        rate = self._rate(device, dtype, tflops, op_us)
+        if rate is None or plan.ranks > 1:
             return plan
-        return dataclasses.replace(plan, kept=self._kept(plan, budget))
+        key = (plan.recompute_layers, str(device), dtype)
+        if key not in self._work:
+            self._work[key] = simulate_work(self.group_plan.program, self.options, plan.recompute_layers, device, dtype)
+        time = predict(self._work[key], P, G, R, mode == "exact", plan.prefix_chunk_size, plan.kept, *rate)
+        return dataclasses.replace(plan, time=time)
+
+    def _rate(self, device: torch.device, dtype: torch.dtype | None, tflops: float | None,
+              op_us: float | None) -> tuple[float, float] | None:
+        """(FLOP/s, seconds per operator): the arguments', else the device
+        type's measured `RATES` for 16-bit floats."""
+        known = RATES.get(device.type) if (dtype or self.memory.float_dtype).itemsize == 2 else None
+        if tflops is None and known is None:
+            return None
+        rate = tflops * 1e12 if tflops is not None else known[0]
+        per_op = op_us * 1e-6 if op_us is not None else (known[1] if known is not None else 0.0)
+        return rate, per_op
 
     def _kept(self, plan: MemoryPlan, budget: int) -> KeptGraphs:
         """The graphs a run of `plan` keeps for the backward in the budget's

@@ -287,13 +287,17 @@ def steps_without_middle(program: StepProgram, depth: Depth, periods: int) -> tu
 
 def simulate_phases(program: StepProgram, options: Options, mode: str, chunk: int, recompute: bool,
                     device: torch.device, dtype: torch.dtype | None,
-                    steps: tuple[StepGraph, StepGraph] | None = None, ranks: int = 1) -> dict[str, Peak]:
+                    steps: tuple[StepGraph, StepGraph] | None = None, ranks: int = 1,
+                    work: TorchDispatchMode | None = None, groups: list[Group] | None = None) -> dict[str, Peak]:
     """`simulate_step`'s peak per runtime phase (`longstraw.runtime.runner.phase_of`;
     "outside the steps" for the rest), under `options` but for the mode,
     the chunk and recomputation asked for, running `steps` (the prompt's
     and the branch's, e.g. `steps_without_middle`) in place of the program's;
     over `ranks` > 1, the steps of the rank with the largest share
-    (`ChunkSchedule.largest_rank`)."""
+    (`ChunkSchedule.largest_rank`). `work` (`step_time.WorkRecorder`)
+    records every step's FLOPs and operators, each carried span
+    differentiated in full (not once per signature, `_SpansOnce`), over
+    `groups` in place of one group of two branches."""
     from longstraw.runtime.kernels import attention
 
     part = program.partition
@@ -340,9 +344,13 @@ def simulate_phases(program: StepProgram, options: Options, mode: str, chunk: in
 
     # the options' kernel policy, with fla where the target runs it (`fla_families`);
     # attention's memory is modelled as flash's where a fused kernel applies
-    with options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), \
-            shape_only_spans(_SpansOnce(tracker)), contextlib.ExitStack() as fla, without_cyclic_gc(), \
-            FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    spans = shape_only_spans(_SpansOnce(tracker)) if work is None else contextlib.nullcontext()
+    with options.kernels.active(), attention.choosing(kernel_for), around_steps(tracker.in_step), spans, \
+            contextlib.ExitStack() as fla, without_cyclic_gc(), FakeTensorMode(allow_non_fake_inputs=True), tracker, \
+            contextlib.ExitStack() as counting:
+        if work is not None:  # innermost: it sees the operators before the tracker and the fake mode
+            counting.enter_context(work)
+            counting.enter_context(around_steps(work.in_step))
         for family in fla_families(device):
             fla.enter_context(family.SWITCH.simulating())
         scalars.update(read_scalars(part))
@@ -350,8 +358,8 @@ def simulate_phases(program: StepProgram, options: Options, mode: str, chunk: in
         tracker.pin()
         values = dict(zip(runner.imports, runner.outer.module(*inputs)))
         # two branches (two rounds of them): the second replay adds its gradients into the first's
-        group = Group(tuple(range(min(part.group_size, 2 * ranks))), prompt)
-        outputs, call = runner.run(inputs, values, [group], part.end)
+        groups = groups or [Group(tuple(range(min(part.group_size, 2 * ranks))), prompt)]
+        outputs, call = runner.run(inputs, values, groups, part.end)
         grad_outputs = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
         grads = runner.backward(call, inputs, grad_outputs)
         del call, outputs, grad_outputs, grads

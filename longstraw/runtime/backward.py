@@ -116,7 +116,8 @@ class BackwardPass(abc.ABC):
                 with noting(f"differentiating the kept branch {row} of {part.group_size}; no .grad was changed"):
                     self._accumulate(leaves, kept, slices)
                 continue
-            with self._replaying(group_call, ("branch", row), f"replaying branch {row} of {part.group_size}"):
+            with self._replaying(group_call, ("branch", row),
+                                f"replaying branch {row} of {part.group_size} over [{prefix_len}, {call.end})"):
                 ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round)
                 outs = self.replay_module("branch")(
                     ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len, group_call.handed[row]))

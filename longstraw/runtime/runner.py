@@ -309,7 +309,8 @@ class GroupRunner(BackwardPass):
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
                             and spending.take(self.graph_chunk_bytes))
-                    with noting(f"running branch {row} of {part.group_size}"), torch.set_grad_enabled(keep):
+                    with noting(f"running branch {row} of {part.group_size} over [{group.prefix_len}, {end})"), \
+                            torch.set_grad_enabled(keep):
                         ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round)
                         inputs_of_row = self._step_inputs(
                             stage.branch, inputs, values, row, group.prefix_len, branch_len, handed[row])

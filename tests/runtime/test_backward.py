@@ -128,7 +128,8 @@ def test_where_the_graph_is_not_kept_the_reverse_pass_runs(why):
 
 
 # carried state: Gated DeltaNet and a short convolution, Mamba-2's scan, LFM2's convolution; a sliding window
-CARRIED = ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.slow), "lfm2", "mistral", "gemma3", "gpt_oss"]
+CARRIED = ["qwen3_5", pytest.param("mamba2", marks=pytest.mark.slow), "lfm2", "mistral",
+           pytest.param("gemma3", marks=pytest.mark.slow), "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", CARRIED)
@@ -144,7 +145,7 @@ def test_carried_state_keeps_graphs(family):
     assert (seen.count(KEPT_BRANCH), seen.count(REPLAY)) == (4, 0)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("glm_moe_dsa", marks=pytest.mark.slow)])
 def test_latent_attention_keeps_branch_graphs(family):
     """MLA, and DSA's selection over it: a kept branch's backward reads the prompt's
     latents and rope keys from the state and its own from what it saved

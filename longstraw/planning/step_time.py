@@ -1,0 +1,298 @@
+"""A step's predicted time: its arithmetic over the device's rate, plus a cost per operator.
+
+    seconds = FLOPs / rate + operators x seconds per operator
+
+The FLOPs are PyTorch's own count (`torch.utils.flop_counter.flop_registry`:
+matrix products, fused attention, convolutions, and the formulas
+LongStraw's operators register beside their definitions) of every operator
+a step runs; the operators are those that launch work (no views). Both
+come from one exact-mode step simulated on fake tensors at the traced
+sizes (`simulation.simulate_phases` with a `WorkRecorder`), and are
+written as functions of a step's span, so that one simulation predicts
+every P, G and R:
+
+    FLOPs(a step over positions [o, o + n)) = h + a * n + b * n * o + c * n * n
+
+`b` is what a query costs per earlier key over all layers (whatever the
+attention is: fused, MLA's absorbed; a carried operator adds nothing to
+it), `c` per key of its own step, `a` what each position costs besides
+(the layers' matrix products), `h` a branch's LM head over the positions
+the loss reads. The prompt chunks (two lengths, three offsets) give those
+of a capture and of the reverse pass (a chunk recomputed and
+differentiated); three groups of one branch, after three prompt lengths,
+those of a branch and of its replay, with the chunks' `b` (branches all
+end at one position, so their own counts cannot tell `b` from `a` and
+`c`). A kept graph's backward is the replay, or the reverse pass, less
+the forward it does not run again. A step's operator count is taken as
+constant (the attention kernels' walk over key blocks adds a few per
+block of thousands of keys). Inside a fused kernel that is not an
+operator (fla's Triton kernels), nothing is counted.
+
+The rate and the cost per operator are measured, not datasheet figures
+(`RATES`). Below about 8K positions the dense slice's step is bound by
+launching operators, above it by arithmetic: the prediction is a guide to
+where the time goes and how it grows with P, within tens of percent, not
+a benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from longstraw.codegen.program import StepProgram
+from longstraw.options import Options
+from longstraw.planning.planner import EXTRAPOLATE_FROM, KeptGraphs
+from longstraw.planning.simulation import simulate_phases, step_depth, steps_without_middle
+from longstraw.runtime.call_state import Group
+from longstraw.runtime.schedule import ChunkSchedule
+
+RATES: dict[str, tuple[float, float]] = {"cuda": (596e12, 25e-6)}
+"""Per device type, for 16-bit floats: (FLOP/s a step achieves, seconds per
+operator), fitted to two measured steps on an H200 (the H100 has the same
+arithmetic rate): the dense slice's exact step at 4K and 16K, 2 prompts x
+G = 8, R = 1024, the prompt's graph kept and the branches replayed, 0.88 s
+and 1.20 s (`benchmarks/results/step_profile_dense_b_h200.json`;
+`tests/planning/test_step_time.py` predicts them again). No rate is known
+for other devices or float32: pass `tflops` and `op_us`."""
+
+_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_unsafe_view",
+              "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense", "item", "set_"}
+"""Operators that launch no device work (besides views, `OpOverload.is_view`, and `prim` operators)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCount:
+    """What one step the runtime ran (`around_steps`' `where`) did."""
+
+    where: str
+    flops: float
+    ops: int
+
+
+class WorkRecorder(TorchDispatchMode):
+    """FLOPs and launched operators of each step the runtime runs: enter it
+    as a dispatch mode and give `in_step` to `around_steps`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[StepCount] = []
+        self._open: list[list] = []  # [where, flops, ops] of the steps running, innermost last
+
+    @contextlib.contextmanager
+    def in_step(self, where: str) -> Iterator[None]:
+        self._open.append([where, 0.0, 0])
+        try:
+            yield
+        finally:
+            self.steps.append(StepCount(*self._open.pop()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._open:
+            packet = func.overloadpacket
+            counted = self._open[-1]
+            if packet in flop_registry:
+                counted[1] += flop_registry[packet](*args, **kwargs, out_val=out)
+            if not func.is_view and func.namespace != "prim" and packet.__name__ not in _NO_LAUNCH:
+                counted[2] += 1
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A step over positions `[o, o + n)`: `fixed + per_position * n +
+    per_earlier_key * n * o + per_own_key * n * n` FLOPs (`fixed`: a
+    branch's LM head, over the positions the loss reads; the queries over
+    the earlier keys, and over the step's own, whose count depends on the
+    kernel: a block over them is counted whole) and `ops` operators.""" 
+
+    fixed: float
+    per_position: float
+    per_earlier_key: float
+    per_own_key: float
+    ops: float
+
+    def flops(self, o: int, n: int) -> float:
+        return self.fixed + self.per_position * n + self.per_earlier_key * n * o + self.per_own_key * n * n
+
+    def less(self, other: StepCost) -> StepCost:
+        return StepCost(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def grown(self, three: StepCost, periods: int) -> StepCost:
+        """At `periods` periods of layers, `self` at two and `three` at three."""
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(three))
+        return StepCost(*(a + (b - a) * (periods - 2) for a, b in pairs))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """The steps' costs (`StepCost`): a prompt chunk's capture and its
+    reverse pass (exact mode; None where nothing trainable reaches the
+    prompt's state, so none runs), a branch's forward and its replay."""
+
+    capture: StepCost
+    reverse: StepCost | None
+    branch: StepCost
+    replay: StepCost
+
+    @staticmethod
+    def fitted(steps: Sequence[StepCount]) -> StepWork:
+        """From an exact-mode step's counts (`WorkRecorder.steps`) over
+        three groups of one branch each, whose prompts differ in length: the
+        prompt chunks' (three spans, not all of one length) give the
+        capture's and the reverse pass's costs, the three branches' (after
+        three prompt lengths, all ending where the loss's positions end)
+        those of a branch and of its replay, their LM head included; a
+        branch's cost per earlier key is the prompt chunks' (where the last
+        layer's attention output over the prompt is read by nothing, the
+        prompt chunks skip it and a branch's count of it at P is off by
+        that layer's share)."""
+        capture = _fit(_spans(steps, "capturing prompt chunk"))
+        chunks = _spans(steps, "in the reverse pass over prompt chunk")
+        reverse = _fit(chunks) if chunks else None
+        branch = _fit(_spans(steps, "running branch"), capture)
+        return StepWork(capture, reverse, branch, _fit(_spans(steps, "replaying branch"), reverse or capture))
+
+    def grown(self, three: StepWork, periods: int) -> StepWork:
+        """At `periods` periods of layers, `self` at two and `three` at three."""
+        reverse = None if self.reverse is None or three.reverse is None else self.reverse.grown(three.reverse, periods)
+        return StepWork(self.capture.grown(three.capture, periods), reverse, self.branch.grown(three.branch, periods),
+                        self.replay.grown(three.replay, periods))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A step's predicted FLOPs, operators and seconds, by phase."""
+
+    phases: tuple[tuple[str, float, float], ...]  # (phase, FLOPs, operators)
+    rate: float  # FLOP/s
+    op_seconds: float
+
+    @property
+    def flops(self) -> float:
+        return sum(f for _, f, _ in self.phases)
+
+    @property
+    def ops(self) -> float:
+        return sum(o for _, _, o in self.phases)
+
+    @property
+    def seconds(self) -> float:
+        return self.flops / self.rate + self.ops * self.op_seconds
+
+    def lines(self) -> list[str]:
+        out = []
+        for phase, flops, ops in self.phases:
+            seconds = flops / self.rate + ops * self.op_seconds
+            out.append(f"{phase:40} {seconds:8.3f} s  ({flops / 1e12:9.2f} TFLOP, {ops:9,.0f} operators)")
+        out.append(f"{'predicted step':40} {self.seconds:8.3f} s  at {self.rate / 1e12:.0f} TFLOP/s and "
+                   f"{self.op_seconds * 1e6:.0f} us per operator")
+        return out
+
+
+def simulate_work(program: StepProgram, options: Options, recompute: bool, device: torch.device,
+                  dtype: torch.dtype | None) -> StepWork:
+    """The program's `StepWork`: an exact-mode step simulated at the traced
+    sizes with the prompt in three chunks, the last shorter, over three
+    groups of one branch each (the traced prompt, and prompts a quarter and
+    a half shorter: the branches run at three offsets); at `EXTRAPOLATE_FROM` periods of layers or more,
+    two and three periods, grown to the full depth as the memory planner
+    does."""
+    prompt = program.traced_prefix_len
+    if prompt < 8 or program.partition.group_size < 3:
+        raise ValueError("a step's time is fitted from a traced prompt of 8 positions or more and 3 branches or more "
+                         f"(traced: {prompt} positions, {program.partition.group_size} branches)")
+    chunk, shift = prompt // 3 + 1, prompt // 4
+    groups = [Group((row,), prompt - row * shift) for row in range(3)]
+
+    def simulated(steps=None) -> StepWork:
+        recorder = WorkRecorder()
+        simulate_phases(program, options, "exact", chunk, recompute, device, dtype, steps=steps, work=recorder,
+                        groups=groups)
+        return StepWork.fitted(recorder.steps)
+
+    depth = step_depth(program)
+    if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
+        cut = [steps_without_middle(program, depth, k) for k in (2, 3)]
+        if None not in cut:
+            two, three = (simulated(steps) for steps in cut)
+            return two.grown(three, depth.periods)
+    return simulated()
+
+
+def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kept: KeptGraphs | None, rate: float,
+            op_seconds: float) -> StepTime:
+    """The time of one group's step: the prompt's `P - 1` positions captured
+    in chunks of `chunk`, G branches of R positions, and the backward the
+    kept graphs (`kept`, else none) leave: kept branches differentiated,
+    the others replayed; in exact mode the prompt's graph differentiated
+    if kept, else its reverse pass."""
+    prompt = max(P - 1, 0)
+    chunks = ChunkSchedule(prompt, chunk).chunks if prompt else ()
+    kept_branches = 0 if kept is None else kept.branches
+    prompt_kept = kept is not None and kept.prompt
+
+    def total(cost: StepCost, spans) -> tuple[float, float]:
+        spans = list(spans)
+        return sum(cost.flops(o, n) for o, n in spans), cost.ops * len(spans)
+
+    phases = [("capturing the prompt", *total(work.capture, chunks)),
+              ("running the branches", *total(work.branch, [(prompt, R)] * G))]
+    backward = work.replay.less(work.branch)
+    phases.append(("differentiating the kept branches", *total(backward, [(prompt, R)] * kept_branches)))
+    phases.append(("replaying the branches", *total(work.replay, [(prompt, R)] * (G - kept_branches))))
+    if exact and work.reverse is not None:
+        if prompt_kept:
+            phases.append(("differentiating the kept prompt", *total(work.reverse.less(work.capture), chunks)))
+        else:
+            phases.append(("the reverse pass over the prompt", *total(work.reverse, chunks)))
+    return StepTime(tuple(p for p in phases if p[2] > 0), rate, op_seconds)
+
+
+_SPAN = re.compile(r"\[(\d+), (\d+)\)")
+
+
+def _spans(steps: Sequence[StepCount], phase: str) -> list[tuple[int, int, float, int]]:
+    """(o, n, FLOPs, operators) of the steps of `phase`."""
+    out = []
+    for step in steps:
+        if step.where.startswith(phase):
+            start, stop = (int(x) for x in _SPAN.search(step.where).groups())
+            out.append((start, stop - start, step.flops, step.ops))
+    return out
+
+
+def _fit(spans: Sequence[tuple[int, int, float, int]], like: StepCost | None = None) -> StepCost:
+    """A `StepCost` by least squares over the steps' (o, n, FLOPs,
+    operators): of prompt chunks (no fixed part), or with `like` of
+    branches, which all end at one position, so that their cost per
+    earlier key is `like`'s (the prompt chunks'). Operators: their mean."""
+    spans = list(spans)
+    if like is None:
+        features = [[n, n * o, n * n] for o, n, _, _ in spans]
+        values = [f for _, _, f, _ in spans]
+    else:
+        features = [[1, n, n * n] for o, n, _, _ in spans]
+        values = [f - like.per_earlier_key * n * o for o, n, f, _ in spans]
+    if torch.linalg.matrix_rank(torch.tensor(features, dtype=torch.float64)) < 3:
+        raise ValueError("a step's time is fitted from prompt chunks of two lengths at three offsets, and from "
+                         "branches after three prompt lengths")
+    flops = _solve(features, values)
+    ops = sum(k for *_, k in spans) / len(spans)
+    if like is None:
+        return StepCost(0.0, *flops, ops)
+    h, a, c = flops
+    return StepCost(h, a, like.per_earlier_key, c, ops)
+
+
+def _solve(rows: list[list[float]], values: list[float]) -> list[float]:
+    x = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64), torch.tensor(values, dtype=torch.float64)[:, None])
+    return x.solution.flatten().tolist()

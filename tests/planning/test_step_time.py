@@ -1,0 +1,137 @@
+"""`longstraw.planning.step_time`: a step's FLOPs and operators as functions
+of its sizes, fitted from one simulated step, against a real step's at
+another prompt length; and the phases a plan's kept graphs leave."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.planning.planner import KeptGraphs
+from longstraw.planning.step_time import StepCost, StepCount, StepWork, WorkRecorder, predict
+from longstraw.models.tiny import tiny_causal_lm
+
+G, R, CHUNK = 3, 5, 8
+
+
+def grpo_loss(model, prompt, responses, advantages):
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    logits = model(input_ids=ids).logits[:, prompt.shape[0] - 1 : -1]
+    logp = torch.log_softmax(logits, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    return -(ratio * advantages[:, None]).mean()
+
+
+def group(model, P: int):
+    torch.manual_seed(P)
+    vocab = model.config.vocab_size
+    return (torch.randint(1, vocab, (P,)), torch.randint(1, vocab, (G, R)), torch.randn(G, dtype=torch.float64))
+
+
+def counted_run(model, P: int, mode: str) -> list[StepCount]:
+    """Every step's FLOPs and operators in a real compiled step at P (the CPU keeps no graphs)."""
+    recorder = WorkRecorder()
+
+    @contextlib.contextmanager
+    def counting(where: str):
+        with recorder, recorder.in_step(where):
+            yield
+
+    torch._dynamo.reset()
+    step = torch.compile(grpo_loss, backend=longstraw.Backend(prompt_grad=mode, prefix_chunk_size=CHUNK))
+    with longstraw.around_steps(counting):
+        step(model, *group(model, P)).backward()
+    return recorder.steps
+
+
+@pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
+def test_predicted_work_matches_a_run_at_another_length(mode):
+    """Fitted on a 24-token prompt, predicted for a 61-token one (a last
+    chunk shorter than the others): the FLOPs and operators a real step
+    counts, phase by phase."""
+    model = tiny_causal_lm("qwen3", dtype=torch.float64)
+    report = longstraw.explain(grpo_loss, model, *group(model, 24), options={"prefix_chunk_size": CHUNK,
+                                                                            "prompt_grad": mode})
+    time = report.plan(61, G=G, R=R, tflops=1.0, op_us=1.0).time
+    steps = counted_run(model, 61, mode)
+    flops, ops = sum(s.flops for s in steps), sum(s.ops for s in steps)
+    # the prompt chunks skip the last layer's attention output (nothing reads it), so a branch's cost per
+    # earlier key misses that layer: here one of two layers, a few percent of the step (`StepWork.fitted`)
+    assert time.flops == pytest.approx(flops, rel=0.05)
+    assert time.ops == pytest.approx(ops, rel=0.15)
+    by_phase = {p: f for p, f, _ in time.phases}
+    capture = sum(s.flops for s in steps if s.where.startswith("capturing prompt chunk"))
+    assert by_phase["capturing the prompt"] == pytest.approx(capture, rel=1e-6)
+    reverse = [s for s in steps if s.where.startswith("in the reverse pass")]
+    assert bool(reverse) == (mode == "exact")
+    assert [p for p, *_ in time.phases] == ["capturing the prompt", "running the branches", "replaying the branches",
+                                            *(["the reverse pass over the prompt"] if mode == "exact" else [])]
+
+
+def test_fit_and_kept_graphs():
+    """Exact costs from chunks of two lengths at three offsets and branches
+    after four prompts; kept graphs leave the backward only (the replay or
+    the reverse pass less its forward)."""
+    truth = StepCost(0.0, 7.0, 3.0, 2.0, 11.0)
+    head = StepCost(100.0, 8.0, 3.0, 2.0, 13.0)
+    chunks = ((0, 8), (8, 8), (16, 5))
+    steps = [StepCount(f"capturing prompt chunk [{o}, {o + n})", truth.flops(o, n), truth.ops) for o, n in chunks]
+    steps += [StepCount(f"in the reverse pass over prompt chunk [{o}, {o + n}); no .grad was changed",
+                        3 * truth.flops(o, n), 2 * truth.ops) for o, n in chunks[::-1]]
+    for o in (21, 16, 11):  # three groups' branches, all ending at 25
+        steps.append(StepCount(f"running branch 0 of 4 over [{o}, 25)", head.flops(o, 25 - o), head.ops))
+        steps.append(StepCount(f"replaying branch 0 of 4 over [{o}, 25); no .grad was changed",
+                               3 * head.flops(o, 25 - o), 2 * head.ops))
+    work = StepWork.fitted(steps)
+    for got, want in ((work.capture, truth), (work.branch, head)):
+        assert dataclasses.astuple(got) == pytest.approx(dataclasses.astuple(want), abs=1e-6)
+    assert work.reverse.per_earlier_key == pytest.approx(9.0) and work.replay.fixed == pytest.approx(300.0)
+
+    replayed = predict(work, 101, 4, 6, True, 16, None, 1.0, 0.0)
+    kept = predict(work, 101, 4, 6, True, 16, KeptGraphs(7, True, 3, 4, True), 1.0, 0.0)
+    flops = {p: f for p, f, _ in replayed.phases}
+    capture, branches = flops["capturing the prompt"], flops["running the branches"]
+    assert replayed.flops == pytest.approx(4 * (capture + branches))  # a replay or reverse chunk: 3x its forward
+    # 3 of 4 branches kept (their backward: 2x their forward), 1 replayed (3x), the prompt's graph kept (2x)
+    assert kept.flops == pytest.approx(3 * capture + (1 + 0.75 * 2 + 0.25 * 3) * branches)
+    detached = predict(work, 101, 4, 6, False, 16, None, 1.0, 0.0)
+    assert "the reverse pass over the prompt" not in [p for p, *_ in detached.phases]
+    assert dataclasses.replace(replayed, op_seconds=1e-3).seconds == pytest.approx(replayed.flops + 1e-3 * replayed.ops)
+
+
+def test_rates_predict_the_measured_steps():
+    """`RATES` against the H200 steps they were fitted to (the dense slice
+    on the meta device, 2 prompts of P and 7P/8 x G = 8, R = 1024, the
+    prompt's graph kept, the branches replayed): within 15%."""
+    benchmarks = pathlib.Path(__file__).parents[2] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    from grpo.models import build_model, grpo_loss
+
+    measured = json.loads((benchmarks / "results/step_profile_dense_b_h200.json").read_text())
+    warm = {run["P"]: run["warm_s"] for run in measured["runs"] if run["mode"] == "longstraw_exact"}
+    model = build_model("dense", tiny=False, dtype=torch.bfloat16, device=torch.device("meta"))
+    model.config.use_cache = False
+    ids = torch.zeros(8, 96 + 1024, dtype=torch.long, device="meta")
+    adv, mask = torch.zeros(8, device="meta"), torch.ones(8, 1024, device="meta")
+    report = longstraw.explain(grpo_loss, model, ids, adv, mask, 1024, options={"prefix_chunk_size": 32})
+    for P, seconds in warm.items():
+        steps = [report.plan(p, G=8, R=1024, device="cuda", prefix_chunk_size=8192) for p in (P, P - P // 8)]
+        kept = [dataclasses.replace(s.time, phases=tuple(_kept_prompt(s.time.phases))) for s in steps]
+        assert sum(t.seconds for t in kept) == pytest.approx(seconds, rel=0.15), (P, [t.lines() for t in kept])
+
+
+def _kept_prompt(phases):
+    """The phases with the prompt's graph kept: the reverse pass less the capture's forward."""
+    capture = next((f, o) for p, f, o in phases if p == "capturing the prompt")
+    for phase, f, o in phases:
+        if phase == "the reverse pass over the prompt":
+            yield "differentiating the kept prompt", f - capture[0], o - capture[1]
+        else:
+            yield phase, f, o
