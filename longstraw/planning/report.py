@@ -24,6 +24,7 @@ import dataclasses
 import html
 import importlib.resources
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from longstraw.planning.step_time import RATES, StepWork, predict, simulate_work
 from longstraw.runtime.runner import branch_graphs_keepable, graphs_keepable
 from longstraw.runtime.schedule import ChunkSchedule
 
+log = logging.getLogger("longstraw.planning.report")
 
 
 class ExplainReport:
@@ -70,7 +72,7 @@ class ExplainReport:
         self.traced_response_len = self.memory.branch_len
         params = [tensor_of(p) for p in part.placeholders if p in part.params and tensor_of(p) is not None]
         self.example_device = params[0].device if params else torch.device("cpu")
-        self._work: dict[tuple, StepWork] = {}  # (recompute, device, dtype) -> the simulated `StepWork`
+        self._work: dict[tuple, StepWork | None] = {}  # (recompute, device, dtype) -> the simulated `StepWork`
 
     @property
     def traced_prompt_len(self) -> int:
@@ -143,7 +145,14 @@ class ExplainReport:
             return plan
         key = (plan.recompute_layers, str(device), dtype)
         if key not in self._work:
-            self._work[key] = simulate_work(self.group_plan.program, self.options, plan.recompute_layers, device, dtype)
+            try:
+                self._work[key] = simulate_work(self.group_plan.program, self.options, plan.recompute_layers, device,
+                                                dtype)
+            except (ValueError, LongStrawError) as err:  # an example too small to fit the costs from, say
+                log.warning("longstraw: no predicted time for this plan: %s", err)
+                self._work[key] = None
+        if self._work[key] is None:
+            return plan
         time = predict(self._work[key], P, G, R, mode == "exact", plan.prefix_chunk_size, plan.kept, *rate)
         return dataclasses.replace(plan, time=time)
 
