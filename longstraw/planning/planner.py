@@ -43,6 +43,7 @@ from longstraw.planning.depth import Depth
 from longstraw.runtime.device_memory import available_budget
 from longstraw.nodes import tensor_of
 from longstraw.options import Options
+from longstraw.codegen.graphs import StepGraph
 from longstraw.codegen.program import StepProgram
 from longstraw.planning.simulation import (
     Peak,
@@ -247,16 +248,14 @@ class MemoryModel:
         """The simulated step's peak (over `ranks`, one rank's): extrapolated
         from two and three periods of layers where there are at least
         `EXTRAPOLATE_FROM` periods."""
-        depth = self.depth
-        if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
-            cut = [steps_without_middle(self.program, depth, k) for k in (2, 3)]
-            if None not in cut:
-                two, three = (simulate_phases(self.program, self.options, mode, chunk, recompute, device, dtype, steps,
-                                              ranks) for steps in cut)
-                if two.keys() == three.keys():
-                    grown = [Peak.extrapolated(two[p], three[p], depth.periods) for p in two]
-                    if None not in grown:
-                        return Peak.largest(grown)
+        cut = extrapolation_cuts(self.program, self.depth)
+        if cut is not None:
+            two, three = (simulate_phases(self.program, self.options, mode, chunk, recompute, device, dtype, steps,
+                                          ranks) for steps in cut)
+            if two.keys() == three.keys():
+                grown = [Peak.extrapolated(two[p], three[p], self.depth.periods) for p in two]
+                if None not in grown:
+                    return Peak.largest(grown)
         return simulate_step(self.program, self.options, mode, chunk, recompute, device, dtype, ranks)
 
     @functools.cached_property
@@ -311,6 +310,16 @@ class MemoryModel:
                     "of memory: shorten the prompt, use prompt_grad='detached', or raise memory_budget_gb.",
                     budget / 1e9, P, mode, best.peak / 1e9, best.prefix_chunk_size, best.recompute_layers)
         return best
+
+
+def extrapolation_cuts(program: StepProgram, depth: Depth | None) -> list[tuple[StepGraph, StepGraph]] | None:
+    """The program's steps cut to two and to three periods of layers, where
+    it has at least `EXTRAPOLATE_FROM` periods and both cuts can be made:
+    what a simulation runs instead of the full depth, to extrapolate from."""
+    if depth is None or depth.periods < EXTRAPOLATE_FROM:
+        return None
+    cut = [steps_without_middle(program, depth, k) for k in (2, 3)]
+    return None if None in cut else cut
 
 
 def context_ranks(options: Options) -> int:

@@ -294,10 +294,10 @@ def simulate_phases(program: StepProgram, options: Options, mode: str, chunk: in
     the chunk and recomputation asked for, running `steps` (the prompt's
     and the branch's, e.g. `steps_without_middle`) in place of the program's;
     over `ranks` > 1, the steps of the rank with the largest share
-    (`ChunkSchedule.largest_rank`). `work` (`step_time.WorkRecorder`)
-    records every step's FLOPs and operators, each carried span
-    differentiated in full (not once per signature, `_SpansOnce`), over
-    `groups` in place of one group of two branches."""
+    (`ChunkSchedule.largest_rank`); `groups` in place of one group of two
+    branches. `work` (`step_time.WorkRecorder`) records every step's FLOPs
+    and operators, each carried span then differentiated in full (not once
+    per signature, `_SpansOnce`)."""
     from longstraw.runtime.kernels import attention
 
     part = program.partition

@@ -48,8 +48,8 @@ from torch.utils.flop_counter import flop_registry
 
 from longstraw.codegen.program import StepProgram
 from longstraw.options import Options
-from longstraw.planning.planner import EXTRAPOLATE_FROM, KeptGraphs
-from longstraw.planning.simulation import simulate_phases, step_depth, steps_without_middle
+from longstraw.planning.planner import KeptGraphs, extrapolation_cuts
+from longstraw.planning.simulation import simulate_phases, step_depth
 from longstraw.runtime.call_state import Group
 from longstraw.runtime.schedule import ChunkSchedule
 
@@ -112,7 +112,7 @@ class StepCost:
     per_earlier_key * n * o + per_own_key * n * n` FLOPs (`fixed`: a
     branch's LM head, over the positions the loss reads; the queries over
     the earlier keys, and over the step's own, whose count depends on the
-    kernel: a block over them is counted whole) and `ops` operators.""" 
+    kernel: a block over them is counted whole) and `ops` operators."""
 
     fixed: float
     per_position: float
@@ -186,13 +186,16 @@ class StepTime:
 
     @property
     def seconds(self) -> float:
-        return self.flops / self.rate + self.ops * self.op_seconds
+        return self.seconds_of(self.flops, self.ops)
+
+    def seconds_of(self, flops: float, ops: float) -> float:
+        return flops / self.rate + ops * self.op_seconds
 
     def lines(self) -> list[str]:
         out = []
         for phase, flops, ops in self.phases:
-            seconds = flops / self.rate + ops * self.op_seconds
-            out.append(f"{phase:40} {seconds:8.3f} s  ({flops / 1e12:9.2f} TFLOP, {ops:9,.0f} operators)")
+            out.append(f"{phase:40} {self.seconds_of(flops, ops):8.3f} s  ({flops / 1e12:9.2f} TFLOP, "
+                       f"{ops:9,.0f} operators)")
         out.append(f"{'predicted step':40} {self.seconds:8.3f} s  at {self.rate / 1e12:.0f} TFLOP/s and "
                    f"{self.op_seconds * 1e6:.0f} us per operator")
         return out
@@ -203,9 +206,9 @@ def simulate_work(program: StepProgram, options: Options, recompute: bool, devic
     """The program's `StepWork`: an exact-mode step simulated at the traced
     sizes with the prompt in three chunks, the last shorter, over three
     groups of one branch each (the traced prompt, and prompts a quarter and
-    a half shorter: the branches run at three offsets); at `EXTRAPOLATE_FROM` periods of layers or more,
-    two and three periods, grown to the full depth as the memory planner
-    does."""
+    a half shorter: the branches run at three offsets); for a deep program,
+    two and three periods of layers grown to the full depth
+    (`planner.extrapolation_cuts`), as the memory planner does."""
     prompt = program.traced_prefix_len
     if prompt < 8 or program.partition.group_size < 3:
         raise ValueError("a step's time is fitted from a traced prompt of 8 positions or more and 3 branches or more "
@@ -220,12 +223,11 @@ def simulate_work(program: StepProgram, options: Options, recompute: bool, devic
         return StepWork.fitted(recorder.steps)
 
     depth = step_depth(program)
-    if depth is not None and depth.periods >= EXTRAPOLATE_FROM:
-        cut = [steps_without_middle(program, depth, k) for k in (2, 3)]
-        if None not in cut:
-            two, three = (simulated(steps) for steps in cut)
-            return two.grown(three, depth.periods)
-    return simulated()
+    cut = extrapolation_cuts(program, depth)
+    if cut is None:
+        return simulated()
+    two, three = (simulated(steps) for steps in cut)
+    return two.grown(three, depth.periods)
 
 
 def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kept: KeptGraphs | None, rate: float,
