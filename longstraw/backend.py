@@ -37,7 +37,7 @@ from longstraw.pipeline import PIPELINE, Planning
 from longstraw.planning.planner import Simulations
 from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.runtime.autograd_boundary import GroupFunction
-from longstraw.runtime.runner import GroupRunner
+from longstraw.runtime.runner import GroupRunner, one_row_reason
 from longstraw.trace.specialize import scalar_of
 from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
@@ -134,6 +134,7 @@ class GroupPlan:
             f"  state:  {len(part.slots)} tensors, {self.state_bytes_per_position} bytes per prompt position, "
             f"{self.state_fixed_bytes} bytes fixed",
             f"  schedule: recompute_layers={self.options.recompute_layers}, {self._kept_graphs()}",
+            f"  branch steps: {self._branch_rows()}",
         ]
         for slot in part.slots:
             size = (
@@ -144,6 +145,19 @@ class GroupPlan:
                 f"({size}) for {slot.reason}"
             )
         return "\n".join(lines)
+
+    def _branch_rows(self) -> str:
+        """How many branch rows one step holds under this plan (`branch_rows`)."""
+        runner = self.runner
+        reason = one_row_reason(runner.program, runner.ranks is not None)
+        if reason is not None:
+            return f"one row each ({reason})"
+        if self.options.branch_rows is not None:
+            return f"{self.options.branch_rows} rows each (branch_rows={self.options.branch_rows})"
+        if runner.branch_room <= 0 or runner.graph_chunk_bytes <= 0:
+            return "one row each (nothing planned: set branch_rows, or a memory budget)"
+        return (f"as many rows as {runner.branch_room / 1e9:.1f} GB of room holds beside the planned peak, "
+                f"{runner.graph_chunk_bytes / 1e9:.2f} GB counted for each row beyond the first")
 
     def _kept_graphs(self) -> str:
         """What `keep_graphs` keeps for the backward under this plan."""

@@ -73,6 +73,17 @@ class Options:
     passes that do not allow it (`ArchitecturePass.branch_graphs_kept`:
     MLA, DSA and sliding windows for now)."""
 
+    branch_rows: int | None = None
+    """Branches of a group run as one step: the layers' matrix multiplies
+    and the LM head see that many rows at once (fewer, larger kernels),
+    each row's attention still reads the prompt's state alone. Costs a
+    branch's activations per row. None: planned, as many rows as the
+    memory budget has room for beside the planned peak (one where nothing
+    is planned). Exact either way. Plans with a pass that reads its state
+    one row at a time (`ArchitecturePass.branches_batched`: sliding
+    windows, sinks over windows, MLA, DSA and carried operators for now),
+    a frozen scoring stage or context parallelism run one row per step."""
+
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss
     (`longstraw/codegen/head.py`): the `[R, vocab]` logits never exist whole. At a
@@ -169,6 +180,8 @@ class Options:
             raise LongStrawError(f"keep_graphs must be a bool or None, got {self.keep_graphs!r}")
         if not isinstance(self.attention_outputs_on_host, bool):
             raise LongStrawError(f"attention_outputs_on_host must be a bool, got {self.attention_outputs_on_host!r}")
+        if self.branch_rows is not None and (not _is_int(self.branch_rows) or self.branch_rows < 1):
+            raise LongStrawError(f"branch_rows must be a positive int or None, got {self.branch_rows!r}")
         if self.head_chunk_size is not None and (not _is_int(self.head_chunk_size) or self.head_chunk_size < 1):
             raise LongStrawError(f"head_chunk_size must be a positive int or None, got {self.head_chunk_size!r}")
         if not isinstance(self.cuda_graphs, bool):

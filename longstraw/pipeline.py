@@ -104,7 +104,7 @@ def _size(p: Planning) -> Planning:
 def _runner(p: Planning) -> Planning:
     room = p.room
     runner = GroupRunner(p.program, p.sized, state_room=room.states, graph_room=room.graphs,
-                         graph_chunk_bytes=room.graph_chunk, step_bytes=room.step)
+                         graph_chunk_bytes=room.graph_chunk, step_bytes=room.step, branch_room=room.spare)
     runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in p.args])
     return dataclasses.replace(p, runner=runner)
 

@@ -39,6 +39,7 @@ class CausalAttentionPass(ArchitecturePass):
     name = "causal_attention"
     runs_rounds = True
     branch_graphs_kept = True  # the backward reads the state before the step only (`_backward_over_blocks`)
+    branches_batched = True  # `attention_step` runs a batched step's rows one by one over the state
 
     def claims(self, node: fx.Node) -> bool:
         # every SDPA; the passes that prove a narrower state (a sliding window, latent attention,
@@ -236,6 +237,8 @@ def attention_step(
     graph asked for `enable_gqa` (without it the two are equal). `sinks`:
     one more logit per query head `[Hq]` with no value (`passes.sinks`),
     taken into each row's output and log-sum-exp once all its keys are in."""
+    if ctx.rows > 1:
+        return _row_by_row(ctx, q, k, v, mask, k_slot, v_slot, scale, sinks)
     del enable_gqa
     first, masked = 0, mask is not None
     if mask is not None and mask.is_causal():
@@ -265,6 +268,29 @@ def attention_step(
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
         return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span, sinks)
     return _AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first, sinks)
+
+
+def _row_by_row(
+    ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBlock | None, k_slot: int,
+    v_slot: int, scale: float | None, sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """A step of several branch rows (`StepContext.rows`): each row's own
+    keys and values go to the state's scratch room and its attention runs
+    as a one-row step's, with its own row of the mask, so every form above
+    (padding, spans, sinks, the fused kernels) holds per row; the layer's
+    other operators ran on all rows at once. The backward of a row reads
+    the state before the step only, so the next row may overwrite the
+    scratch room."""
+    one = dataclasses.replace(ctx, rows=1)
+    k_rows, v_rows = ctx.state.slots[k_slot].batch_dim, ctx.state.slots[v_slot].batch_dim
+    outs = []
+    for j in range(ctx.rows):
+        k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
+        one.write(k_slot, k_j)
+        one.write(v_slot, v_j)
+        outs.append(attention_step(one, q.narrow(0, j, 1), k_j, v_j, mask=None if mask is None else mask.row(j),
+                                   k_slot=k_slot, v_slot=v_slot, scale=scale, enable_gqa=True, sinks=sinks))
+    return torch.cat(outs, dim=0)
 
 
 def _not_one_run(ctx: StepContext, k_slot: int) -> LongStrawError:

@@ -92,6 +92,13 @@ class ArchitecturePass:
     branch's own, which the next branch overwrites. False (the default)
     replays every branch in the backward."""
 
+    branches_batched = False
+    """Whether a branch step may hold several rows of a group at once
+    (`Options.branch_rows`): the step's claimed operators then get inputs
+    with that many rows and a `StepContext` whose `rows` says so, and read
+    the prompt's state (batch 1) for every row. False (the default) runs
+    every branch of a plan with this pass one row at a time."""
+
     def claims(self, node: fx.Node) -> bool:
         """Whether this pass handles `node` (an operator mixing positions)."""
         raise NotImplementedError
@@ -172,6 +179,9 @@ class CarryPass(ArchitecturePass):
     branch_graphs_kept = True
     """A branch's `CarryStep` starts from the prompt's carry, which no branch
     changes, and reads no per-position state."""
+    branches_batched = True
+    """A step of several branch rows starts each from the prompt's carry
+    (`carry._carry_of_rows`) and sums their gradients of it."""
 
     op: Any = None
     sequence: tuple[int, int] = (0, 1)

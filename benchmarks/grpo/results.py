@@ -104,7 +104,8 @@ def print_table(kind: str, result: dict) -> None:
         print(f"{'mode':22} {'P':>9} {'s/step':>8} {'MFU':>6}")
         for r in sorted(speed_runs(result), key=lambda r: r["P"]):
             if r.get("ok"):
-                print(f"{r['mode']:22} {r['P']:>9} {r['seconds']:>8.2f} {r['mfu']:>6.1%}")
+                mfu = f"{r['mfu']:>6.1%}" if "mfu" in r else f"{'-':>6}"  # no FLOP model of this slice
+                print(f"{r['mode']:22} {r['P']:>9} {r['seconds']:>8.2f} {mfu}")
             else:
                 print(f"{r['mode']:22} {r['P']:>9} {describe(r):>8}")
     ranges = floor_ranges(result)

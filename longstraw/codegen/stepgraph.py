@@ -39,13 +39,15 @@ _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
 @dataclasses.dataclass
 class _Sizing:
     """How a step resizes dimensions: each sequence class becomes a range
-    `(offset, length)` of positions, the group class becomes 1."""
+    `(offset, length)` of positions, the group class the step's `rows` (one
+    branch row, or several: `Options.branch_rows`)."""
 
     dims: DimAnalysis
     ranges: dict[int, tuple[Any, Any]]
     batch: int | None
     group_dims: dict[fx.Node, set[int]] = dataclasses.field(default_factory=dict)
     """Dimensions known to be the group axis by other means (mask trees)."""
+    rows: int = 1
 
     def range_of(self, node: fx.Node, dim: int) -> tuple[Any, Any] | None:
         factors = self.dims.dims_of(node)[dim]
@@ -65,9 +67,10 @@ class _Sizing:
 class _StepBuilder:
     """Copies the needed part of the graph into a step graph (see module docstring)."""
 
-    def __init__(self, part: Partition, kind: str) -> None:
+    def __init__(self, part: Partition, kind: str, rows: int = 1) -> None:
         self.part = part
         self.kind = kind
+        self.rows = rows
         self.graph = fx.Graph()
         self.root = torch.nn.Module()  # holds the mask tile graphs the step calls
         self.env: dict[fx.Node, Any] = {}
@@ -81,16 +84,19 @@ class _StepBuilder:
 
     def new_size(self, node: fx.Node, dim: int) -> Any:
         """The size of `node`'s dimension `dim` in the step: sequence factors
-        become their range's length, group factors 1, others keep their size."""
+        become their range's length, group factors the step's rows, others
+        keep their size."""
         an = self.sizing.dims
         if self.sizing.is_group(node, dim):
-            return 1
+            return self.sizing.rows
         const, lengths = 1, []
         for f in an.dims_of(node)[dim]:
             cls = an.find(f)
             if cls in self.sizing.ranges:
                 lengths.append(self.sizing.ranges[cls][1])
-            elif cls != self.sizing.batch:
+            elif cls == self.sizing.batch:
+                const *= self.sizing.rows
+            else:
                 const *= an.factor_size(f)
         size: Any = const
         for length in lengths:
@@ -315,10 +321,18 @@ class _StepBuilder:
                 f"{describe_node(node)}: its key padding mask reaches the mask as more than one vector, or not "
                 "with the keys as its last dimension; LongStraw supports HF's `causal & attention_mask[batch, key]`"
             )
-        self.root.add_module(name, MaskTiles(generated_module(tile, "LongStrawMaskTile"), padding[0] if padding else None))
+        rows = tuple(self.group_dim(origin.get(v, leaves.get(v))) for v in inputs)
+        tiles = MaskTiles(generated_module(tile, "LongStrawMaskTile"), padding[0] if padding else None, rows)
+        self.root.add_module(name, tiles)
         block = self.graph.call_module(name, (self.offset, self.length, *(full_env[v] for v in inputs)))
         self.blocks[node] = block
         return block
+
+    def group_dim(self, node: fx.Node | None) -> int | None:
+        """The group dimension of a mask's vector in the step (the tile
+        graph reads one row of it), or None where it has none."""
+        d = None if node is None else self.part.batch_dim(node)
+        return None if d is None or tensor_of(node).shape[d] == 1 else d
 
     def narrowed(self, value: fx.Node, node: fx.Node, an: DimAnalysis, spans: dict, group: set[int]) -> fx.Node:
         """A full position vector cut to the tile's rows, columns and one group row."""
@@ -357,7 +371,7 @@ class _StepBuilder:
         ranges = {part.token: (self.offset, self.length)}
         if read is not None:
             ranges[read] = tuple(self.graph.call_function(getattr, (self.ctx, a)) for a in ("head_start", "head_length"))
-        self.sizing = _Sizing(part.dims, ranges, part.batch)
+        self.sizing = _Sizing(part.dims, ranges, part.batch, rows=self.rows)
         for node in part.graph.nodes:
             if grad_mode.track(node) or node in self.env or node not in needed or (region is not None and node in region.nodes):
                 continue
@@ -385,7 +399,7 @@ class _StepBuilder:
         graph of one chunk, built by a builder of its own with the read
         positions sized by the chunk."""
         part = self.part
-        head = _StepBuilder(part, "branch").build(region.outputs, lambda n: n not in region.nodes, read=region.read)
+        head = _StepBuilder(part, "branch", self.rows).build(region.outputs, lambda n: n not in region.nodes, read=region.read)
         input_dims: list[tuple[str, int] | None] = []
         for node in head.externals:
             token_dim, read_dim = part.token_dim(node), part.dims.dim_index(node, region.read)
@@ -427,11 +441,11 @@ def _tree_copy(
 
 def build_step(
     part: Partition, kind: str, head_chunk: int | None = None, slots: list[StateSlot] | None = None,
-    outputs: list[fx.Node] | None = None, handed: set[fx.Node] = frozenset(),
+    outputs: list[fx.Node] | None = None, handed: set[fx.Node] = frozenset(), rows: int = 1,
 ) -> StepGraph:
     """`prefix`: outputs the captured tensors of `slots` (default: all) for
     positions [o, o+n) of the prompt row. `branch`: outputs `outputs`
-    (default: all branch outputs) of one response, its head region
+    (default: all branch outputs) of `rows` responses, its head region
     `head_chunk` positions at a time when it has one. Nodes in `handed` are
     inputs of the step (computed per row by an earlier stage, `stages.py`)."""
     imports = set(step_imports(part)) | set(handed)
@@ -439,4 +453,4 @@ def build_step(
         wanted = [s.node for s in (part.slots if slots is None else slots)]
     else:
         wanted = list(part.branch_outputs if outputs is None else outputs)
-    return _StepBuilder(part, kind).build(list(dict.fromkeys(wanted)), lambda n: n in imports, head_chunk, slots=slots)
+    return _StepBuilder(part, kind, rows).build(list(dict.fromkeys(wanted)), lambda n: n in imports, head_chunk, slots=slots)

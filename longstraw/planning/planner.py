@@ -80,7 +80,8 @@ EXTRAPOLATE_FROM = 6
 @dataclasses.dataclass(frozen=True)
 class KeptGraphs:
     """The schedule a step with this much room beside its peak runs
-    (`GroupRunner`, decision 0016): whether the forward keeps the prompt's
+    (`GroupRunner`, decision 0016): the branch rows each branch step holds
+    (`Options.branch_rows`), whether the forward keeps the prompt's
     autograd graph for the backward (exact mode; else the reverse pass runs
     each prompt chunk again) and how many of the G branches' graphs (the
     others are replayed), for the last group of a batch."""
@@ -90,28 +91,36 @@ class KeptGraphs:
     branches: int
     G: int
     exact: bool
+    rows: int = 1
+
+    @property
+    def branch_steps(self) -> int:
+        return -(-self.G // self.rows)
 
     def lines(self) -> list[str]:
         prompt = ("kept" if self.prompt else "recomputed in the reverse pass") if self.exact else "no gradient (detached)"
         again = 0 if self.prompt or not self.exact else 1
-        return [f"the prompt's graph ({self.prompt_chunks} chunks): {prompt}",
+        return [f"branch steps: {self.branch_steps} of up to {self.rows} rows for {self.G} branches",
+                f"the prompt's graph ({self.prompt_chunks} chunks): {prompt}",
                 f"branch graphs kept: {self.branches} of {self.G} (the rest replayed)",
                 f"forwards: the prompt {1 + again}x, the branches {self.G + self.G - self.branches} for {self.G}"]
 
 
 def kept_graphs(room: int, graph_bytes: int, chunks: int, G: int, exact: bool, prompt: bool,
-                branches: bool) -> KeptGraphs:
+                branches: bool, rows: int = 1) -> KeptGraphs:
     """What `GroupRunner` keeps in `room` bytes of the budget, each prompt
     chunk's or branch's graph counted at `graph_bytes`, as its
-    `GraphSpending` decides: the prompt's graph first (where `prompt`: exact
-    mode, something upstream of the state needs a gradient), then branches
-    one by one (where `branches`: every claiming pass allows it)."""
-    spending = GraphSpending(room, 0, 0)
+    `GraphSpending` decides: what steps of `rows` branch rows take beyond
+    one row is not room for graphs; the prompt's graph first (where
+    `prompt`: exact mode, something upstream of the state needs a
+    gradient), then branch steps one by one (where `branches`: every
+    claiming pass allows it)."""
+    spending = GraphSpending(room - (rows - 1) * graph_bytes, 0, 0)
     keep_prompt = prompt and spending.take(chunks * graph_bytes)
     kept = 0
-    while branches and kept < G and spending.take(graph_bytes):
-        kept += 1
-    return KeptGraphs(chunks, keep_prompt, kept, G, exact)
+    while branches and kept < G and spending.take(min(rows, G - kept) * graph_bytes):
+        kept += min(rows, G - kept)
+    return KeptGraphs(chunks, keep_prompt, kept, G, exact, rows)
 
 
 @dataclasses.dataclass(frozen=True)

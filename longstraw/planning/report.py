@@ -48,7 +48,8 @@ from longstraw.planning.planner import (
 )
 from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.planning.step_time import RATES, StepWork, predict, simulate_work
-from longstraw.runtime.runner import branch_graphs_keepable, graphs_keepable
+from longstraw.runtime.call_state import rows_per_step
+from longstraw.runtime.runner import branch_graphs_keepable, graphs_keepable, one_row_reason
 from longstraw.runtime.schedule import ChunkSchedule
 
 log = logging.getLogger("longstraw.planning.report")
@@ -176,10 +177,14 @@ class ExplainReport:
             program, dataclasses.replace(o, recompute_layers=plan.recompute_layers, context_parallel=None))
         exact = plan.prompt_grad == "exact"
         branches = keeps and branch_graphs_keepable(program)
-        room = KEEP_EVERY_STATE if o.keep_graphs else max(budget - plan.peak, 0)
+        spare = max(budget - plan.peak, 0)
+        room = KEEP_EVERY_STATE if o.keep_graphs else spare if o.keep_graphs is None else 0
+        rows = 1
+        if one_row_reason(program, plan.ranks > 1) is None:
+            rows = rows_per_step(o.branch_rows, plan.G, spare, plan.activations)
         chunks = ChunkSchedule(max(plan.P - 1, 1), plan.prefix_chunk_size).count
         return kept_graphs(room, plan.activations, chunks, plan.G, exact, keeps and exact and self.grads_bytes > 0,
-                           branches)
+                           branches, rows)
 
     # views ---------------------------------------------------------------
 

@@ -27,15 +27,18 @@ class KeptRoom:
     (`GroupRunner`): bytes of earlier groups' prompt states
     (`keep_group_states`), bytes of the forward's autograd graphs
     (`keep_graphs`), the bytes one prompt chunk's or one branch's graph is
-    counted at, and what the
+    counted at, what the
     planned step needs beside the weights and gradients (state, d(state),
     activations), which the runner keeps free at every call
-    (`device_memory.room_now`)."""
+    (`device_memory.room_now`), and the room beside the planned peak
+    whatever the options keep, where branch steps of several rows run
+    (`Options.branch_rows`)."""
 
     states: int = 0
     graphs: int = 0
     graph_chunk: int = 0
     step: int = 0
+    spare: int = 0
 
 
 def size_plan(program: StepProgram, opts: Options, args: Sequence[Any], activations: Simulations) -> tuple[Options, KeptRoom]:
@@ -89,7 +92,7 @@ def size_plan(program: StepProgram, opts: Options, args: Sequence[Any], activati
         if group is None:
             room = KeptRoom(spare if opts.keep_group_states is None else room.states,
                             spare if opts.keep_graphs is None else room.graphs, chosen.activations,
-                            chosen.state + chosen.state_grad + chosen.activations)
+                            chosen.state + chosen.state_grad + chosen.activations, spare)
         log.info("planned for a budget of %.1f GB (%.1f GB held besides the weights): prefix_chunk_size=%d, "
                  "recompute_layers=%s, predicted peak %.1f GB, %.1f GB of room for earlier groups' states and "
                  "kept graphs", budget / 1e9, others / 1e9, chunk, recompute, (chosen.peak + others) / 1e9, spare / 1e9)

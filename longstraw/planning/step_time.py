@@ -233,24 +233,27 @@ def simulate_work(program: StepProgram, options: Options, recompute: bool, devic
 def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kept: KeptGraphs | None, rate: float,
             op_seconds: float) -> StepTime:
     """The time of one group's step: the prompt's `P - 1` positions captured
-    in chunks of `chunk`, G branches of R positions, and the backward the
-    kept graphs (`kept`, else none) leave: kept branches differentiated,
-    the others replayed; in exact mode the prompt's graph differentiated
-    if kept, else its reverse pass."""
+    in chunks of `chunk`, G branches of R positions in steps of `kept.rows`
+    rows, and the backward the kept graphs (`kept`, else none) leave: kept
+    branches differentiated, the others replayed; in exact mode the
+    prompt's graph differentiated if kept, else its reverse pass. A step
+    of several rows is counted at one row's operators: the attention's
+    per-row calls (a few operators per layer and row) are not counted."""
     prompt = max(P - 1, 0)
     chunks = ChunkSchedule(prompt, chunk).chunks if prompt else ()
     kept_branches = 0 if kept is None else kept.branches
     prompt_kept = kept is not None and kept.prompt
+    rows = 1 if kept is None else kept.rows
 
-    def total(cost: StepCost, spans) -> tuple[float, float]:
+    def total(cost: StepCost, spans, per_step: int = 1) -> tuple[float, float]:
         spans = list(spans)
-        return sum(cost.flops(o, n) for o, n in spans), cost.ops * len(spans)
+        return sum(cost.flops(o, n) for o, n in spans), cost.ops * -(-len(spans) // per_step)
 
     phases = [("capturing the prompt", *total(work.capture, chunks)),
-              ("running the branches", *total(work.branch, [(prompt, R)] * G))]
+              ("running the branches", *total(work.branch, [(prompt, R)] * G, rows))]
     backward = work.replay.less(work.branch)
-    phases.append(("differentiating the kept branches", *total(backward, [(prompt, R)] * kept_branches)))
-    phases.append(("replaying the branches", *total(work.replay, [(prompt, R)] * (G - kept_branches))))
+    phases.append(("differentiating the kept branches", *total(backward, [(prompt, R)] * kept_branches, rows)))
+    phases.append(("replaying the branches", *total(work.replay, [(prompt, R)] * (G - kept_branches), rows)))
     if exact and work.reverse is not None:
         if prompt_kept:
             phases.append(("differentiating the kept prompt", *total(work.reverse.less(work.capture), chunks)))

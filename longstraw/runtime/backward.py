@@ -17,7 +17,9 @@ from longstraw.errors import LongStrawError
 from longstraw.options import Options
 from longstraw.parallel.collectives import replicate_from_first, summed_carry_grads, summed_over_ranks
 from longstraw.parallel.ranks import Ranks, posting_failures
-from longstraw.runtime.call_state import BranchTurn, CallState, Group, GroupCall, KeptChunk, RngState
+from longstraw.runtime.call_state import (
+    BranchTurn, CallState, Group, GroupCall, KeptChunk, RngState, branches_named, rows_of,
+)
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
@@ -99,28 +101,30 @@ class BackwardPass(abc.ABC):
         if exact:
             state.allocate_grads()
         branch_len = call.end - prefix_len
-        turns = self._branch_turns(state, group, branch_len)
+        turns = self._branch_turns(state, group, branch_len, group_call.rows_per_step)
         parts = RankParts(leaves, None if state.shard is None else state.shard.ranks)
         if turns[0].round is not None:
             parts.divided()
         for turn in turns:
-            row = turn.row
+            row, rows = turn.row, turn.step_rows
             slices = [
-                None if grad_outputs[i] is None else grad_outputs[i].narrow(part.batch_dim(part.branch_outputs[i]), row, 1)
+                None if grad_outputs[i] is None else rows_of(grad_outputs[i], part.batch_dim(part.branch_outputs[i]), rows)
                 for i in stage.outputs
             ]
             if turn.shadow:
                 slices = [None if s is None else torch.zeros_like(s) for s in slices]
+            named = branches_named(rows, part.group_size)
             kept = group_call.branches.pop(row, None)
             if kept is not None:
-                with noting(f"differentiating the kept branch {row} of {part.group_size}; no .grad was changed"):
+                with noting(f"differentiating the kept {named}; no .grad was changed"):
                     self._accumulate(leaves, kept, slices)
                 continue
-            with self._replaying(group_call, ("branch", row),
-                                f"replaying branch {row} of {part.group_size} over [{prefix_len}, {call.end})"):
-                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round)
-                outs = self.replay_module("branch")(
-                    ctx, *self._step_inputs(self.branch, inputs, values, row, prefix_len, branch_len, group_call.handed[row]))
+            with self._replaying(group_call, ("branch", row), f"replaying {named} over [{prefix_len}, {call.end})"):
+                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round, rows=len(rows))
+                step = self.branch if len(rows) == 1 else self.branch_step(len(rows))
+                step_inputs = self._step_inputs(
+                    step, inputs, values, rows if turn.rows else row, prefix_len, branch_len, group_call.handed[row])
+                outs = self.replay_module("branch", len(rows))(ctx, *step_inputs)
                 self._accumulate(leaves, outs, slices)
         if exact and turns[0].round is not None:
             summed_carry_grads(state, prefix_len)
@@ -198,8 +202,12 @@ class BackwardPass(abc.ABC):
     # What the forward half provides (`GroupRunner`), the backward runs again.
 
     @abc.abstractmethod
-    def replay_module(self, which: str) -> torch.nn.Module:
-        """The "prefix" or "branch" step as it runs under autograd."""
+    def replay_module(self, which: str, rows: int = 1) -> torch.nn.Module:
+        """The "prefix" or "branch" step (of `rows` rows) as it runs under autograd."""
+
+    @abc.abstractmethod
+    def branch_step(self, rows: int) -> StepGraph:
+        """The branch step over `rows` rows of a group."""
 
     @abc.abstractmethod
     def schedule(self, prefix_len: int) -> ChunkSchedule:
@@ -219,10 +227,10 @@ class BackwardPass(abc.ABC):
 
     @abc.abstractmethod
     def _step_inputs(
-        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int,
-        handed: dict[Any, torch.Tensor] | None = None,
+        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int | tuple[int, ...], offset: int,
+        length: int, handed: dict[Any, torch.Tensor] | None = None,
     ) -> list[Any]:
-        """The arguments of `step` for `row` over positions `[offset, offset + length)`."""
+        """The arguments of `step` for `row` (or rows) over positions `[offset, offset + length)`."""
 
     @abc.abstractmethod
     def _capture(
@@ -233,8 +241,8 @@ class BackwardPass(abc.ABC):
         """The group's prompt state, captured chunk by chunk (`again`: in backward, for a group not kept)."""
 
     @abc.abstractmethod
-    def _branch_turns(self, state: PromptState, group: Group, branch_len: int) -> list[BranchTurn]:
-        """The group's branch steps this rank runs."""
+    def _branch_turns(self, state: PromptState, group: Group, branch_len: int, per_step: int = 1) -> list[BranchTurn]:
+        """The group's branch steps this rank runs, `per_step` rows each."""
 
     @abc.abstractmethod
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:

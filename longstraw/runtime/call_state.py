@@ -54,11 +54,18 @@ class BranchTurn:
     branch rounds (`round`) the ranks run `seats`, one row each, at once;
     a rank with no seat in a last, partial round runs the first seat's row
     again as a shadow (outputs dropped, gradient zero), to meet the others
-    in the round's collectives. Elsewhere every rank runs every row."""
+    in the round's collectives. Elsewhere every rank runs every row, one
+    at a time or (`rows`, `Options.branch_rows`) several in one step."""
 
     row: int
     seats: tuple[int, ...]
     round: ChunkRound | None = None
+    rows: tuple[int, ...] = ()  # the rows one batched step runs, `row` first; empty: `row` alone
+
+    @property
+    def step_rows(self) -> tuple[int, ...]:
+        """The rows the step holds."""
+        return self.rows or (self.row,)
 
     @property
     def shadow(self) -> bool:
@@ -84,7 +91,8 @@ class GroupCall:
     rng: dict[tuple[str, int], RngState]  # ("chunk", offset) / ("branch", row); empty without random ops
     handed: dict[int, dict[Any, torch.Tensor]]  # per row: what a frozen stage handed the replayed one
     graph: list[KeptChunk] | None = None  # the capture's autograd graph, chunk by chunk (`keep_graphs`)
-    branches: dict[int, Sequence[torch.Tensor]] = dataclasses.field(default_factory=dict)  # kept branch outputs, by row
+    branches: dict[int, Sequence[torch.Tensor]] = dataclasses.field(default_factory=dict)  # kept branch outputs, by turn's row
+    rows_per_step: int = 1  # branch rows per step, as the forward ran them (the backward replays them alike)
 
 
 @dataclasses.dataclass
@@ -104,6 +112,18 @@ class GraphSpending:
             return False
         self.spent, self.paid = self.spent + extra, True
         return True
+
+
+def rows_per_step(option: int | None, group_size: int, room: int, graph_bytes: int) -> int:
+    """Branch rows per step (`Options.branch_rows`) for a group of
+    `group_size`: the option's, or planned (None) as many as `room` (beside
+    the planned peak, which holds one branch) has room for at `graph_bytes`
+    each beyond the first."""
+    if option is not None:
+        return max(1, min(option, group_size))
+    if graph_bytes <= 0:
+        return 1
+    return max(1, min(group_size, 1 + room // graph_bytes))
 
 
 @dataclasses.dataclass
@@ -126,3 +146,17 @@ class CallState:
     device: torch.device  # the outer values': where the states are captured
     real: bool  # the outer values have values (not a shape-only run)
     leaves: dict[int, torch.Tensor] | None = None  # inputs' aliases the kept graphs lead to, by position
+
+
+def branches_named(rows: Sequence[int], group_size: int) -> str:
+    """How progress and errors name a branch step: `branch 3 of 8`, `branches 0, 1, 2, 3 of 8`."""
+    if len(rows) == 1:
+        return f"branch {rows[0]} of {group_size}"
+    return f"branches {', '.join(map(str, rows))} of {group_size}"
+
+
+def rows_of(value: torch.Tensor, dim: int, rows: tuple[int, ...]) -> torch.Tensor:
+    """`value`'s `rows` along `dim`: a view where they are consecutive."""
+    if rows == tuple(range(rows[0], rows[0] + len(rows))):
+        return value.narrow(dim, rows[0], len(rows))
+    return value.index_select(dim, torch.tensor(rows, device=value.device))

@@ -163,7 +163,7 @@ class CarryStep(torch.autograd.Function):
         if step.prompt_round is not None:
             out, new_carry, ctx.round_carries = _round_forward(step, slot, kernel, inputs)
         else:
-            out, new_carry = kernel.forward(step.carry_in(slot), *inputs)
+            out, new_carry = kernel.forward(_carry_of_rows(step, slot), *inputs)
             step.carry_out(slot, new_carry)
         if new_carry._base is not None:
             # a view (a conv's last inputs, sliced from the whole chunk's) would keep
@@ -182,7 +182,7 @@ class CarryStep(torch.autograd.Function):
         if step.prompt_round is not None:  # the carry the round started from (`_round_grads`)
             start, carry = step.round.start, ctx.round_carries[0]
         else:
-            start, carry = step.offset, step.carry_in(ctx.slot)
+            start, carry = step.offset, _carry_of_rows(step, ctx.slot)
         wanted = [step.state.carry_grads is not None and start > 0] + list(ctx.needs_input_grad[3:])
         graphs = step.state.span_graphs
         span_grads, span = recompute_grads, None
@@ -198,8 +198,27 @@ class CarryStep(torch.autograd.Function):
             grads = _spanwise_grads(
                 kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
             )
-        step.accumulate_carry_grad(ctx.slot, grads[0])
+        d_carry = grads[0]
+        if d_carry is not None and step.rows > 1:  # every row of the step started from the prompt's carry
+            d_carry = d_carry.sum(_rows_dim(step, ctx.slot), keepdim=True)
+        step.accumulate_carry_grad(ctx.slot, d_carry)
         return (None, None, None, *grads[1:])
+
+
+def _rows_dim(step: StepContext, slot: int) -> int:
+    dim = step.state.slots[slot].batch_dim
+    return 0 if dim is None else dim
+
+
+def _carry_of_rows(step: StepContext, slot: int) -> torch.Tensor:
+    """The carry a step starts from: for a step of several branch rows
+    (`StepContext.rows`), the prompt's, one copy per row."""
+    carry = step.carry_in(slot)
+    if step.rows == 1:
+        return carry
+    sizes = list(carry.shape)
+    sizes[_rows_dim(step, slot)] = step.rows
+    return carry.expand(sizes).contiguous()
 
 
 def _round_forward(

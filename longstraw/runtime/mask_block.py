@@ -36,10 +36,11 @@ class MaskTiles(torch.nn.Module):
     input (`key_padding_of`), if any; it is data, so a block is causal only
     while every visible key is on, and only such answers are remembered."""
 
-    def __init__(self, tile: fx.GraphModule, padding: int | None = None) -> None:
+    def __init__(self, tile: fx.GraphModule, padding: int | None = None, rows: tuple[int | None, ...] = ()) -> None:
         super().__init__()
         self.tile = tile
         self.padding = padding
+        self.rows = rows  # each vector's group dimension (None: shared by the rows), for `MaskBlock.row`
         self.causal: dict[tuple[int, int], bool] = {}
 
     def forward(self, offset: int, length: int, *vectors: torch.Tensor) -> MaskBlock:
@@ -52,6 +53,16 @@ class MaskBlock:
 
     def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...]) -> None:
         self.tiles, self.offset, self.length, self.vectors = tiles, offset, length, vectors
+        self._rows: dict[int, MaskBlock] = {}
+
+    def row(self, j: int) -> MaskBlock:
+        """The block of the step's branch row `j` (`StepContext.rows`): its
+        vectors cut to that row (kept, since every layer asks)."""
+        if j not in self._rows:
+            vectors = tuple(v if d is None or v.shape[d] == 1 else v.narrow(d, j, 1)
+                            for v, d in zip(self.vectors, self.tiles.rows, strict=True))
+            self._rows[j] = MaskBlock(self.tiles, self.offset, self.length, vectors)
+        return self._rows[j]
 
     def columns(self, start: int, count: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The block's `[..., n, count]` tile of columns `[start, start+count)`

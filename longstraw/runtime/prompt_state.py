@@ -202,13 +202,21 @@ class StepContext:
     length: int
     grad_enabled: bool
     round: ChunkRound | None = None
+    rows: int = 1
+    """The branch rows the step holds (`Options.branch_rows`): each reads the
+    prompt's state, and the claimed operators store their own positions
+    row by row (`ArchitecturePass.branches_batched`)."""
 
     # sequence slots
 
     def write(self, slot: int, value: torch.Tensor) -> torch.Tensor:
         """Store the step's new positions of a slot; returns `value` unchanged.
         Under context parallelism only the owner of a prompt chunk stores it
-        (the sharded attention reads a step's own keys from its arguments)."""
+        (the sharded attention reads a step's own keys from its arguments);
+        a step of several branch rows stores nothing here (the scratch room
+        holds one row), its claimed operators store each row before reading."""
+        if self.rows > 1:
+            return value
         token_dim = self.state.slots[slot].token_dim
         offset, shard = self.offset, self.state.shard
         if shard is not None:

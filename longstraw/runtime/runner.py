@@ -30,6 +30,7 @@ import torch
 from longstraw.codegen.graphs import StepGraph, step_imports
 from longstraw.codegen.program import StepProgram
 from longstraw.codegen.recompute import LayerwiseStep
+from longstraw.codegen.stepgraph import build_step
 from longstraw.codegen.stages import Stage
 from longstraw.errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, module_path
 from longstraw.nodes import ancestors
@@ -49,6 +50,9 @@ from longstraw.runtime.call_state import (
     GroupCall,
     KeptChunk,
     RngState,
+    branches_named,
+    rows_of,
+    rows_per_step,
 )
 from longstraw.runtime.carry import SpanGraphs
 from longstraw.runtime.device_memory import room_now
@@ -79,6 +83,7 @@ class GroupRunner(BackwardPass):
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
         state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0, step_bytes: int = 0,
+        branch_room: int = 0,
     ) -> None:
         part = program.partition
         self.program = program
@@ -89,6 +94,7 @@ class GroupRunner(BackwardPass):
         self.sampled = sampled
         self.state_room = state_room
         self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
+        self.branch_room = branch_room
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -111,17 +117,39 @@ class GroupRunner(BackwardPass):
         ]
         self.batch = BatchGroups(part, program.padding_roots, shared_values)
         self.last_call: CallRecord | None = None
-        self.replayed: dict[str, torch.nn.Module] = {}
+        self.replayed: dict[tuple[str, int], torch.nn.Module] = {}
+        self.batched: dict[int, StepGraph] = {1: self.branch}
+        if (options.branch_rows or 1) > 1 and not self.batches_branches and not sampled:
+            log.warning("branch_rows=%d: this plan runs its branches one row at a time (%s)", options.branch_rows,
+                        one_row_reason(program, self.ranks is not None))
 
-    def replay_module(self, which: str) -> torch.nn.Module:
-        """The step run under autograd: the step graph itself, or with
-        `recompute_layers` the same graph layer by layer (built once)."""
-        step = self.branch if which == "branch" else self.prefix
+    def replay_module(self, which: str, rows: int = 1) -> torch.nn.Module:
+        """The step run under autograd: the step graph itself (for a branch,
+        the one of `rows` rows), or with `recompute_layers` the same graph
+        layer by layer (built once)."""
+        step = self.branch_step(rows) if which == "branch" else self.prefix
         if not self.options.recompute_layers:
             return step.module
-        if which not in self.replayed:
-            self.replayed[which] = LayerwiseStep(step.module)
-        return self.replayed[which]
+        if (which, rows) not in self.replayed:
+            self.replayed[which, rows] = LayerwiseStep(step.module)
+        return self.replayed[which, rows]
+
+    def branch_step(self, rows: int) -> StepGraph:
+        """The branch step over `rows` rows of a group (built at its first use)."""
+        if rows not in self.batched:
+            self.batched[rows] = build_step(self.part, "branch", self.options.head_chunk_size, rows=rows)
+        return self.batched[rows]
+
+    @functools.cached_property
+    def batches_branches(self) -> bool:
+        """Whether this runner's branch steps may hold several rows (`Options.branch_rows`)."""
+        return one_row_reason(self.program, self.ranks is not None) is None and not self.sampled
+
+    def _rows_per_step(self, group: Group, room: int) -> int:
+        """Branch rows per step for `group` (`call_state.rows_per_step`)."""
+        if not self.batches_branches:
+            return 1
+        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_chunk_bytes)
 
     @functools.cached_property
     def keeps_graphs(self) -> bool:
@@ -164,9 +192,10 @@ class GroupRunner(BackwardPass):
     # inputs of the steps ------------------------------------------------
 
     def _step_inputs(
-        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int, offset: int, length: int,
-        handed: dict[Any, torch.Tensor] | None = None,
+        self, step: StepGraph, inputs: Sequence[Any], values: dict, row: int | tuple[int, ...], offset: int,
+        length: int, handed: dict[Any, torch.Tensor] | None = None,
     ) -> list[Any]:
+        rows = (row,) if isinstance(row, int) else row
         out = []
         for node in step.externals:
             if handed is not None and node in handed:
@@ -175,13 +204,13 @@ class GroupRunner(BackwardPass):
                 root = self.roots[node]
                 value = values[node]
                 if root.batch_dim is not None:
-                    value = value.narrow(root.batch_dim, row, 1)
+                    value = rows_of(value, root.batch_dim, rows)
                 out.append(value.narrow(root.token_dim, offset, length))
             elif node in values:
                 value = values[node]
                 batch_dim = self.part.batch_dim(node)
                 if batch_dim is not None and isinstance(value, torch.Tensor):
-                    value = value.narrow(batch_dim, row, 1)
+                    value = rows_of(value, batch_dim, rows)
                 out.append(value)
             else:
                 out.append(inputs[self.position[node]])
@@ -250,7 +279,7 @@ class GroupRunner(BackwardPass):
         leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
         room = 0
         if leaves is not None:
-            room = self._graph_room_now(inputs, next(iter(leaves.values())).device)
+            room = self._room_now(inputs, next(iter(leaves.values())).device, self.graph_room)
             inputs = [leaves.get(i, x) for i, x in enumerate(inputs)]
         with posting_failures(self.ranks):
             return self.run(inputs, values, groups, self.part.end, backward, leaves, room)
@@ -284,18 +313,23 @@ class GroupRunner(BackwardPass):
         steps whose graphs `graph_room` has room for (a group's prompt in
         exact mode, then its branches one by one) run under autograd and
         keep their graphs, and the group's state, for the backward
-        (`graph_room`: the room this call found, `_graph_room_now`)."""
+        (`graph_room`: the room this call found, `_room_now`)."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
+        planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
+        rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             last = i == len(groups) - 1
-            spending = self._spending(kept, end, last, graph_room) if leaves is not None else None
+            per_step = self._rows_per_step(group, rows_room)
+            # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
+            room = graph_room - (per_step - 1) * self.graph_chunk_bytes
+            spending = self._spending(kept, end, last, room) if leaves is not None else None
             prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
                             and any(position in self.state_ancestors for position in leaves)
                             and spending.take(self.schedule(group.prefix_len).count * self.graph_chunk_bytes))
@@ -303,22 +337,25 @@ class GroupRunner(BackwardPass):
             branches: dict[int, Sequence[torch.Tensor]] = {}
             for stage in self.stages:
                 state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
-                for turn in self._branch_turns(state, group, branch_len):
-                    row = turn.row
+                dims = [part.batch_dim(part.branch_outputs[o]) for o in stage.outputs]
+                for turn in self._branch_turns(state, group, branch_len, per_step):
+                    row, rows = turn.row, turn.step_rows
+                    step = stage.branch if len(rows) == 1 else self.branch_step(len(rows))
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
-                            and spending.take(self.graph_chunk_bytes))
-                    with noting(f"running branch {row} of {part.group_size} over [{group.prefix_len}, {end})"), \
+                            and spending.take(len(rows) * self.graph_chunk_bytes))
+                    with noting(f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"), \
                             torch.set_grad_enabled(keep):
-                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round)
+                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round,
+                                          rows=len(rows))
                         inputs_of_row = self._step_inputs(
-                            stage.branch, inputs, values, row, group.prefix_len, branch_len, handed[row])
-                        outs = stage.branch.module(ctx, *inputs_of_row)
+                            step, inputs, values, rows if turn.rows else row, group.prefix_len, branch_len, handed[row])
+                        outs = step.module(ctx, *inputs_of_row)
                     if keep:
                         branches[row] = outs[:len(stage.outputs)]
                         outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
-                    for seat, got in _seated(turn, outs[:len(stage.outputs)], state):
+                    for seat, got in _seated(turn, outs[:len(stage.outputs)], dims, state):
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
                 replayed = stage is self.stages[-1]
@@ -330,7 +367,7 @@ class GroupRunner(BackwardPass):
                 elif not (replayed and last):
                     state.release()
                     state = None
-            calls.append(GroupCall(group, state, rng, handed, graph, branches))
+            calls.append(GroupCall(group, state, rng, handed, graph, branches, per_step))
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
@@ -348,12 +385,12 @@ class GroupRunner(BackwardPass):
         state = 0 if last else sum(slot.bytes_per_position() * end + slot.fixed_bytes() for slot in self.part.slots)
         return GraphSpending(room, kept, state)
 
-    def _graph_room_now(self, inputs: Sequence[Any], device: torch.device) -> int:
-        """`graph_room` as this call finds the device (`device_memory.room_now`):
+    def _room_now(self, inputs: Sequence[Any], device: torch.device, planned: int) -> int:
+        """`planned` room as this call finds the device (`device_memory.room_now`):
         the gradients not allocated yet are counted as needed."""
         missing = sum(x.numel() * x.element_size() for i in self.param_positions
                       if isinstance(x := inputs[i], torch.Tensor) and x.requires_grad and x.grad is None)
-        return room_now(device, self.graph_room, self.step_bytes, missing)
+        return room_now(device, planned, self.step_bytes, missing)
 
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
@@ -419,8 +456,9 @@ class GroupRunner(BackwardPass):
             rounds.append(ChunkRound(block, owners, owners.index(self.ranks.rank)))
         return rounds, rest
 
-    def _branch_turns(self, state: PromptState, group: Group, branch_len: int) -> list[BranchTurn]:
-        """The group's branch steps this rank runs. Under context parallelism
+    def _branch_turns(self, state: PromptState, group: Group, branch_len: int, per_step: int = 1) -> list[BranchTurn]:
+        """The group's branch steps this rank runs, `per_step` rows each
+        (the last step takes what is left). Under context parallelism
         (where rounds apply) the rows are dealt in rounds of W, one per rank,
         each rank running its own (`StepContext.round`, `branches`: its
         queries travel to the ranks holding the prompt's keys and back, as
@@ -428,6 +466,9 @@ class GroupRunner(BackwardPass):
         reads no other branch), so the branches' per-position work divides;
         elsewhere every rank runs every row."""
         shard = state.shard
+        if per_step > 1:
+            steps = [group.rows[i:i + per_step] for i in range(0, len(group.rows), per_step)]
+            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else ()) for rows in steps]
         if shard is None or not self.runs_rounds:
             return [BranchTurn(row, (row,)) for row in group.rows]
         world, span = len(shard.chunks), (group.prefix_len, branch_len)
@@ -477,16 +518,35 @@ def graphs_keepable(program: StepProgram, options: Options) -> bool:
             and not o.attention_outputs_on_host and len(program.stages) == 1 and not program.random)
 
 
+def one_row_reason(program: StepProgram, ranks: bool) -> str | None:
+    """Why `program`'s branch steps hold one row each, or None where
+    several may run as one step (`Options.branch_rows`); `ranks`: under
+    context parallelism."""
+    refusing = sorted(p.name for p in set(program.partition.claims.values()) if not p.branches_batched)
+    if refusing:
+        return f"the pass(es) {', '.join(refusing)} read the state for one row per step"
+    if len(program.stages) > 1:
+        return "a frozen model's scoring stage hands its values to the branch step row by row"
+    if ranks:
+        return "context parallelism deals the branches to the ranks one row each"
+    return None
+
+
 def branch_graphs_keepable(program: StepProgram) -> bool:
     """Whether every pass claiming an operator of `program` lets a branch's graph be kept."""
     return all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
 
 
-def _seated(turn: BranchTurn, outs: Sequence[torch.Tensor], state: PromptState) -> list[tuple[int, Sequence[torch.Tensor]]]:
-    """(row, outputs) of the branch step just run: this rank's, or in a
+def _seated(
+    turn: BranchTurn, outs: Sequence[torch.Tensor], dims: Sequence[int], state: PromptState
+) -> list[tuple[int, Sequence[torch.Tensor]]]:
+    """(row, outputs) of the branch step just run (`dims`: each output's
+    group dimension): this rank's row, each row of a batched step, or in a
     branch round every seat's, gathered (a shadow's are dropped)."""
-    if turn.round is None:
+    if turn.round is not None:
+        return list(zip(turn.seats, all_gathered(outs, state.shard.ranks)))
+    if not turn.rows:
         return [(turn.row, outs)]
-    return list(zip(turn.seats, all_gathered(outs, state.shard.ranks)))
+    return [(row, [o.narrow(d, j, 1) for o, d in zip(outs, dims)]) for j, row in enumerate(turn.rows)]
 
 

@@ -33,12 +33,12 @@ def deterministic_algorithms(enabled: bool):
         torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
-def check_family(name: str, mode: str, shape: tuple, deterministic: bool) -> None:
+def check_family(name: str, mode: str, shape: tuple, deterministic: bool, **options) -> None:
     family = FAMILIES[name]
     G, P, R, chunk, pad = shape
     model = family.build()
     group = make_group(G, P, R, pad=pad)
-    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True)
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=chunk, verify_state=True, **options)
     detached = functools.partial(family.detached or detached_at_attention, grpo_loss_f64)
     with family.bind(), deterministic_algorithms(deterministic):
         assert_parity(grpo_loss_f64, backend, detached, model, *group, tol=family.tol, what=f"{name} loss")

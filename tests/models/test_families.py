@@ -65,6 +65,23 @@ def test_family_matches_eager_with_nan_filled_memory(name, mode, shape):
     check_family(name, mode, shape, deterministic=True)
 
 
+ROWS_IN_CI = {"qwen3_5": "exact", "gpt_oss": "detached", "qwen3_5_moe": "exact", "gemma3": "detached"}
+
+
+def _rows_cases() -> list:
+    return [pytest.param(f.name, mode, id=f"{f.name}-{mode}",
+                         marks=[] if ROWS_IN_CI.get(f.name) == mode else [pytest.mark.slow])
+            for f in SUPPORTED for mode in ("exact", "detached")]
+
+
+@pytest.mark.parametrize("name,mode", _rows_cases())
+def test_family_matches_eager_in_steps_of_several_rows(name, mode):
+    """`branch_rows=3` over a group of 4 (a step of three rows, then one):
+    eager's gradients, NaN-filled memory; families with a pass that reads
+    its state one row at a time (MLA, DSA) run one row per step."""
+    check_family(name, mode, (4, 13, 5, 5, True), deterministic=True, branch_rows=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "G{}-P{}-R{}-chunk{}{}".format(*s[:4], "-pad" * s[4]))
 @pytest.mark.parametrize("mode", ["exact", "detached"])

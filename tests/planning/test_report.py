@@ -21,6 +21,7 @@ from longstraw.runtime import prompt_state as state_module
 
 from conftest import raises_longstraw
 from helpers import browser
+from helpers.families import FAMILIES
 from helpers.harness import compile_loss
 from helpers.losses import grpo_loss_f64, pg_tail
 from helpers.paths import REPO
@@ -107,6 +108,7 @@ def test_the_plan_reports_the_graphs_kept_in_the_room_beside_the_peak():
     without room, under layer-wise recomputation, or with keep_graphs=False;
     no prompt graph in detached mode."""
     report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
+    report.options = dataclasses.replace(report.options, branch_rows=1)  # steps of several rows: the next test
     sized = {"prefix_chunk_size": 8, "recompute_layers": False}
     base = report.plan(P=64, G=6, **sized)
     assert base.kept is None  # no budget on the CPU: nothing to keep against
@@ -134,6 +136,24 @@ H200_SWEEPS = {
               "longstraw_exact": ["grpo_bench_dense_f_h200.json", "grpo_bench_dense_g_h200.json"]},
     "hybrid": {"longstraw_detached": ["grpo_bench_hybrid_e_h200.json"], "longstraw_exact": ["grpo_bench_hybrid_e_h200.json"]},
 }
+
+
+def test_the_plan_reports_branch_rows_from_the_room():
+    """With a budget and `branch_rows=None`, as many rows per branch step as
+    the room beside the peak holds at one branch's graph per row beyond the
+    first, as the runner decides (`call_state.rows_per_step`); the graphs
+    kept come out of what is left. MLA's steps hold one row."""
+    report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
+    sized = {"prefix_chunk_size": 8, "recompute_layers": False, "prompt_grad": "detached"}
+    base = report.plan(P=64, G=6, **sized)
+    graph = base.activations
+    for room, rows, kept in [(0, 1, 0), (3 * graph, 4, 0), (5 * graph + 4 * graph, 6, 0), (10 ** 12, 6, 6)]:
+        plan = report.plan(P=64, G=6, budget_gb=(base.peak + room + graph // 2) / 1e9, **sized)
+        assert (plan.kept.rows, plan.kept.branches) == (rows, kept), room
+    table = report.plan(P=64, G=6, budget_gb=(base.peak + 3 * graph + graph // 2) / 1e9, **sized).table()
+    assert "branch steps: 2 of up to 4 rows for 6 branches" in table
+    latent = longstraw.explain(grpo_loss_f64, FAMILIES["deepseek_v3"].build(), *make_group(2, 20, 4))
+    assert latent.plan(P=64, G=6, budget_gb=1000.0, **sized).kept.rows == 1
 
 
 # The hybrid's simulation runs the Gated DeltaNet reference loop on fake

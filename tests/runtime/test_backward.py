@@ -186,11 +186,11 @@ def test_planned_room_decides(monkeypatch):
         seen_rooms.append(room)
         return options, KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
 
-    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
+    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0, branch_rows=1)  # recomputation planned: none
     assert seen.count(KEPT) == 6 and REVERSE not in seen and seen.count(KEPT_BRANCH) == 4 and REPLAY not in seen
     torch._dynamo.reset()
     monkeypatch.setattr(pipeline, "size_plan", room_for_the_last_group)
-    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0)  # recomputation planned: none
+    seen = run_batch("qwen3", [2, 2], 4, memory_budget_gb=100.0, branch_rows=1)  # recomputation planned: none
     assert seen_rooms and seen_rooms[0].graph_chunk > 0 and seen_rooms[0].graphs > 3 * seen_rooms[0].graph_chunk
     kept = seen.count(KEPT) + seen.count(KEPT_BRANCH)
     assert 1 <= kept <= 3 and seen.count(KEPT) + seen.count(REVERSE) == 6 and seen.count(KEPT_BRANCH) + seen.count(REPLAY) == 4

@@ -79,6 +79,7 @@ class _OneStep:
     """What `CarryStep.forward` reads of a StepContext outside a prompt round."""
 
     prompt_round = None
+    rows = 1
 
     def __init__(self, carry: torch.Tensor) -> None:
         self.carry, self.kept = carry, None

@@ -1,0 +1,218 @@
+"""Branch steps of several rows (`Options.branch_rows`, longstraw/runtime/runner.py):
+the layers run on k rows at once, each row's attention reads the prompt's
+state alone. Gradients are eager's (float64, NaN-filled state and
+uninitialised memory) in both modes, with kept graphs and replays, over
+shuffled groups, TRL's padded layout and dropout; plans whose passes read
+the state one row at a time run one row per step and say so."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import longstraw
+from longstraw import pipeline
+from longstraw.models import qwen3_5
+from longstraw.planning.sizing import KeptRoom
+from longstraw.runtime.phases import phase_of
+
+from conftest import raises_longstraw
+from helpers.batches import batch_loss, detached_batch_reference, make_batch
+from helpers.compare import assert_grads_close
+from helpers.families import FAMILIES
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
+from helpers.losses import grpo_loss_f64
+from helpers.padding import MODELS, detached_reference, padded_group, trl_grpo_loss, trl_tail
+from helpers.parity import deterministic_algorithms
+from helpers.plain_transformer import make_plain
+from helpers.tiny_models import make_group
+
+TOL = 1e-6  # HF norms and RoPE round through float32
+BATCHED, ONE_ROW = "running branches", "running branch"
+REPLAYED, KEPT = "replaying branches", "differentiating the kept branches"
+
+
+@contextlib.contextmanager
+def steps() -> Iterator[list[str]]:
+    """The full names of the runtime's steps run inside (not the planner's simulation's)."""
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def record(where: str) -> Iterator[None]:
+        if not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack()):
+            seen.append(where)
+        yield
+
+    with longstraw.around_steps(record):
+        yield seen
+
+
+def phases(seen: list[str]) -> list[str]:
+    return [phase_of(where) for where in seen]
+
+
+def run_batch(family: str, sizes: list[int], **options) -> list[str]:
+    fam = FAMILIES[family]
+    model = fam.build()
+    batch = make_batch(sizes, P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=4, verify_state=True, **options)
+    with fam.bind(), deterministic_algorithms(True), steps() as seen:
+        assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL, what=f"{family} loss")
+    return seen
+
+
+@pytest.mark.parametrize(("family", "sizes", "rows", "mode", "keep"), [
+    ("qwen3", [3, 2], 2, "exact", False),
+    ("qwen3", [4], 4, "detached", True),
+    ("qwen3", [3, 2], 3, "exact", True),
+    pytest.param("llama", [2, 3], 2, "detached", False, marks=pytest.mark.slow),
+])
+def test_branch_rows_match_eager(family, sizes, rows, mode, keep):
+    """Each group's branches run `rows` at a time (the last step takes what
+    is left; the shuffled batch's groups are not consecutive rows), and are
+    differentiated as they ran: from kept graphs, or replayed in steps of
+    the same rows."""
+    seen = run_batch(family, sizes, branch_rows=rows, prompt_grad=mode, keep_graphs=keep, recompute_layers=False)
+    steps_of = [-(-n // rows) for n in sizes]
+    multi = sum(n // rows + (n % rows > 1) for n in sizes)
+    assert phases(seen).count(BATCHED) == multi
+    assert phases(seen).count(BATCHED) + phases(seen).count(ONE_ROW) == sum(steps_of)
+    differentiated = phases(seen).count(KEPT if keep else REPLAYED)
+    assert differentiated == multi
+    assert any(where.startswith(f"{BATCHED} ") and " of " in where for where in seen)
+
+
+def test_gradients_equal_one_row_steps():
+    """Several rows per step change the order of no sum that matters: the
+    loss and gradients are the one-row steps' to float64 rounding."""
+    fam = FAMILIES["qwen3"]
+    model = fam.build()
+    batch = make_batch([4, 3], P=13, R=3, vocab=model.config.vocab_size)
+    results = []
+    for rows in (1, 4):
+        backend = longstraw.Backend(prefix_chunk_size=4, recompute_layers=False, branch_rows=rows)
+        with fam.bind(), deterministic_algorithms(True):
+            results.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
+        torch._dynamo.reset()
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    assert_grads_close(results[0][1], results[1][1], 1e-11)
+
+
+def every_position_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages):
+    """TRL's forward scored at every completion position, padding included:
+    what a padded position's query sees (its row's keys up to that row's
+    padding) shows in the loss."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_ids.shape[1] + 1).logits
+    return trl_tail(logits[:, :-1], completion_ids, torch.ones_like(completion_mask), advantages)
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_trl_layout_left_padding_and_ragged_completions(mode):
+    """TRL's rows: a left-padded prompt and completions right-padded to
+    different lengths, so each row of a step has its own key span; every
+    row's attention gets its own row of the mask (exact mode's loss reads
+    the padded positions too)."""
+    model = MODELS["qwen3"]()
+    group = padded_group(4, 29, 6, 5, [6, 2, 4, 1])
+    backend = longstraw.Backend(prompt_grad=mode, prefix_chunk_size=8, verify_state=True, branch_rows=4)
+    loss = every_position_loss if mode == "exact" else trl_grpo_loss
+    with qwen3_5.bound(), deterministic_algorithms(True), steps() as seen:
+        assert_parity(loss, backend, detached_reference, model, *group, tol=TOL)
+    assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen)
+
+
+def test_dropout_is_replayed_for_the_rows_of_a_step():
+    """A step of several rows draws its dropout masks once; its replay
+    restores the generators and draws the same: the gradients are those of
+    the forward that gave the loss (the same run with one row per step
+    draws other masks, so the check is against the step's own forward,
+    recorded with its outputs)."""
+    model = make_plain(dropout=0.3).train()
+    args = make_group(4, 21, 5)
+    backend = longstraw.Backend(prefix_chunk_size=8, branch_rows=2, recompute_layers=False)
+    step = compile_loss(grpo_loss_f64, backend)
+    step(model, *args).backward()  # plan
+    runner = backend.plans[-1].runner
+    assert runner.random
+    calls: list[tuple[bool, int, list[torch.Tensor]]] = []
+
+    def record(module, inputs, out):
+        calls.append((inputs[0].grad_enabled, inputs[0].rows, [o.detach().clone() for o in out]))
+
+    handle = runner.branch_step(2).module.register_forward_hook(record)
+    torch.manual_seed(1)
+    step(model, *args).backward()
+    handle.remove()
+    forward = [c for c in calls if not c[0]]
+    replay = [c for c in calls if c[0]]
+    assert len(forward) == len(replay) == 2 and all(c[1] == 2 for c in calls)
+    for (_, _, a), (_, _, b) in zip(forward, replay):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), "a step of two rows replayed differently"
+
+
+def test_passes_that_read_one_row_run_one_row_per_step(caplog):
+    """DeepSeek-V3's latent attention reads its state for one row per step
+    (`ArchitecturePass.branches_batched`): asked for three rows, the plan
+    runs one and says why, in the log and in its summary."""
+    with caplog.at_level(logging.WARNING, logger="longstraw.runtime.runner"):
+        seen = run_batch("deepseek_v3", [3], branch_rows=3)
+    assert BATCHED not in phases(seen) and phases(seen).count(ONE_ROW) == 3
+    assert any("latent_attention" in r.getMessage() and "one row at a time" in r.getMessage() for r in caplog.records)
+
+
+def test_carried_operators_start_every_row_from_the_prompts_carry():
+    """Gated DeltaNet and its short convolution (Qwen3.5), LFM2's
+    convolution and Mistral's sliding window (carried passes) in steps of
+    several rows: exact mode matches eager, detached mode the one-row steps
+    (to the float32 rounding of Qwen3.5's norms and gates)."""
+    for family in ("qwen3_5", "lfm2", "mistral"):
+        seen = run_batch(family, [3, 2], branch_rows=2, recompute_layers=False)
+        assert phases(seen).count(BATCHED) == 2, family
+    fam = FAMILIES["qwen3_5"]
+    model = fam.build()
+    batch = make_batch([4], P=13, R=3, vocab=model.config.vocab_size)
+    results = []
+    for rows in (1, 4):
+        backend = longstraw.Backend(prefix_chunk_size=4, prompt_grad="detached", branch_rows=rows, verify_state=True)
+        with fam.bind(), deterministic_algorithms(True):
+            results.append(compiled_loss_and_grads(compile_loss(batch_loss, backend), model, *batch))
+        torch._dynamo.reset()
+    assert torch.allclose(results[0][0], results[1][0], rtol=TOL, atol=0)
+    assert_grads_close(results[0][1], results[1][1], TOL)  # its float32 parts round per batch shape
+
+
+def test_planned_rows_follow_the_room(monkeypatch):
+    """`branch_rows=None` with a budget: as many rows per step as the room
+    beside the planned peak holds at a branch's graph each beyond the
+    first; with room for one more, steps of two; with none, one row."""
+    sized = pipeline.size_plan
+    extra = {"rows": None}
+
+    def with_room(program, *args):
+        options, room = sized(program, *args)
+        if extra["rows"] is None:
+            return options, room
+        return options, KeptRoom(0, 0, room.graph_chunk, room.step, extra["rows"] * room.graph_chunk)
+
+    monkeypatch.setattr(pipeline, "size_plan", with_room)
+    seen = run_batch("qwen3", [4], memory_budget_gb=100.0, keep_graphs=False)
+    assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen)
+    for rows, batched, single in ((1, 2, 0), (0, 0, 4)):
+        torch._dynamo.reset()
+        extra["rows"] = rows
+        seen = run_batch("qwen3", [4], memory_budget_gb=100.0, keep_graphs=False)
+        assert (phases(seen).count(BATCHED), phases(seen).count(ONE_ROW)) == (batched, single)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "4"])
+def test_the_option_is_validated(value):
+    with raises_longstraw(match="branch_rows must be a positive int or None"):
+        longstraw.Backend(branch_rows=value)
