@@ -274,13 +274,18 @@ def _row_by_row(
     ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBlock | None, k_slot: int,
     v_slot: int, scale: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A step of several branch rows (`StepContext.rows`): each row's own
-    keys and values go to the state's scratch room and its attention runs
-    as a one-row step's, with its own row of the mask, so every form above
+    """A step of several branch rows (`StepContext.rows`). Causal over the
+    prompt (or after a left padding every row shares) and without sinks:
+    `_RowsOverState`, the rows at once. Otherwise each row's own keys and
+    values go to the state's scratch room and its attention runs as a
+    one-row step's, with its own row of the mask, so every form above
     (padding, spans, sinks, the fused kernels) holds per row; the layer's
     other operators ran on all rows at once. The backward of a row reads
     the state before the step only, so the next row may overwrite the
     scratch room."""
+    shared = None if mask is None or mask.is_causal() else mask.first_key()  # left padding every row shares
+    if sinks is None and ctx.round is None and ctx.state.shard is None and (mask is None or mask.is_causal() or shared):
+        return _RowsOverState.apply(ctx, q, k, v, k_slot, v_slot, scale, shared or 0)
     one = dataclasses.replace(ctx, rows=1)
     k_rows, v_rows = ctx.state.slots[k_slot].batch_dim, ctx.state.slots[v_slot].batch_dim
     outs = []
@@ -341,6 +346,70 @@ def _attention_after_padding(
     out = _AttentionOverState.apply(real_rows, q.narrow(-2, pad, real), k.narrow(-2, pad, real),
                                     v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first, sinks)
     return torch.cat([zeros, out], dim=-2)
+
+
+class _RowsOverState(torch.autograd.Function):
+    """Causal attention of a step's branch rows (`q`, `k`, `v` `[rows, H, n,
+    D]`, the rows' own positions `[o, o+n)`) over the prompt's keys
+    `[first, o)` in the state and each row's own: the rows' queries as one
+    row of `rows * n` queries after every prompt key (one kernel call over
+    the prompt, whose keys are read once), and each row causal over its own
+    keys as a batch, merged by log-sum-exp. Backward as
+    `_AttentionOverState`'s, block by block with the merged output and
+    log-sum-exp: the folded queries over the prompt's key blocks (their
+    dK/dV, summed over the rows by the kernel, go to d(state)), the batch
+    over its own square."""
+
+    @staticmethod
+    def forward(ctx, step: StepContext, q, k, v, k_slot, v_slot, scale, first):
+        o = step.offset - first
+        rows = q.shape[0]
+        out, lse = torch.ops.longstraw.causal_attention_forward(q, k, v, scale, 0)
+        if o > 0:
+            keys = _visible_from(step, k_slot, first).narrow(-2, 0, o)
+            values = _visible_from(step, v_slot, first).narrow(-2, 0, o)
+            out_p, lse_p = torch.ops.longstraw.causal_attention_forward(_folded(q), keys, values, scale, o)
+            out, lse = _merged(out, lse, _unfolded(out_p, rows), _unfolded(lse_p, rows))
+        ctx.step, ctx.slots, ctx.scale, ctx.first = step, (k_slot, v_slot), scale, first
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        step, first = ctx.step, ctx.first
+        q, k, v, out, lse = ctx.saved_tensors
+        o = step.offset - first
+        kernel = kernel_for(q, None)
+        own = [(start, length) for start, length in kernel.blocks(q, o) if start >= o]
+        grad_q, grad_k, grad_v = _backward_over_blocks(step, kernel, own, grad_out, q, k, v, out, lse, None, ctx.scale,
+                                                       o, first, ctx.slots)
+        if o > 0:
+            folded = _folded(q)
+            prompt = kernel.earlier_blocks(folded, o)
+            ahead, _, _ = _backward_over_blocks(step, kernel, prompt, _folded(grad_out), folded, k[:1], v[:1],
+                                                _folded(out), _folded(lse), None, ctx.scale, o, first, ctx.slots)
+            grad_q = grad_q + _unfolded(ahead, q.shape[0])
+        return None, grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _folded(x: torch.Tensor) -> torch.Tensor:
+    """`[rows, H, n, ...]` -> `[1, H, rows * n, ...]`: the rows' queries (or their outputs) as one row."""
+    x = x.transpose(0, 1)
+    return x.reshape(1, x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _unfolded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`_folded`'s inverse."""
+    return x[0].reshape(x.shape[1], rows, x.shape[2] // rows, *x.shape[3:]).transpose(0, 1)
+
+
+def _merged(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint sets of keys merged into attention over both."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    compute = lse.dtype if lse.dtype.itemsize >= out_a.dtype.itemsize else out_a.dtype
+    out = out_a.to(compute) * torch.exp(lse_a - lse)[..., None] + out_b.to(compute) * torch.exp(lse_b - lse)[..., None]
+    return out.to(out_a.dtype), lse
 
 
 class _AttentionOverSpan(torch.autograd.Function):

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import longstraw
 from longstraw import pipeline
 from longstraw.models import qwen3_5
+from longstraw.passes import attention
 from longstraw.planning.sizing import KeptRoom
 from longstraw.runtime.phases import phase_of
 
@@ -127,6 +128,25 @@ def test_trl_layout_left_padding_and_ragged_completions(mode):
     with qwen3_5.bound(), deterministic_algorithms(True), steps() as seen:
         assert_parity(loss, backend, detached_reference, model, *group, tol=TOL)
     assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen)
+
+
+@pytest.mark.parametrize("lengths", [None, [6, 2, 4, 1]], ids=["full-completions", "ragged"])
+def test_rows_attend_at_once_where_their_masks_agree(lengths, monkeypatch):
+    """A left-padded prompt with completions of one length: every row's
+    mask is the same causal run of keys, and the rows' queries attend over
+    the prompt in one call (`_RowsOverState`), from the padding's end;
+    ragged completions give each row its own span, and the rows attend one
+    by one. Eager's gradients either way."""
+    calls = []
+    fused = attention._RowsOverState.apply
+    monkeypatch.setattr(attention._RowsOverState, "apply", lambda *a: calls.append(a[-1]) or fused(*a))
+    model = MODELS["qwen3"]()
+    group = padded_group(4, 29, 6, 5, lengths)
+    backend = longstraw.Backend(prefix_chunk_size=8, verify_state=True, branch_rows=4)
+    with deterministic_algorithms(True):
+        assert_parity(every_position_loss, backend, detached_reference, model, *group, tol=TOL)
+    layers = model.config.num_hidden_layers
+    assert calls == ([5] * 2 * layers if lengths is None else [])  # the forward and the replay, from position 5
 
 
 def test_dropout_is_replayed_for_the_rows_of_a_step():
