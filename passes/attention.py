@@ -274,20 +274,39 @@ def _row_by_row(
     ctx: StepContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskBlock | None, k_slot: int,
     v_slot: int, scale: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A step of several branch rows (`StepContext.rows`). Causal over the
-    prompt (or after a left padding every row shares) and without sinks:
-    `_RowsOverState`, the rows at once. Otherwise each row's own keys and
-    values go to the state's scratch room and its attention runs as a
-    one-row step's, with its own row of the mask, so every form above
-    (padding, spans, sinks, the fused kernels) holds per row; the layer's
-    other operators ran on all rows at once. The backward of a row reads
-    the state before the step only, so the next row may overwrite the
-    scratch room."""
-    shared = None if mask is None or mask.is_causal() else mask.first_key()  # left padding every row shares
-    if sinks is None and ctx.round is None and ctx.state.shard is None and (mask is None or mask.is_causal() or shared):
-        return _RowsOverState.apply(ctx, q, k, v, k_slot, v_slot, scale, shared or 0)
+    """A step of several branch rows (`StepContext.rows`). Where every
+    row's mask is causal attention over one run of keys from a first key
+    the rows share (left padding) to the row's own last (a right-padded
+    completion; `_row_spans`) and there are no sinks: `_RowsOverState`, the
+    rows at once, then each padded completion's padded queries again over
+    its keys (`_AttentionOverSpan`; what the fused call gave them gets no
+    gradient). Otherwise each row's own keys and values go to the state's
+    scratch room and its attention runs as a one-row step's, with its own
+    row of the mask, so every form above holds per row. The layer's other
+    operators ran on all rows at once. The backward of a row reads the
+    state before the step only, so the next row may overwrite the scratch
+    room."""
     one = dataclasses.replace(ctx, rows=1)
     k_rows, v_rows = ctx.state.slots[k_slot].batch_dim, ctx.state.slots[v_slot].batch_dim
+    spans = None if sinks is not None or ctx.round is not None or ctx.state.shard is not None else _row_spans(ctx, mask)
+    if spans is not None:
+        first, lasts = spans
+        out = _RowsOverState.apply(ctx, q, k, v, k_slot, v_slot, scale, first)
+        rows = list(out.split(1))
+        for j, last in enumerate(lasts):
+            real = last - ctx.offset
+            if real == ctx.length:
+                continue
+            # a right-padded completion: its padded queries see the keys [first, last) (eager's causal & key
+            # mask), not their causal own keys; the queries before `last` are causal, as computed
+            k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
+            one.write(k_slot, k_j)
+            one.write(v_slot, v_j)
+            real_rows = dataclasses.replace(one, length=real)
+            tail = _AttentionOverSpan.apply(real_rows, q[j:j + 1, :, real:], k_j.narrow(-2, 0, real),
+                                            v_j.narrow(-2, 0, real), k_slot, v_slot, scale, first, None)
+            rows[j] = torch.cat([rows[j].narrow(-2, 0, real), tail], dim=-2)
+        return torch.cat(rows, dim=0)
     outs = []
     for j in range(ctx.rows):
         k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
@@ -346,6 +365,24 @@ def _attention_after_padding(
     out = _AttentionOverState.apply(real_rows, q.narrow(-2, pad, real), k.narrow(-2, pad, real),
                                     v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first, sinks)
     return torch.cat([zeros, out], dim=-2)
+
+
+def _row_spans(ctx: StepContext, mask: MaskBlock | None) -> tuple[int, list[int]] | None:
+    """`(first, [last of each row])` when every row of the step is causal
+    attention over the keys `[first, last)` with `first` shared, at or
+    before the step, and each `last` inside the step or at its end; None
+    otherwise (a mask with holes, rows with other left paddings, a row
+    with no position of its own)."""
+    end = ctx.offset + ctx.length
+    if mask is None or mask.is_causal():
+        return 0, [end] * ctx.rows
+    intervals = [mask.row(j).key_interval() for j in range(ctx.rows)]
+    if any(i is None for i in intervals) or len({a for a, _ in intervals}) != 1:
+        return None
+    first = intervals[0][0]
+    if first > ctx.offset or any(not ctx.offset < b <= end for _, b in intervals):
+        return None
+    return first, [b for _, b in intervals]
 
 
 class _RowsOverState(torch.autograd.Function):

@@ -132,11 +132,12 @@ def test_trl_layout_left_padding_and_ragged_completions(mode):
 
 @pytest.mark.parametrize("lengths", [None, [6, 2, 4, 1]], ids=["full-completions", "ragged"])
 def test_rows_attend_at_once_where_their_masks_agree(lengths, monkeypatch):
-    """A left-padded prompt with completions of one length: every row's
-    mask is the same causal run of keys, and the rows' queries attend over
-    the prompt in one call (`_RowsOverState`), from the padding's end;
-    ragged completions give each row its own span, and the rows attend one
-    by one. Eager's gradients either way."""
+    """A left-padded prompt: every row's mask is a causal run of keys from
+    the padding's end, and the rows' queries attend over the prompt in one
+    call (`_RowsOverState`); where completions are right-padded to
+    different lengths, each padded completion's padded queries attend again
+    over its own span. Eager's gradients either way, with a loss that reads
+    the padded positions."""
     calls = []
     fused = attention._RowsOverState.apply
     monkeypatch.setattr(attention._RowsOverState, "apply", lambda *a: calls.append(a[-1]) or fused(*a))
@@ -146,7 +147,7 @@ def test_rows_attend_at_once_where_their_masks_agree(lengths, monkeypatch):
     with deterministic_algorithms(True):
         assert_parity(every_position_loss, backend, detached_reference, model, *group, tol=TOL)
     layers = model.config.num_hidden_layers
-    assert calls == ([5] * 2 * layers if lengths is None else [])  # the forward and the replay, from position 5
+    assert calls == [5] * 2 * layers  # the forward and the replay, from position 5
 
 
 def test_dropout_is_replayed_for_the_rows_of_a_step():
