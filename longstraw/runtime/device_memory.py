@@ -28,3 +28,8 @@ def room_now(device: torch.device, planned: int, step_bytes: int, missing_grads:
         return planned
     live = available_budget(device) - torch.cuda.memory_allocated(device) - step_bytes - missing_grads
     return max(0, min(planned, live))
+
+
+def allocated(device: torch.device) -> int | None:
+    """Bytes allocated on `device` now, where the runtime can tell (CUDA); None elsewhere."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None

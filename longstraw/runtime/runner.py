@@ -55,7 +55,7 @@ from longstraw.runtime.call_state import (
     rows_per_step,
 )
 from longstraw.runtime.carry import SpanGraphs
-from longstraw.runtime.device_memory import room_now
+from longstraw.runtime.device_memory import allocated, room_now
 from longstraw.runtime.host_offload import HostAttentionOutputs
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
@@ -95,6 +95,8 @@ class GroupRunner(BackwardPass):
         self.state_room = state_room
         self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
         self.branch_room = branch_room
+        # bytes a kept graph was measured to hold (on CUDA), per branch row and per prompt position
+        self.kept_bytes: dict[str, float] = {}
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -330,9 +332,10 @@ class GroupRunner(BackwardPass):
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
             room = graph_room - (per_step - 1) * self.graph_chunk_bytes
             spending = self._spending(kept, end, last, room) if leaves is not None else None
+            prompt_cost = self._prompt_cost(group.prefix_len, branch_len)
             prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
                             and any(position in self.state_ancestors for position in leaves)
-                            and spending.take(self.schedule(group.prefix_len).count * self.graph_chunk_bytes))
+                            and spending.take(prompt_cost))
             graph = [] if prompt_graph else None
             branches: dict[int, Sequence[torch.Tensor]] = {}
             for stage in self.stages:
@@ -344,9 +347,9 @@ class GroupRunner(BackwardPass):
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
-                            and spending.take(len(rows) * self.graph_chunk_bytes))
+                            and spending.take(self._kept_cost("branch", len(rows), len(rows) * self.graph_chunk_bytes)))
                     with noting(f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"), \
-                            torch.set_grad_enabled(keep):
+                            torch.set_grad_enabled(keep), self._measuring(keep, "branch", len(rows), device):
                         ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round,
                                           rows=len(rows))
                         inputs_of_row = self._step_inputs(
@@ -378,6 +381,34 @@ class GroupRunner(BackwardPass):
             len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
         )
         return outputs, CallState(values, calls, end, device, real, leaves)
+
+    def _kept_cost(self, kind: str, units: int, planned: int) -> int:
+        """What keeping a graph of `units` branch rows or prompt positions
+        is counted at: `planned` (at the planned activations, an upper
+        bound), or where an earlier kept graph of the kind was measured
+        (`_measuring`) and held less, at its bytes per unit."""
+        measured = self.kept_bytes.get(kind)
+        return planned if measured is None else min(planned, int(measured * units))
+
+    def _prompt_cost(self, prefix_len: int, branch_len: int) -> int:
+        """`_kept_cost` of a group's prompt graph; before one is measured,
+        at a branch's measured bytes per position where one is (a branch
+        runs the same layers over its positions, and its LM head besides)."""
+        planned = self.schedule(prefix_len).count * self.graph_chunk_bytes
+        if "prompt" not in self.kept_bytes and "branch" in self.kept_bytes and branch_len > 0:
+            return min(planned, int(self.kept_bytes["branch"] / branch_len * prefix_len))
+        return self._kept_cost("prompt", prefix_len, planned)
+
+    @contextlib.contextmanager
+    def _measuring(self, keep: bool, kind: str, units: int, device: torch.device) -> Iterator[None]:
+        """Where a step keeps its graph and the device can tell (CUDA),
+        the bytes it left allocated, per unit (the largest seen): what
+        `_kept_cost` counts later graphs of the kind at."""
+        before = allocated(device) if keep else None
+        yield
+        if before is not None:
+            held = max(allocated(device) - before, 0) / units
+            self.kept_bytes[kind] = max(self.kept_bytes.get(kind, 0.0), held)
 
     def _spending(self, kept: int, end: int, last: bool, room: int) -> GraphSpending:
         """A group's `GraphSpending`: but for the last group, a kept graph
@@ -428,7 +459,8 @@ class GroupRunner(BackwardPass):
             if self.random and not again:
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
-            with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None):
+            with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None), \
+                    self._measuring(graph is not None, "prompt", length, device):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 outputs = stage.prefix.module(
                     ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))

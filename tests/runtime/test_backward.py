@@ -196,6 +196,48 @@ def test_planned_room_decides(monkeypatch):
     assert 1 <= kept <= 3 and seen.count(KEPT) + seen.count(REVERSE) == 6 and seen.count(KEPT_BRANCH) + seen.count(REPLAY) == 4
 
 
+def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
+    """Where the device tells what a step leaves allocated (CUDA; faked
+    here), a kept graph is measured, and later graphs of its kind are
+    counted at its bytes per branch row or prompt position instead of the
+    planned activations (an upper bound; a prompt not measured yet at a
+    branch's bytes per position): with room for three planned graphs, the
+    first call keeps the first group's branches but not its prompt; at
+    their measured bytes (a tenth of a planned graph) it keeps the second
+    group's prompt and branches too, and the second call keeps every
+    graph. Eager's gradients both times."""
+    from longstraw.runtime import runner as runtime
+
+    sized = pipeline.size_plan
+    planned = {}
+
+    def room_for_three(program, *args):
+        options, room = sized(program, *args)
+        planned["graph"] = room.graph_chunk
+        return options, KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
+
+    held = [0]
+
+    def allocated(device):  # every step that keeps its graph leaves a tenth of a planned graph allocated
+        held[0] += planned["graph"] // 10
+        return held[0]
+
+    monkeypatch.setattr(pipeline, "size_plan", room_for_three)
+    monkeypatch.setattr(runtime, "allocated", allocated)
+    fam = FAMILIES["qwen3"]
+    model = fam.build()
+    batch = make_batch([2, 2], P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=4, memory_budget_gb=100.0, branch_rows=1, verify_state=True)
+    counts = []
+    for _ in range(2):
+        with fam.bind(), deterministic_algorithms(True), phases() as seen:
+            assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL)
+        counts.append((seen.count(KEPT), seen.count(KEPT_BRANCH)))
+    runner = backend.plans[-1].runner
+    assert runner.kept_bytes["branch"] == planned["graph"] // 10  # one row per step: (after - before) / 1
+    assert counts == [(3, 4), (6, 4)], counts
+
+
 def test_inputs_embeds_with_a_gradient_keep_no_graph():
     """Data that needs a gradient and reaches the steps through the outer
     graph (embeddings computed in the loss from a trainable table passed
