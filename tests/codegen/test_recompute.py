@@ -89,12 +89,13 @@ def test_what_a_replay_holds_stops_growing_with_depth(mode):
     """Simulated peak of a step under autograd, 2 against 8 layers: without
     recomputation every layer's activations stay; with it only each layer's
     input (the residual stream, 64 x 64 x 8 bytes per layer here) does."""
-    grow = _activations(8, False, mode) - _activations(2, False, mode)
-    grow_rc = _activations(8, True, mode) - _activations(2, True, mode)
+    held = {(layers, rc): _activations(layers, rc, mode) for layers in (2, 8) for rc in (False, True)}
+    grow = held[8, False] - held[2, False]
+    grow_rc = held[8, True] - held[2, True]
     residual = 64 * 64 * 8
     assert grow > 40 * residual
     assert grow_rc <= 6 * (2 * residual + 64 * 64 * 8), (grow_rc, grow)
-    assert _activations(8, True, mode) < 0.4 * _activations(8, False, mode)
+    assert held[8, True] < 0.4 * held[8, False]
 
 
 def test_every_segment_but_the_last_is_recomputed(monkeypatch):
