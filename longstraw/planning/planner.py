@@ -54,7 +54,7 @@ from longstraw.planning.simulation import (
     steps_without_middle,
     tensor_bytes,
 )
-from longstraw.runtime.call_state import GraphSpending
+from longstraw.runtime.call_state import GraphSpending, kept_in
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.runtime.prompt_state import boundaries_on_host
 
@@ -107,19 +107,26 @@ class KeptGraphs:
 
 
 def kept_graphs(room: int, graph_bytes: int, chunks: int, G: int, exact: bool, prompt: bool,
-                branches: bool, rows: int = 1) -> KeptGraphs:
+                branches: bool, rows: int = 1, positions: tuple[int, int] = (1, 1), planned_rows: bool = False) -> KeptGraphs:
     """What `GroupRunner` keeps in `room` bytes of the budget, each prompt
     chunk's or branch's graph counted at `graph_bytes`, as its
-    `GraphSpending` decides: what steps of `rows` branch rows take beyond
-    one row is not room for graphs; the prompt's graph first (where
-    `prompt`: exact mode, something upstream of the state needs a
-    gradient), then branch steps one by one (where `branches`: every
-    claiming pass allows it)."""
-    spending = GraphSpending(room - (rows - 1) * graph_bytes, 0, 0)
-    keep_prompt = prompt and spending.take(chunks * graph_bytes)
-    kept = 0
-    while branches and kept < G and spending.take(min(rows, G - kept) * graph_bytes):
-        kept += min(rows, G - kept)
+    `GraphSpending` decides (`call_state.kept_in`): what steps of `rows`
+    branch rows take beyond one row is not room for graphs; the prompt's
+    graph first (where `prompt`: exact mode, something upstream of the
+    state needs a gradient), then branch steps one by one (where
+    `branches`: every claiming pass allows it). Rows the planner chose
+    (`planned_rows`) fall back to one where they would keep graphs over
+    fewer of the `positions` (prompt, branch) than one row does."""
+    branch = graph_bytes if branches else 1 << 62
+    wanted = chunks * graph_bytes if prompt else None
+
+    def schedule(per_step: int) -> tuple[bool, int]:
+        return kept_in(GraphSpending(room - (per_step - 1) * graph_bytes, 0, 0), wanted, branch, per_step, G)
+
+    if planned_rows and rows > 1:
+        saved = {r: schedule(r)[0] * positions[0] + schedule(r)[1] * positions[1] for r in (1, rows)}
+        rows = rows if saved[rows] >= saved[1] else 1
+    keep_prompt, kept = schedule(rows)
     return KeptGraphs(chunks, keep_prompt, kept, G, exact, rows)
 
 

@@ -184,7 +184,7 @@ class ExplainReport:
             rows = rows_per_step(o.branch_rows, plan.G, spare, plan.activations)
         chunks = ChunkSchedule(max(plan.P - 1, 1), plan.prefix_chunk_size).count
         return kept_graphs(room, plan.activations, chunks, plan.G, exact, keeps and exact and self.grads_bytes > 0,
-                           branches, rows)
+                           branches, rows, (plan.P - 1, plan.R), o.branch_rows is None and keeps)
 
     # views ---------------------------------------------------------------
 

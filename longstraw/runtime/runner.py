@@ -51,6 +51,7 @@ from longstraw.runtime.call_state import (
     KeptChunk,
     RngState,
     branches_named,
+    kept_in,
     rows_of,
     rows_per_step,
 )
@@ -328,14 +329,17 @@ class GroupRunner(BackwardPass):
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
             branch_len = end - group.prefix_len
             last = i == len(groups) - 1
+            prompt_cost = None
+            if leaves is not None and self.options.prompt_grad == "exact" and any(
+                    position in self.state_ancestors for position in leaves):
+                prompt_cost = self._prompt_cost(group.prefix_len, branch_len)
             per_step = self._rows_per_step(group, rows_room)
+            if leaves is not None and per_step > 1 and self.options.branch_rows is None:
+                per_step = self._rows_or_graphs(kept, end, last, graph_room, prompt_cost, group, branch_len, per_step)
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
             room = graph_room - (per_step - 1) * self.graph_chunk_bytes
             spending = self._spending(kept, end, last, room) if leaves is not None else None
-            prompt_cost = self._prompt_cost(group.prefix_len, branch_len)
-            prompt_graph = (spending is not None and self.options.prompt_grad == "exact"
-                            and any(position in self.state_ancestors for position in leaves)
-                            and spending.take(prompt_cost))
+            prompt_graph = prompt_cost is not None and spending.take(prompt_cost)
             graph = [] if prompt_graph else None
             branches: dict[int, Sequence[torch.Tensor]] = {}
             for stage in self.stages:
@@ -389,6 +393,22 @@ class GroupRunner(BackwardPass):
         (`_measuring`) and held less, at its bytes per unit."""
         measured = self.kept_bytes.get(kind)
         return planned if measured is None else min(planned, int(measured * units))
+
+    def _rows_or_graphs(self, kept: int, end: int, last: bool, graph_room: int, prompt: int | None, group: Group,
+                        branch_len: int, rows: int) -> int:
+        """`rows` per branch step, or one where the room those rows take
+        beyond one would keep graphs over fewer positions than steps of one
+        row keep: a kept graph saves its positions' second forward, several
+        rows per step only launches (measured on the dense slice: half the
+        launches, the same time; decision 0038)."""
+        branch = self._kept_cost("branch", 1, self.graph_chunk_bytes) if self.keeps_branch_graphs else 1 << 62
+
+        def saved(per_step: int) -> int:
+            spending = self._spending(kept, end, last, graph_room - (per_step - 1) * self.graph_chunk_bytes)
+            prompt_kept, branch_rows = kept_in(spending, prompt, branch, per_step, len(group.rows))
+            return prompt_kept * group.prefix_len + branch_rows * branch_len
+
+        return rows if saved(rows) >= saved(1) else 1
 
     def _prompt_cost(self, prefix_len: int, branch_len: int) -> int:
         """`_kept_cost` of a group's prompt graph; before one is measured,

@@ -141,15 +141,20 @@ H200_SWEEPS = {
 def test_the_plan_reports_branch_rows_from_the_room():
     """With a budget and `branch_rows=None`, as many rows per branch step as
     the room beside the peak holds at one branch's graph per row beyond the
-    first, as the runner decides (`call_state.rows_per_step`); the graphs
-    kept come out of what is left. MLA's steps hold one row."""
+    first, as the runner decides (`call_state.rows_per_step`); where graphs
+    may be kept, the rows give way to them (one row per step where the
+    rows' room would keep graphs over fewer positions) and, where both fit,
+    the graphs kept come out of what is left. MLA's steps hold one row."""
     report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
     sized = {"prefix_chunk_size": 8, "recompute_layers": False, "prompt_grad": "detached"}
     base = report.plan(P=64, G=6, **sized)
     graph = base.activations
-    for room, rows, kept in [(0, 1, 0), (3 * graph, 4, 0), (5 * graph + 4 * graph, 6, 0), (10 ** 12, 6, 6)]:
+    for keep, room, rows, kept in [(False, 0, 1, 0), (False, 3 * graph, 4, 0), (False, 10 ** 12, 6, 0),
+                                   (None, 3 * graph, 1, 3), (None, 12 * graph, 6, 6), (None, 10 ** 12, 6, 6)]:
+        report.options = dataclasses.replace(report.options, keep_graphs=keep)
         plan = report.plan(P=64, G=6, budget_gb=(base.peak + room + graph // 2) / 1e9, **sized)
-        assert (plan.kept.rows, plan.kept.branches) == (rows, kept), room
+        assert (plan.kept.rows, plan.kept.branches) == (rows, kept), (keep, room)
+    report.options = dataclasses.replace(report.options, keep_graphs=False)
     table = report.plan(P=64, G=6, budget_gb=(base.peak + 3 * graph + graph // 2) / 1e9, **sized).table()
     assert "branch steps: 2 of up to 4 rows for 6 branches" in table
     latent = longstraw.explain(grpo_loss_f64, FAMILIES["deepseek_v3"].build(), *make_group(2, 20, 4))

@@ -213,7 +213,8 @@ def test_carried_operators_start_every_row_from_the_prompts_carry():
 def test_planned_rows_follow_the_room(monkeypatch):
     """`branch_rows=None` with a budget: as many rows per step as the room
     beside the planned peak holds at a branch's graph each beyond the
-    first; with room for one more, steps of two; with none, one row."""
+    first; with room for one more, steps of two; with none, one row; and
+    one row where the rows' room would keep fewer graphs."""
     sized = pipeline.size_plan
     extra = {"rows": None}
 
@@ -221,7 +222,8 @@ def test_planned_rows_follow_the_room(monkeypatch):
         options, room = sized(program, *args)
         if extra["rows"] is None:
             return options, room
-        return options, KeptRoom(0, 0, room.graph_chunk, room.step, extra["rows"] * room.graph_chunk)
+        spare = extra["rows"] * room.graph_chunk
+        return options, KeptRoom(0, spare, room.graph_chunk, room.step, spare)
 
     monkeypatch.setattr(pipeline, "size_plan", with_room)
     seen = run_batch("qwen3", [4], memory_budget_gb=100.0, keep_graphs=False)
@@ -231,6 +233,13 @@ def test_planned_rows_follow_the_room(monkeypatch):
         extra["rows"] = rows
         seen = run_batch("qwen3", [4], memory_budget_gb=100.0, keep_graphs=False)
         assert (phases(seen).count(BATCHED), phases(seen).count(ONE_ROW)) == (batched, single)
+    # where graphs may be kept, rows give way to them: room for three graphs keeps the prompt's (three
+    # chunks of 4) with steps of one row, and would keep nothing beside steps of four
+    torch._dynamo.reset()
+    extra["rows"] = 3
+    seen = run_batch("qwen3", [4], memory_budget_gb=100.0)
+    assert BATCHED not in phases(seen) and phases(seen).count(ONE_ROW) == 4
+    assert phases(seen).count("differentiating the kept prompt") == 3
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "4"])
