@@ -68,18 +68,20 @@ def run_batch(family: str, sizes: list[int], **options) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize(("family", "sizes", "rows", "mode", "keep"), [
-    ("qwen3", [3, 2], 2, "exact", False),
-    ("qwen3", [4], 4, "detached", True),
-    ("qwen3", [3, 2], 3, "exact", True),
-    pytest.param("llama", [2, 3], 2, "detached", False, marks=pytest.mark.slow),
+@pytest.mark.parametrize(("family", "sizes", "rows", "mode", "keep", "recompute"), [
+    ("qwen3", [3, 2], 2, "exact", False, False),
+    ("qwen3", [4], 4, "detached", True, False),
+    ("qwen3", [3, 2], 3, "exact", True, False),
+    ("qwen3", [3, 2], 2, "exact", False, True),
+    pytest.param("llama", [2, 3], 2, "detached", False, False, marks=pytest.mark.slow),
 ])
-def test_branch_rows_match_eager(family, sizes, rows, mode, keep):
+def test_branch_rows_match_eager(family, sizes, rows, mode, keep, recompute):
     """Each group's branches run `rows` at a time (the last step takes what
     is left; the shuffled batch's groups are not consecutive rows), and are
     differentiated as they ran: from kept graphs, or replayed in steps of
-    the same rows."""
-    seen = run_batch(family, sizes, branch_rows=rows, prompt_grad=mode, keep_graphs=keep, recompute_layers=False)
+    the same rows (layer by layer under `recompute_layers`, the attention's
+    outputs kept through the recomputation)."""
+    seen = run_batch(family, sizes, branch_rows=rows, prompt_grad=mode, keep_graphs=keep, recompute_layers=recompute)
     steps_of = [-(-n // rows) for n in sizes]
     multi = sum(n // rows + (n % rows > 1) for n in sizes)
     assert phases(seen).count(BATCHED) == multi
