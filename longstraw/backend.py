@@ -37,7 +37,8 @@ from longstraw.pipeline import PIPELINE, Planning
 from longstraw.planning.planner import Simulations
 from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.runtime.autograd_boundary import GroupFunction
-from longstraw.runtime.runner import GroupRunner, one_row_reason
+from longstraw.runtime.kept_graphs import one_row_reason
+from longstraw.runtime.runner import GroupRunner
 from longstraw.trace.specialize import scalar_of
 from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 

@@ -55,6 +55,7 @@ from longstraw.planning.simulation import (
     tensor_bytes,
 )
 from longstraw.runtime.call_state import GraphSpending, kept_in
+from longstraw.runtime.kept_graphs import rows_or_graphs
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.runtime.prompt_state import boundaries_on_host
 
@@ -119,14 +120,10 @@ def kept_graphs(room: int, graph_bytes: int, chunks: int, G: int, exact: bool, p
     fewer of the `positions` (prompt, branch) than one row does."""
     branch = graph_bytes if branches else 1 << 62
     wanted = chunks * graph_bytes if prompt else None
-
-    def schedule(per_step: int) -> tuple[bool, int]:
-        return kept_in(GraphSpending(room - (per_step - 1) * graph_bytes, 0, 0), wanted, branch, per_step, G)
-
+    beside = lambda per_step: GraphSpending(room - (per_step - 1) * graph_bytes, 0, 0)  # noqa: E731
     if planned_rows and rows > 1:
-        saved = {r: schedule(r)[0] * positions[0] + schedule(r)[1] * positions[1] for r in (1, rows)}
-        rows = rows if saved[rows] >= saved[1] else 1
-    keep_prompt, kept = schedule(rows)
+        rows = rows_or_graphs(beside, wanted, branch, rows, G, positions)
+    keep_prompt, kept = kept_in(beside(rows), wanted, branch, rows, G)
     return KeptGraphs(chunks, keep_prompt, kept, G, exact, rows)
 
 

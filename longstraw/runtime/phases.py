@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Callable, Iterator
 
 _AROUND_STEPS: list[Callable[[str], contextlib.AbstractContextManager]] = []
@@ -42,3 +43,23 @@ def noting(where: str) -> Iterator[None]:
         except Exception as err:
             err.add_note(f"longstraw: raised {where}")
             raise
+
+
+def walked(chunks: list[tuple[int, int]], what: str, show: bool | None) -> Iterator[tuple[int, int]]:
+    """`chunks` (offset, length), with a tqdm bar in tokens/s where `show`
+    (`Options.progress`; None: when stderr is a terminal and there are four
+    chunks or more)."""
+    if show is None:
+        show = sys.stderr.isatty() and len(chunks) >= 4
+    if not show:
+        yield from chunks
+        return
+    from tqdm.auto import tqdm
+
+    total = sum(length for _, length in chunks)
+    # one update per chunk: redraw on every one (mininterval=0)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"longstraw {what}", leave=False, mininterval=0)
+    with contextlib.closing(bar):
+        for chunk in chunks:
+            yield chunk
+            bar.update(chunk[1])

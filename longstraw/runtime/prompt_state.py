@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from longstraw.errors import LongStrawError
+from longstraw.errors import InputError, LongStrawError, module_path
 
 if TYPE_CHECKING:
     from longstraw.analysis.slots import StateSlot
@@ -141,6 +141,25 @@ class PromptState:
                 if bool(self.prompt_part(slot).isnan().any()):
                     return slot
         return None
+
+    def nonfinite(self) -> InputError | None:
+        """NaN or Inf in the captured state (the prompt part of the buffers,
+        the carries at the prompt's end that branches read) would poison
+        every branch: the error naming the first such slot's layer, or None."""
+        tensors = [(slot, self.prompt_part(slot)) for slot in self.slots if slot.index in self.buffers]
+        # the carries branches read (a non-finite earlier boundary reaches the state after it)
+        tensors += [(slot, self.carries[slot.index][self.prefix_len]) for slot in self.slots if slot.index in self.carries]
+        if not tensors or not has_values(tensors[0][1]):
+            return None
+        finite = torch.stack([t.isfinite().all() for _, t in tensors])
+        if bool(finite.all()):
+            return None
+        slot, _ = tensors[int((~finite).nonzero()[0, 0])]
+        return InputError(
+            f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
+            "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
+            "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
+        )
 
     def device_bytes(self) -> int:
         """Bytes of the buffers and carries held on the state's device (not

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from longstraw.codegen.program import StepProgram
 from longstraw.codegen.recompute import LayerwiseStep
 from longstraw.codegen.stepgraph import build_step
 from longstraw.codegen.stages import Stage
-from longstraw.errors import InputError, LongStrawError, UnsupportedGraphError, argument_name, module_path
+from longstraw.errors import LongStrawError, UnsupportedGraphError, argument_name
 from longstraw.nodes import ancestors
 from longstraw.options import Options
 from longstraw.parallel.agreement import check_replicated, graph_fingerprint
@@ -51,14 +50,20 @@ from longstraw.runtime.call_state import (
     KeptChunk,
     RngState,
     branches_named,
-    kept_in,
     rows_of,
     rows_per_step,
 )
 from longstraw.runtime.carry import SpanGraphs
-from longstraw.runtime.device_memory import allocated, room_now
+from longstraw.runtime.device_memory import room_now
 from longstraw.runtime.host_offload import HostAttentionOutputs
-from longstraw.runtime.phases import noting
+from longstraw.runtime.kept_graphs import (
+    GraphBytes,
+    branch_graphs_keepable,
+    graphs_keepable,
+    one_row_reason,
+    rows_or_graphs,
+)
+from longstraw.runtime.phases import noting, walked
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
 
@@ -96,8 +101,7 @@ class GroupRunner(BackwardPass):
         self.state_room = state_room
         self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
         self.branch_room = branch_room
-        # bytes a kept graph was measured to hold (on CUDA), per branch row and per prompt position
-        self.kept_bytes: dict[str, float] = {}
+        self.graph_bytes = GraphBytes(graph_chunk_bytes)
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -243,23 +247,8 @@ class GroupRunner(BackwardPass):
         return schedule.sampled(self.runs_rounds) if self.sampled else schedule.chunks
 
     def _walk(self, chunks: list[tuple[int, int]], what: str) -> Iterator[tuple[int, int]]:
-        """The chunks, with a tqdm bar in tokens/s when `options.progress` asks for one."""
-        show = self.options.progress
-        if show is None:
-            show = sys.stderr.isatty() and len(chunks) >= 4
-        if not show:
-            yield from chunks
-            return
-        from tqdm.auto import tqdm
-
-        total = sum(length for _, length in chunks)
-        # one update per chunk: redraw on every one (mininterval=0)
-        bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"longstraw {what}", leave=False, mininterval=0)
-        with contextlib.closing(bar):
-            for chunk in chunks:
-                yield chunk
-                bar.update(chunk[1])
-
+        """The chunks, with a progress bar where `options.progress` asks for one (`phases.walked`)."""
+        return walked(chunks, what, self.options.progress)
 
     # forward ------------------------------------------------------------
 
@@ -332,10 +321,15 @@ class GroupRunner(BackwardPass):
             prompt_cost = None
             if leaves is not None and self.options.prompt_grad == "exact" and any(
                     position in self.state_ancestors for position in leaves):
-                prompt_cost = self._prompt_cost(group.prefix_len, branch_len)
+                prompt_cost = self.graph_bytes.prompt(group.prefix_len, self.schedule(group.prefix_len).count,
+                                                      branch_len)
             per_step = self._rows_per_step(group, rows_room)
             if leaves is not None and per_step > 1 and self.options.branch_rows is None:
-                per_step = self._rows_or_graphs(kept, end, last, graph_room, prompt_cost, group, branch_len, per_step)
+                branch = self.graph_bytes.branch(1) if self.keeps_branch_graphs else 1 << 62
+                beside = lambda rows: self._spending(  # noqa: E731
+                    kept, end, last, graph_room - (rows - 1) * self.graph_chunk_bytes)
+                per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
+                                          (group.prefix_len, branch_len))
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
             room = graph_room - (per_step - 1) * self.graph_chunk_bytes
             spending = self._spending(kept, end, last, room) if leaves is not None else None
@@ -351,9 +345,9 @@ class GroupRunner(BackwardPass):
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
-                            and spending.take(self._kept_cost("branch", len(rows), len(rows) * self.graph_chunk_bytes)))
+                            and spending.take(self.graph_bytes.branch(len(rows))))
                     with noting(f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"), \
-                            torch.set_grad_enabled(keep), self._measuring(keep, "branch", len(rows), device):
+                            torch.set_grad_enabled(keep), self.graph_bytes.measuring(keep, "branch", len(rows), device):
                         ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round,
                                           rows=len(rows))
                         inputs_of_row = self._step_inputs(
@@ -385,50 +379,6 @@ class GroupRunner(BackwardPass):
             len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
         )
         return outputs, CallState(values, calls, end, device, real, leaves)
-
-    def _kept_cost(self, kind: str, units: int, planned: int) -> int:
-        """What keeping a graph of `units` branch rows or prompt positions
-        is counted at: `planned` (at the planned activations, an upper
-        bound), or where an earlier kept graph of the kind was measured
-        (`_measuring`) and held less, at its bytes per unit."""
-        measured = self.kept_bytes.get(kind)
-        return planned if measured is None else min(planned, int(measured * units))
-
-    def _rows_or_graphs(self, kept: int, end: int, last: bool, graph_room: int, prompt: int | None, group: Group,
-                        branch_len: int, rows: int) -> int:
-        """`rows` per branch step, or one where the room those rows take
-        beyond one would keep graphs over fewer positions than steps of one
-        row keep: a kept graph saves its positions' second forward, several
-        rows per step only launches (measured on the dense slice: half the
-        launches, the same time; decision 0038)."""
-        branch = self._kept_cost("branch", 1, self.graph_chunk_bytes) if self.keeps_branch_graphs else 1 << 62
-
-        def saved(per_step: int) -> int:
-            spending = self._spending(kept, end, last, graph_room - (per_step - 1) * self.graph_chunk_bytes)
-            prompt_kept, branch_rows = kept_in(spending, prompt, branch, per_step, len(group.rows))
-            return prompt_kept * group.prefix_len + branch_rows * branch_len
-
-        return rows if saved(rows) >= saved(1) else 1
-
-    def _prompt_cost(self, prefix_len: int, branch_len: int) -> int:
-        """`_kept_cost` of a group's prompt graph; before one is measured,
-        at a branch's measured bytes per position where one is (a branch
-        runs the same layers over its positions, and its LM head besides)."""
-        planned = self.schedule(prefix_len).count * self.graph_chunk_bytes
-        if "prompt" not in self.kept_bytes and "branch" in self.kept_bytes and branch_len > 0:
-            return min(planned, int(self.kept_bytes["branch"] / branch_len * prefix_len))
-        return self._kept_cost("prompt", prefix_len, planned)
-
-    @contextlib.contextmanager
-    def _measuring(self, keep: bool, kind: str, units: int, device: torch.device) -> Iterator[None]:
-        """Where a step keeps its graph and the device can tell (CUDA),
-        the bytes it left allocated, per unit (the largest seen): what
-        `_kept_cost` counts later graphs of the kind at."""
-        before = allocated(device) if keep else None
-        yield
-        if before is not None:
-            held = max(allocated(device) - before, 0) / units
-            self.kept_bytes[kind] = max(self.kept_bytes.get(kind, 0.0), held)
 
     def _spending(self, kept: int, end: int, last: bool, room: int) -> GraphSpending:
         """A group's `GraphSpending`: but for the last group, a kept graph
@@ -480,7 +430,7 @@ class GroupRunner(BackwardPass):
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
             with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None), \
-                    self._measuring(graph is not None, "prompt", length, device):
+                    self.graph_bytes.measuring(graph is not None, "prompt", length, device):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 outputs = stage.prefix.module(
                     ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
@@ -490,7 +440,7 @@ class GroupRunner(BackwardPass):
         if failure is None and verify and (slot := state.unwritten()) is not None:
             failure = LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
         if failure is None and self.options.check_finite:
-            failure = self._nonfinite(state)
+            failure = state.nonfinite()
         self._raise(failure, device)
         return state
 
@@ -539,54 +489,7 @@ class GroupRunner(BackwardPass):
         elif failure is not None:
             raise failure
 
-    def _nonfinite(self, state: PromptState) -> InputError | None:
-        """NaN or Inf in the captured state would poison every branch: name the layer."""
-        tensors = [(slot, state.prompt_part(slot)) for slot in self.part.slots if slot.index in state.buffers]
-        # the carries branches read (a non-finite earlier boundary reaches the state after it)
-        tensors += [(slot, state.carries[slot.index][state.prefix_len]) for slot in self.part.slots if slot.index in state.carries]
-        if not tensors or not has_values(tensors[0][1]):
-            return None
-        finite = torch.stack([t.isfinite().all() for _, t in tensors])
-        if bool(finite.all()):
-            return None
-        slot, _ = tensors[int((~finite).nonzero()[0, 0])]
-        return InputError(
-            f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
-            "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
-            "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
-        )
-
     # backward -----------------------------------------------------------
-
-
-def graphs_keepable(program: StepProgram, options: Options) -> bool:
-    """Whether `options` and `program` let the forward keep its autograd
-    graphs (`GroupRunner.keeps_graphs`, before the room for them): none of
-    what changes how the backward replays (layer-wise recomputation,
-    attention outputs on the host, frozen stages, random operators, context
-    parallelism) and `keep_graphs` not False."""
-    o = options
-    return (o.keep_graphs is not False and o.context_parallel is None and not o.recompute_layers
-            and not o.attention_outputs_on_host and len(program.stages) == 1 and not program.random)
-
-
-def one_row_reason(program: StepProgram, ranks: bool) -> str | None:
-    """Why `program`'s branch steps hold one row each, or None where
-    several may run as one step (`Options.branch_rows`); `ranks`: under
-    context parallelism."""
-    refusing = sorted(p.name for p in set(program.partition.claims.values()) if not p.branches_batched)
-    if refusing:
-        return f"the pass(es) {', '.join(refusing)} read the state for one row per step"
-    if len(program.stages) > 1:
-        return "a frozen model's scoring stage hands its values to the branch step row by row"
-    if ranks:
-        return "context parallelism deals the branches to the ranks one row each"
-    return None
-
-
-def branch_graphs_keepable(program: StepProgram) -> bool:
-    """Whether every pass claiming an operator of `program` lets a branch's graph be kept."""
-    return all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
 
 
 def _seated(

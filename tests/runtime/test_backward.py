@@ -206,7 +206,7 @@ def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
     their measured bytes (a tenth of a planned graph) it keeps the second
     group's prompt and branches too, and the second call keeps every
     graph. Eager's gradients both times."""
-    from longstraw.runtime import runner as runtime
+    from longstraw.runtime import kept_graphs
 
     sized = pipeline.size_plan
     planned = {}
@@ -223,7 +223,7 @@ def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
         return held[0]
 
     monkeypatch.setattr(pipeline, "size_plan", room_for_three)
-    monkeypatch.setattr(runtime, "allocated", allocated)
+    monkeypatch.setattr(kept_graphs, "allocated", allocated)
     fam = FAMILIES["qwen3"]
     model = fam.build()
     batch = make_batch([2, 2], P=13, R=3, vocab=model.config.vocab_size)
@@ -234,7 +234,7 @@ def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
             assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL)
         counts.append((seen.count(KEPT), seen.count(KEPT_BRANCH)))
     runner = backend.plans[-1].runner
-    assert runner.kept_bytes["branch"] == planned["graph"] // 10  # one row per step: (after - before) / 1
+    assert runner.graph_bytes.measured["branch"] == planned["graph"] // 10  # one row per step: (after - before) / 1
     assert counts == [(3, 4), (6, 4)], counts
 
 

@@ -1,0 +1,106 @@
+"""What a call keeps for its backward beside the planned peak, and how many
+branch rows one step holds (decisions 0016, 0038).
+
+The planner leaves room beside its predicted peak (`planning.sizing.KeptRoom`).
+A call spends it on the forward's autograd graphs (a kept graph saves that
+step's second forward) and on branch steps of several rows (fewer, larger
+kernels; each row beyond the first holds another branch's activations).
+Which programs allow either is decided here from the passes and options;
+what a graph costs starts at the planned activations, an upper bound, and
+follows what kept graphs were measured to hold where the device tells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from longstraw.codegen.program import StepProgram
+from longstraw.options import Options
+from longstraw.runtime.call_state import GraphSpending, kept_in
+from longstraw.runtime.device_memory import allocated
+
+
+def graphs_keepable(program: StepProgram, options: Options) -> bool:
+    """Whether `options` and `program` let the forward keep its autograd
+    graphs (`GroupRunner.keeps_graphs`, before the room for them): none of
+    what changes how the backward replays (layer-wise recomputation,
+    attention outputs on the host, frozen stages, random operators, context
+    parallelism) and `keep_graphs` not False."""
+    o = options
+    return (o.keep_graphs is not False and o.context_parallel is None and not o.recompute_layers
+            and not o.attention_outputs_on_host and len(program.stages) == 1 and not program.random)
+
+
+def branch_graphs_keepable(program: StepProgram) -> bool:
+    """Whether every pass claiming an operator of `program` lets a branch's graph be kept."""
+    return all(p.branch_graphs_kept for p in set(program.partition.claims.values()))
+
+
+def one_row_reason(program: StepProgram, ranks: bool) -> str | None:
+    """Why `program`'s branch steps hold one row each, or None where
+    several may run as one step (`Options.branch_rows`); `ranks`: under
+    context parallelism."""
+    refusing = sorted(p.name for p in set(program.partition.claims.values()) if not p.branches_batched)
+    if refusing:
+        return f"the pass(es) {', '.join(refusing)} read the state for one row per step"
+    if len(program.stages) > 1:
+        return "a frozen model's scoring stage hands its values to the branch step row by row"
+    if ranks:
+        return "context parallelism deals the branches to the ranks one row each"
+    return None
+
+
+def rows_or_graphs(spending_beside: Callable[[int], GraphSpending], prompt: int | None, branch: int, rows: int,
+                   group_size: int, positions: tuple[int, int]) -> int:
+    """`rows` per branch step, or one where the room those rows take beyond
+    one (`spending_beside(rows)`: the spending left beside steps of that
+    many rows) would keep graphs over fewer of the `positions` (a prompt's,
+    a branch's) than steps of one row keep: a kept graph saves its
+    positions' second forward, several rows per step only launches
+    (measured on the dense slice: half the launches, the same time)."""
+
+    def saved(per_step: int) -> int:
+        prompt_kept, branch_rows = kept_in(spending_beside(per_step), prompt, branch, per_step, group_size)
+        return prompt_kept * positions[0] + branch_rows * positions[1]
+
+    return rows if saved(rows) >= saved(1) else 1
+
+
+class GraphBytes:
+    """What keeping a graph is counted at: per prompt chunk or branch row,
+    the planned activations (`planned`, an upper bound: the largest step's,
+    with its kernels' workspaces), or, once a kept graph of the kind was
+    measured (`measuring`, on CUDA) to hold less, its bytes per branch row
+    or prompt position (a prompt not measured yet: a branch's per
+    position, which runs the same layers and its LM head besides)."""
+
+    def __init__(self, planned: int) -> None:
+        self.planned = planned
+        self.measured: dict[str, float] = {}
+
+    def branch(self, rows: int) -> int:
+        return self._least("branch", rows, rows * self.planned)
+
+    def prompt(self, prefix_len: int, chunks: int, branch_len: int) -> int:
+        planned = chunks * self.planned
+        if "prompt" not in self.measured and "branch" in self.measured and branch_len > 0:
+            return min(planned, int(self.measured["branch"] / branch_len * prefix_len))
+        return self._least("prompt", prefix_len, planned)
+
+    def _least(self, kind: str, units: int, planned: int) -> int:
+        measured = self.measured.get(kind)
+        return planned if measured is None else min(planned, int(measured * units))
+
+    @contextlib.contextmanager
+    def measuring(self, keep: bool, kind: str, units: int, device: torch.device) -> Iterator[None]:
+        """Around a step that keeps its graph (`keep`): where the device
+        tells (`device_memory.allocated`), the bytes the step left
+        allocated per unit, the largest seen of the kind."""
+        before = allocated(device) if keep else None
+        yield
+        if before is not None:
+            held = max(allocated(device) - before, 0) / units
+            self.measured[kind] = max(self.measured.get(kind, 0.0), held)
