@@ -25,7 +25,7 @@ HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 
 
 def step_backward(kernel, grad_out, q, keys, values, out, lse, o):
-    """dQ, dK, dV over every key block, as `_AttentionOverState.backward` assembles them."""
+    """dQ, dK, dV over every key block, as `AttentionOverState.backward` assembles them."""
     grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     for start, length in kernel.blocks(q, o):

@@ -22,7 +22,7 @@ import longstraw
 from longstraw.errors import InputError
 from longstraw.models import qwen3_5
 from longstraw.nodes import ancestors, tensor_of
-from longstraw.passes import attention
+from longstraw.runtime.kernels import attention_over_state as attention
 from longstraw.runtime import mask_block as masks
 
 from conftest import raises_longstraw

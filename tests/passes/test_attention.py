@@ -28,8 +28,8 @@ class _Materialised:
 
 
 def _blocked_grads(q, keys, values, grad_out, mask, kernel=attention_kernels.MATH, after=False):
-    """dQ, dK, dV the way `_AttentionOverState.backward` assembles them;
-    `after`: every query after every key, as `_AttentionOverSpan` runs them."""
+    """dQ, dK, dV the way `AttentionOverState.backward` assembles them;
+    `after`: every query after every key, as `AttentionOverSpan` runs them."""
     o = keys.shape[-2] if after else keys.shape[-2] - q.shape[-2]
     out, lse = kernel.forward(q, keys, values, None if mask is None else _Materialised(mask), None, o)
     grad_q = torch.zeros_like(q)
@@ -181,7 +181,7 @@ class _AttentionForwards:
     before the prompt's end) and over branches, at the kernel."""
 
     def __init__(self, prompt_len: int, monkeypatch) -> None:
-        from longstraw.passes import attention
+        from longstraw.runtime.kernels import attention_over_state as attention
 
         self.prompt_len, self.prompt, self.branch = prompt_len, 0, 0
         kernel_for = attention.kernel_for

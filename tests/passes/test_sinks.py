@@ -3,7 +3,7 @@ and its causal and sliding-window passes) and `models/sinks.py` (gpt-oss's and
 MiMo-V2-Flash's eager attention routed to it).
 
 The operator is HF's eager sink attention; the attention steps take the sink
-into each row once all its keys are in (`attention.with_sinks`), the window
+into each row once all its keys are in (`attention_over_state.with_sinks`), the window
 kernel as one more key. Float64 parity against eager HF in both modes, at two
 shapes whose chunks do not divide the prompt (smaller and larger than the
 window), with NaN-filled uninitialised memory and with padding; the state
@@ -24,6 +24,7 @@ from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash
 import longstraw
 from longstraw.errors import LongStrawError
 from longstraw.passes import attention, sinks
+from longstraw.runtime.kernels import attention_over_state
 from longstraw.runtime.kernels import attention as attention_kernels
 
 from conftest import raises_longstraw
@@ -120,11 +121,11 @@ def test_other_backends_trace_the_operator():
 
 
 def _blocked_sink_attention(q, keys, values, grad_out, sink, kernel):
-    """Output and dQ, dK, dV, d(sinks) as `_AttentionOverState` assembles them
+    """Output and dQ, dK, dV, d(sinks) as `AttentionOverState` assembles them
     with sinks: the kernel's forward over all keys, the sink taken in once
     per row, the backward over key blocks with the row's output and log-sum-exp."""
     o = keys.shape[-2] - q.shape[-2]
-    out, lse = attention.with_sinks(*kernel.forward(q, keys, values, None, None, o), sink)
+    out, lse = attention_over_state.with_sinks(*kernel.forward(q, keys, values, None, None, o), sink)
     grad_q = torch.zeros(q.shape, dtype=attention_kernels.compute_dtype(q), device=q.device)
     grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
     for start, length in kernel.blocks(q, o):
@@ -133,7 +134,7 @@ def _blocked_sink_attention(q, keys, values, grad_out, sink, kernel):
         grad_q += gq
         grad_k.narrow(-2, start, length).add_(gk)
         grad_v.narrow(-2, start, length).add_(gv)
-    return out, grad_q.to(q.dtype), grad_k, grad_v, attention.sink_grad(grad_out, out, lse, sink, True)
+    return out, grad_q.to(q.dtype), grad_k, grad_v, attention_over_state.sink_grad(grad_out, out, lse, sink, True)
 
 
 def _exact_sink_attention(q, keys, values, grad_out, sink):
@@ -365,18 +366,18 @@ def _drop_sink_in_windows(monkeypatch):
 
 
 def _count_sink_twice(monkeypatch):
-    once = attention.with_sinks
-    monkeypatch.setattr(attention, "with_sinks", lambda out, lse, sink: once(*once(out, lse, sink), sink))
+    once = attention_over_state.with_sinks
+    monkeypatch.setattr(attention_over_state, "with_sinks", lambda out, lse, sink: once(*once(out, lse, sink), sink))
 
 
 CONTROLS = {  # (the change, the failure: GRPO's loss value is 1 whatever the model, its gradients tell)
     "sink counted twice in full layers": (_count_sink_twice,
                                           r"(?s)gradients differ.*layers\.1\.self_attn\.sinks: relative error"),
-    "sink dropped in full layers": (lambda mp: mp.setattr(attention, "with_sinks", lambda out, lse, sink: (out, lse)),
+    "sink dropped in full layers": (lambda mp: mp.setattr(attention_over_state, "with_sinks", lambda out, lse, sink: (out, lse)),
                                     r"(?s)gradients differ.*layers\.1\.self_attn\.sinks: relative error"),
     "sink dropped in windows": (_drop_sink_in_windows,
                                 r"(?s)gradients differ.*layers\.0\.self_attn\.sinks: got None, want a grad"),
-    "no sinks gradient": (lambda mp: mp.setattr(attention, "sink_grad", lambda out, *a: torch.zeros(4, dtype=out.dtype)),
+    "no sinks gradient": (lambda mp: mp.setattr(attention_over_state, "sink_grad", lambda out, *a: torch.zeros(4, dtype=out.dtype)),
                           r"(?s)gradients differ \(tol [^)]*\):\n  model\.layers\.1\.self_attn\.sinks: relative error [^\n]*$"),
 }
 

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import longstraw
 from longstraw import pipeline
 from longstraw.models import qwen3_5
-from longstraw.passes import attention
+from longstraw.runtime.kernels import attention_over_state
 from longstraw.planning.sizing import KeptRoom
 from longstraw.runtime.phases import phase_of
 
@@ -136,13 +136,13 @@ def test_trl_layout_left_padding_and_ragged_completions(mode):
 def test_rows_attend_at_once_where_their_masks_agree(lengths, monkeypatch):
     """A left-padded prompt: every row's mask is a causal run of keys from
     the padding's end, and the rows' queries attend over the prompt in one
-    call (`_RowsOverState`); where completions are right-padded to
+    call (`RowsOverState`); where completions are right-padded to
     different lengths, each padded completion's padded queries attend again
     over its own span. Eager's gradients either way, with a loss that reads
     the padded positions."""
     calls = []
-    fused = attention._RowsOverState.apply
-    monkeypatch.setattr(attention._RowsOverState, "apply", lambda *a: calls.append(a[-1]) or fused(*a))
+    fused = attention_over_state.RowsOverState.apply
+    monkeypatch.setattr(attention_over_state.RowsOverState, "apply", lambda *a: calls.append(a[-1]) or fused(*a))
     model = MODELS["qwen3"]()
     group = padded_group(4, 29, 6, 5, lengths)
     backend = longstraw.Backend(prefix_chunk_size=8, verify_state=True, branch_rows=4)

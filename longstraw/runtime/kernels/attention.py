@@ -28,7 +28,7 @@ class AttentionKernel:
     causal unless a mask is given: forward over all keys returning the
     output and log-sum-exp, backward over one block of keys at a time.
     `q_start` at or past the last key places every query after every key:
-    attention over all of them (right-padded queries, `_AttentionOverSpan`)."""
+    attention over all of them (right-padded queries, `attention_over_state.AttentionOverSpan`)."""
 
     def forward(self, q, keys, values, mask, scale, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
