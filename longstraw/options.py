@@ -80,9 +80,9 @@ class Options:
     branch's activations per row. None: planned, as many rows as the
     memory budget has room for beside the planned peak (one where nothing
     is planned). Exact either way. Plans with a pass that reads its state
-    one row at a time (`ArchitecturePass.branches_batched`: sliding
-    windows, sinks over windows, MLA, DSA and carried operators for now),
-    a frozen scoring stage or context parallelism run one row per step."""
+    one row at a time (`ArchitecturePass.branches_batched`: MLA and DSA for
+    now), a frozen scoring stage or context parallelism run one row per
+    step."""
 
     head_chunk_size: int | None = 256
     """Positions per chunk of a branch step's LM head and per-token loss

@@ -286,6 +286,14 @@ def _row_by_row(
     room."""
     one = dataclasses.replace(ctx, rows=1)
     k_rows, v_rows = ctx.state.slots[k_slot].batch_dim, ctx.state.slots[v_slot].batch_dim
+
+    def stored(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `j`'s own keys and values, written to the scratch room its one-row attention reads."""
+        k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
+        one.write(k_slot, k_j)
+        one.write(v_slot, v_j)
+        return k_j, v_j
+
     spans = None if sinks is not None or ctx.round is not None or ctx.state.shard is not None else _row_spans(ctx, mask)
     if spans is not None:
         first, lasts = spans
@@ -297,19 +305,15 @@ def _row_by_row(
                 continue
             # a right-padded completion: its padded queries see the keys [first, last) (eager's causal & key
             # mask), not their causal own keys; the queries before `last` are causal, as computed
-            k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
-            one.write(k_slot, k_j)
-            one.write(v_slot, v_j)
+            k_j, v_j = stored(j)
             real_rows = dataclasses.replace(one, length=real)
-            tail = AttentionOverSpan.apply(real_rows, q[j:j + 1, :, real:], k_j.narrow(-2, 0, real),
-                                            v_j.narrow(-2, 0, real), k_slot, v_slot, scale, first, None)
+            tail = _padded_queries(real_rows, q.narrow(0, j, 1), k_j.narrow(-2, 0, real), v_j.narrow(-2, 0, real),
+                                   k_slot, v_slot, scale, first, None)
             rows[j] = torch.cat([rows[j].narrow(-2, 0, real), tail], dim=-2)
         return torch.cat(rows, dim=0)
     outs = []
     for j in range(ctx.rows):
-        k_j, v_j = k.narrow(k_rows, j, 1), v.narrow(v_rows, j, 1)
-        one.write(k_slot, k_j)
-        one.write(v_slot, v_j)
+        k_j, v_j = stored(j)
         outs.append(attention_step(one, q.narrow(0, j, 1), k_j, v_j, mask=None if mask is None else mask.row(j),
                                    k_slot=k_slot, v_slot=v_slot, scale=scale, enable_gqa=True, sinks=sinks))
     return torch.cat(outs, dim=0)
@@ -338,9 +342,21 @@ def _attention_over_span(
     real_rows = dataclasses.replace(ctx, length=real)  # its keys are the span's: [0, last)
     head = AttentionOverState.apply(real_rows, q.narrow(-2, 0, real), own_k, own_v, None, k_slot, v_slot, scale, first,
                                      sinks)
-    padded = q.narrow(-2, real, q.shape[-2] - real)
-    tail = AttentionOverSpan.apply(real_rows, padded, own_k, own_v, k_slot, v_slot, scale, first, sinks)
+    tail = _padded_queries(real_rows, q, own_k, own_v, k_slot, v_slot, scale, first, sinks)
     return torch.cat([head, tail], dim=-2)
+
+
+def _padded_queries(
+    real_rows: StepContext, q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, k_slot: int, v_slot: int,
+    scale: float | None, first: int, sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The attention of a right-padded completion's queries from its last
+    real position on (`q`: the whole step's; `real_rows`: the step cut to
+    its real positions, whose own keys are `own_k`, `own_v`): every key of
+    `[first, last)` (`AttentionOverSpan`)."""
+    real = real_rows.length
+    return AttentionOverSpan.apply(real_rows, q.narrow(-2, real, q.shape[-2] - real), own_k, own_v, k_slot, v_slot,
+                                   scale, first, sinks)
 
 
 def _attention_after_padding(

@@ -54,8 +54,8 @@ from longstraw.planning.simulation import (
     steps_without_middle,
     tensor_bytes,
 )
-from longstraw.runtime.call_state import GraphSpending, kept_in
-from longstraw.runtime.kept_graphs import rows_or_graphs
+from longstraw.runtime.call_state import GraphSpending
+from longstraw.runtime.kept_graphs import kept_in, rows_or_graphs
 from longstraw.runtime.schedule import ChunkSchedule
 from longstraw.runtime.prompt_state import boundaries_on_host
 
@@ -111,14 +111,14 @@ def kept_graphs(room: int, graph_bytes: int, chunks: int, G: int, exact: bool, p
                 branches: bool, rows: int = 1, positions: tuple[int, int] = (1, 1), planned_rows: bool = False) -> KeptGraphs:
     """What `GroupRunner` keeps in `room` bytes of the budget, each prompt
     chunk's or branch's graph counted at `graph_bytes`, as its
-    `GraphSpending` decides (`call_state.kept_in`): what steps of `rows`
+    `GraphSpending` decides (`kept_graphs.kept_in`): what steps of `rows`
     branch rows take beyond one row is not room for graphs; the prompt's
     graph first (where `prompt`: exact mode, something upstream of the
     state needs a gradient), then branch steps one by one (where
     `branches`: every claiming pass allows it). Rows the planner chose
     (`planned_rows`) fall back to one where they would keep graphs over
     fewer of the `positions` (prompt, branch) than one row does."""
-    branch = graph_bytes if branches else 1 << 62
+    branch = graph_bytes if branches else None
     wanted = chunks * graph_bytes if prompt else None
     beside = lambda per_step: GraphSpending(room - (per_step - 1) * graph_bytes, 0, 0)  # noqa: E731
     if planned_rows and rows > 1:

@@ -48,8 +48,7 @@ from longstraw.planning.planner import (
 )
 from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.planning.step_time import RATES, StepWork, predict, simulate_work
-from longstraw.runtime.call_state import rows_per_step
-from longstraw.runtime.kept_graphs import branch_graphs_keepable, graphs_keepable, one_row_reason
+from longstraw.runtime.kept_graphs import branch_graphs_keepable, graphs_keepable, one_row_reason, rows_per_step
 from longstraw.runtime.schedule import ChunkSchedule
 
 log = logging.getLogger("longstraw.planning.report")

@@ -114,30 +114,6 @@ class GraphSpending:
         return True
 
 
-def kept_in(spending: GraphSpending, prompt: int | None, branch: int, rows: int, group_size: int) -> tuple[bool, int]:
-    """What a group keeps in `spending` (taken from it), as the runner
-    takes it: its prompt's graph first (`prompt` bytes; None: not wanted),
-    then its branch steps of `rows` rows in order, `branch` bytes a row,
-    while they fit. Returns (prompt kept, branch rows kept)."""
-    prompt_kept = prompt is not None and spending.take(prompt)
-    kept = 0
-    while kept < group_size and spending.take(min(rows, group_size - kept) * branch):
-        kept += min(rows, group_size - kept)
-    return prompt_kept, kept
-
-
-def rows_per_step(option: int | None, group_size: int, room: int, graph_bytes: int) -> int:
-    """Branch rows per step (`Options.branch_rows`) for a group of
-    `group_size`: the option's, or planned (None) as many as `room` (beside
-    the planned peak, which holds one branch) has room for at `graph_bytes`
-    each beyond the first."""
-    if option is not None:
-        return max(1, min(option, group_size))
-    if graph_bytes <= 0:
-        return 1
-    return max(1, min(group_size, 1 + room // graph_bytes))
-
-
 @dataclasses.dataclass
 class KeptChunk:
     """A prompt chunk captured under autograd: its outputs (what it wrote to

@@ -19,7 +19,7 @@ import torch
 
 from longstraw.codegen.program import StepProgram
 from longstraw.options import Options
-from longstraw.runtime.call_state import GraphSpending, kept_in
+from longstraw.runtime.call_state import GraphSpending
 from longstraw.runtime.device_memory import allocated
 
 
@@ -53,7 +53,33 @@ def one_row_reason(program: StepProgram, ranks: bool) -> str | None:
     return None
 
 
-def rows_or_graphs(spending_beside: Callable[[int], GraphSpending], prompt: int | None, branch: int, rows: int,
+def rows_per_step(option: int | None, group_size: int, room: int, graph_bytes: int) -> int:
+    """Branch rows per step (`Options.branch_rows`) for a group of
+    `group_size`: the option's, or planned (None) as many as `room` (beside
+    the planned peak, which holds one branch) has room for at `graph_bytes`
+    each beyond the first."""
+    if option is not None:
+        return max(1, min(option, group_size))
+    if graph_bytes <= 0:
+        return 1
+    return max(1, min(group_size, 1 + room // graph_bytes))
+
+
+def kept_in(spending: GraphSpending, prompt: int | None, branch: int | None, rows: int,
+            group_size: int) -> tuple[bool, int]:
+    """What a group keeps in `spending` (taken from it), as the runner
+    takes it: its prompt's graph first (`prompt` bytes; None: not wanted),
+    then its branch steps of `rows` rows in order, `branch` bytes a row
+    (None: branch graphs are not kept), while they fit. Returns (prompt
+    kept, branch rows kept)."""
+    prompt_kept = prompt is not None and spending.take(prompt)
+    kept = 0
+    while branch is not None and kept < group_size and spending.take(min(rows, group_size - kept) * branch):
+        kept += min(rows, group_size - kept)
+    return prompt_kept, kept
+
+
+def rows_or_graphs(spending_beside: Callable[[int], GraphSpending], prompt: int | None, branch: int | None, rows: int,
                    group_size: int, positions: tuple[int, int]) -> int:
     """`rows` per branch step, or one where the room those rows take beyond
     one (`spending_beside(rows)`: the spending left beside steps of that

@@ -51,7 +51,6 @@ from longstraw.runtime.call_state import (
     RngState,
     branches_named,
     rows_of,
-    rows_per_step,
 )
 from longstraw.runtime.carry import SpanGraphs
 from longstraw.runtime.device_memory import room_now
@@ -62,6 +61,7 @@ from longstraw.runtime.kept_graphs import (
     graphs_keepable,
     one_row_reason,
     rows_or_graphs,
+    rows_per_step,
 )
 from longstraw.runtime.phases import noting, walked
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
@@ -153,7 +153,7 @@ class GroupRunner(BackwardPass):
         return one_row_reason(self.program, self.ranks is not None) is None and not self.sampled
 
     def _rows_per_step(self, group: Group, room: int) -> int:
-        """Branch rows per step for `group` (`call_state.rows_per_step`)."""
+        """Branch rows per step for `group` (`kept_graphs.rows_per_step`)."""
         if not self.batches_branches:
             return 1
         return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_chunk_bytes)
@@ -325,7 +325,7 @@ class GroupRunner(BackwardPass):
                                                       branch_len)
             per_step = self._rows_per_step(group, rows_room)
             if leaves is not None and per_step > 1 and self.options.branch_rows is None:
-                branch = self.graph_bytes.branch(1) if self.keeps_branch_graphs else 1 << 62
+                branch = self.graph_bytes.branch(1) if self.keeps_branch_graphs else None
                 beside = lambda rows: self._spending(  # noqa: E731
                     kept, end, last, graph_room - (rows - 1) * self.graph_chunk_bytes)
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),

@@ -141,7 +141,7 @@ H200_SWEEPS = {
 def test_the_plan_reports_branch_rows_from_the_room():
     """With a budget and `branch_rows=None`, as many rows per branch step as
     the room beside the peak holds at one branch's graph per row beyond the
-    first, as the runner decides (`call_state.rows_per_step`); where graphs
+    first, as the runner decides (`kept_graphs.rows_per_step`); where graphs
     may be kept, the rows give way to them (one row per step where the
     rows' room would keep graphs over fewer positions) and, where both fit,
     the graphs kept come out of what is left. MLA's steps hold one row."""

@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from longstraw.errors import LongStrawError
+from longstraw.parallel.partials import merge_with_own
 from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype, kernel_for
 from longstraw.runtime.mask_block import MaskBlock
 from longstraw.runtime.prompt_state import StepContext
@@ -44,7 +45,9 @@ class RowsOverState(torch.autograd.Function):
             keys = _visible_from(step, k_slot, first).narrow(-2, 0, o)
             values = _visible_from(step, v_slot, first).narrow(-2, 0, o)
             out_p, lse_p = torch.ops.longstraw.causal_attention_forward(_folded(q), keys, values, scale, o)
-            out, lse = _merged(out, lse, _unfolded(out_p, rows), _unfolded(lse_p, rows))
+            compute = compute_dtype(q)
+            merged, lse = merge_with_own(_unfolded(out_p, rows).to(compute), _unfolded(lse_p, rows), out.to(compute), lse)
+            out = merged.to(q.dtype)
         ctx.step, ctx.slots, ctx.scale, ctx.first = step, (k_slot, v_slot), scale, first
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -76,15 +79,6 @@ def _folded(x: torch.Tensor) -> torch.Tensor:
 def _unfolded(x: torch.Tensor, rows: int) -> torch.Tensor:
     """`_folded`'s inverse."""
     return x[0].reshape(x.shape[1], rows, x.shape[2] // rows, *x.shape[3:]).transpose(0, 1)
-
-
-def _merged(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over two disjoint sets of keys merged into attention over both."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    compute = lse.dtype if lse.dtype.itemsize >= out_a.dtype.itemsize else out_a.dtype
-    out = out_a.to(compute) * torch.exp(lse_a - lse)[..., None] + out_b.to(compute) * torch.exp(lse_b - lse)[..., None]
-    return out.to(out_a.dtype), lse
 
 
 class AttentionOverSpan(torch.autograd.Function):
