@@ -29,21 +29,22 @@ from pathlib import Path
 
 import torch
 
-from grpo.measure import Clock, phase_seconds, plans_made, recorded_failure, release, sync, timed_step
+from grpo.measure import Clock, phase_seconds, plans_made, recorded_failure, release, steps_named, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
 
 
-def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> tuple[dict, str]:
-    """Kernel time, launches and the heaviest operators of one step."""
+def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int, shapes: bool = False) -> tuple[dict, str]:
+    """Kernel time, launches and the heaviest operators of one step (`shapes`:
+    also the heaviest operators by their input shapes)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     sync()
     start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=shapes) as prof:
         runner.step(batch)
         sync()
     wall = time.perf_counter() - start
@@ -52,6 +53,10 @@ def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int)
     averages = prof.key_averages()
     text = averages.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=top)
     by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=top)
+    if shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=2 * top)
+        by_cpu += "\n" + by_shape
     return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels)}, text + "\n" + by_cpu
 
 
@@ -115,15 +120,16 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
         out["warm_s"] = statistics.median(timed_step(runner, batch) for _ in range(3))
         out["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0
         release(model)
-        summary, text = device_profile(runner, batch, args.top)
+        summary, text = device_profile(runner, batch, args.top, args.shapes)
         out.update(summary)
         report.append(f"===== {kind} {mode} P={P}: operators (by device time, then host time)\n{text}")
         release(model)
         if mode.startswith("longstraw"):
             out["plan"] = plan_of(runner)
-            with phase_seconds() as phases:
+            with phase_seconds() as phases, steps_named() as steps:
                 runner.step(batch)
             out["phases_s"] = phases
+            out["steps"] = steps
             release(model)
             if args.host_profile:
                 report.append(f"===== {kind} {mode} P={P}: host profile\n{host_profile(runner, batch, args.top)}")
@@ -193,6 +199,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-host-profile", dest="host_profile", action="store_false",
                         help="skip the cProfile of LongStraw's step")
+    parser.add_argument("--shapes", action="store_true", help="also list the heaviest operators by input shape")
     parser.add_argument("--new-length", action="store_true",
                         help="also profile LongStraw's first call at new prompt lengths")
     parser.add_argument("--budget-s", type=float, default=300)

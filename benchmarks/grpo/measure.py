@@ -7,6 +7,7 @@ import gc
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -100,6 +101,26 @@ def phase_seconds() -> Iterator[dict[str, float]]:
 
     with longstraw.around_steps(timed):
         yield seconds
+
+
+@contextlib.contextmanager
+def steps_named() -> Iterator[dict[str, int]]:
+    """How many steps of each kind the runtime ran inside ("running 8-row branch
+    steps": 2, "differentiating the kept 8-row branch steps": 1...), which shows
+    the rows per step and what the plan kept."""
+    counts: dict[str, int] = {}
+
+    def rows(match: re.Match) -> str:
+        return f"{len(match.group(1).split(','))}-row branch steps"
+
+    def count(where: str) -> contextlib.AbstractContextManager:
+        name = re.sub(r"branch(?:es)? ([\d, ]+) of \d+", rows, where.split(" over ")[0].split(";")[0])
+        name = re.sub(r" \[\d+, \d+\)", "", name)
+        counts[name] = counts.get(name, 0) + 1
+        return contextlib.nullcontext()
+
+    with longstraw.around_steps(count):
+        yield counts
 
 
 def measure(runner: Runner, group: Group, repeats: int = 1, warmup: bool = False) -> dict:
