@@ -104,6 +104,8 @@ def plan_of(runner: PeerRunner) -> dict:
     return {"prefix_chunk_size": options.prefix_chunk_size, "recompute_layers": options.recompute_layers,
             "keeps_graphs": runner.keeps_graphs, "graph_room_gb": runner.graph_room / 1e9,
             "graph_chunk_gb": runner.graph_chunk_bytes / 1e9, "state_room_gb": runner.state_room / 1e9,
+            "branch_room_gb": runner.branch_room / 1e9,
+            "kept_gb_measured": {k: v / 1e9 for k, v in runner.graph_bytes.measured.items()},
             "plan_s": None if plan.seconds is None else plan.seconds.total}
 
 
