@@ -103,6 +103,13 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
     assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
     assert "host profile" in (tmp_path / "profile.txt").read_text()
+    # the warm step's steps by kind: one capture per prompt, every branch kept and differentiated
+    steps = exact["steps"]
+    assert steps["capturing prompt chunk"] >= 1 and steps["differentiating the kept prompt chunk"] >= 1
+    running = sum(n * int(k.split()[1].split("-")[0]) for k, n in steps.items() if k.startswith("running "))
+    kept = sum(n * int(k.split()[3].split("-")[0]) for k, n in steps.items() if k.startswith("differentiating the kept ")
+               and k.endswith("branch steps"))
+    assert running == kept == 4, steps  # 2 prompts x G = 2
     assert exact["first"]["dynamo_compiles"] >= 1 and exact["first"]["plans"] == 1
     assert 0 < exact["first"]["plan_s"] and 0 < exact["first"]["dynamo_s"] < exact["first"]["s"]
     new = exact["new_length"]
