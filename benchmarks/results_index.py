@@ -89,6 +89,11 @@ SUPERSEDED: dict[str, Supersession] = {
     "grpo_bench_glm5_f_h200": Supersession("grpo_bench_glm5_h_h200", "same command after TF32 products"),
     "length_loop_gated_h100": Supersession(
         "length_loop_strided_h100", "the gate keyed on strides too, each mode in its own process"),
+    "step_profile_rows_h100": Supersession(
+        "step_profile_planned_h100", "the exact and prefix-grouper steps again, with the rows' fused attention, "
+        "kept graphs at their measured bytes and the rows giving way to kept graphs", partly=True),
+    "step_profile_rows1_h100": Supersession(
+        "step_profile_rows1_kept_h100", "same command with the kept graphs counted at their measured bytes"),
     "step_profile_new_length_h100": Supersession(
         "step_profile_new_length_strided_h100", "same command with cuDNN gated at layouts an earlier step ran"),
     "planning_bench_dense_cpu": Supersession(
