@@ -231,6 +231,20 @@ def _moe_experts(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     return list(hidden)
 
 
+def _logprobs_and_entropy(an: DimAnalysis, node: fx.Node) -> list[list[Dim]] | None:
+    """`longstraw::logprobs_and_entropy` (the scorer's log-probs and
+    entropies from logits `[..., V]`) is per position: it mixes the
+    vocabulary axis only, and the index and mask are the logits' positions."""
+    if getattr(node.target, "namespace", None) != "longstraw":
+        return None
+    logits, _ = an.dims_and_shape(node.args[0])
+    for per_position in node.args[1:3]:
+        for a, b in zip(an.dims_of(per_position), logits[:-1]):
+            an.unify(a, b)
+    an.mixes[node] = [logits[-1]]
+    return [list(logits[:-1]), list(logits[:-1])]
+
+
 def _factory(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     return an.fresh_dims(an.shape_of(node))
 
@@ -259,6 +273,7 @@ _RULES: dict[str, Callable[[DimAnalysis, fx.Node], Any]] = {
     "rms_norm": _norm, "layer_norm": _norm,
     "tril": _triangular, "triu": _triangular,
     "moe_experts.default": _moe_experts,
+    "logprobs_and_entropy.default": _logprobs_and_entropy,
     **{name: _reduce for name in _REDUCE},
     **{name: _along_dim for name in _ALONG_DIM},
     **{name: _factory for name in _FACTORY},

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.runtime.kernels.logprobs import logprobs_and_entropy
+
 
 def completion_logps_and_entropies(
     model: torch.nn.Module,
@@ -17,19 +19,19 @@ def completion_logps_and_entropies(
     """What TRL's fused LM head returns, from the model's own logits: the
     log-prob of each completion token and the entropy of its distribution,
     both at temperature `temperature` (one, or one per row `[B]`, as verl
-    samples) and zero on padding, in float32 as TRL computes them. The HF forward
+    samples) and zero on padding, in float32 as TRL computes them, by one
+    operator over the logits
+    (`longstraw::logprobs_and_entropy`: a fused kernel on CUDA). The HF forward
     applies the model's logit scaling and soft-capping itself. `position_ids`
     (optional, `[B, P + R]`): the positions the model sees, as in a packed
     row where each sequence starts at 0 whatever padding precedes it."""
     # input_ids, attention_mask: [B, P + R]; R = logits_to_keep
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=logits_to_keep + 1).logits
+    logits = logits[:, :-1]  # [B, R, V]: position t predicts token t + 1
     if isinstance(temperature, torch.Tensor):
-        temperature = temperature.float().view(-1, 1, 1)  # [B, 1, 1]
-    logits = logits[:, :-1].float() / temperature  # [B, R, V], float32 as TRL's
-    logp_all = torch.log_softmax(logits, dim=-1)  # [B, R, V]
+        logits = logits.float() / temperature.float().view(-1, 1, 1)  # one temperature per row
+        temperature = 1.0
     completion_ids = input_ids[:, -logits_to_keep:]  # [B, R]
-    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)  # [B, R]
-    entropies = -(logp_all.exp() * logp_all).sum(-1)  # [B, R]
     real = attention_mask[:, -logits_to_keep:] != 0  # [B, R]
-    return torch.where(real, logps, 0.0), torch.where(real, entropies, 0.0)
+    return logprobs_and_entropy(logits, completion_ids, real, float(temperature))
