@@ -156,7 +156,7 @@ class GroupRunner(BackwardPass):
         """Branch rows per step for `group` (`kept_graphs.rows_per_step`)."""
         if not self.batches_branches:
             return 1
-        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_chunk_bytes)
+        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_bytes.row())
 
     @functools.cached_property
     def keeps_graphs(self) -> bool:
@@ -327,11 +327,11 @@ class GroupRunner(BackwardPass):
             if leaves is not None and per_step > 1 and self.options.branch_rows is None:
                 branch = self.graph_bytes.branch(1) if self.keeps_branch_graphs else None
                 beside = lambda rows: self._spending(  # noqa: E731
-                    kept, end, last, graph_room - (rows - 1) * self.graph_chunk_bytes)
+                    kept, end, last, graph_room - (rows - 1) * self.graph_bytes.row())
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
                                           (group.prefix_len, branch_len))
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
-            room = graph_room - (per_step - 1) * self.graph_chunk_bytes
+            room = graph_room - (per_step - 1) * self.graph_bytes.row()
             spending = self._spending(kept, end, last, room) if leaves is not None else None
             prompt_graph = prompt_cost is not None and spending.take(prompt_cost)
             graph = [] if prompt_graph else None

@@ -244,6 +244,49 @@ def test_planned_rows_follow_the_room(monkeypatch):
     assert phases(seen).count("differentiating the kept prompt") == 3
 
 
+def test_planned_rows_follow_the_measured_graph_bytes(monkeypatch):
+    """Once a kept branch is measured (CUDA; faked here at a tenth of the
+    planned bytes), a row beyond the first is counted at its measured
+    bytes and half as much again, not at the planned bytes (the largest
+    step's, an upper bound): room for three planned graphs runs one row per
+    step on the first call and the group's four rows as one step on the
+    second, every graph kept both times. Eager's gradients both times."""
+    from longstraw.runtime import kept_graphs
+
+    sized = pipeline.size_plan
+    planned = {}
+
+    def room_for_three(program, *args):
+        options, room = sized(program, *args)
+        planned["graph"] = room.graph_chunk
+        spare = 3 * room.graph_chunk
+        return options, KeptRoom(0, spare, room.graph_chunk, room.step, spare)
+
+    held = [0]
+
+    def allocated(device):  # every step that keeps its graph leaves a tenth of a planned graph allocated
+        held[0] += planned["graph"] // 10
+        return held[0]
+
+    monkeypatch.setattr(pipeline, "size_plan", room_for_three)
+    monkeypatch.setattr(kept_graphs, "allocated", allocated)
+    fam = FAMILIES["qwen3"]
+    model = fam.build()
+    batch = make_batch([4], P=13, R=3, vocab=model.config.vocab_size)
+    backend = longstraw.Backend(prefix_chunk_size=4, memory_budget_gb=100.0, verify_state=True)
+    calls = []
+    for _ in range(3):
+        with fam.bind(), deterministic_algorithms(True), steps() as seen:
+            assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL)
+        calls.append(phases(seen))
+    assert calls[0].count(ONE_ROW) == 4 and "differentiating the kept branch" not in calls[0], calls[0]
+    assert calls[1].count(ONE_ROW) == 4 and calls[1].count("differentiating the kept branch") == 4, calls[1]
+    assert calls[2].count(BATCHED) == 1 and ONE_ROW not in calls[2] and calls[2].count(KEPT) == 1, calls[2]
+    assert all("differentiating the kept prompt" in call for call in calls)
+    row = backend.plans[-1].runner.graph_bytes.row()
+    assert row == int(1.5 * (planned["graph"] // 10)), (row, planned)
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, "4"])
 def test_the_option_is_validated(value):
     with raises_longstraw(match="branch_rows must be a positive int or None"):
