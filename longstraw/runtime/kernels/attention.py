@@ -66,8 +66,10 @@ class FlashKernel(AttentionKernel):
 
     def backward(self, grad_out, q, keys, values, out, lse, mask, scale, q_start, k_start):
         unused = torch.empty((), dtype=torch.long, device=q.device)  # philox seed/offset: no dropout
+        # the kernel reads the log-sum-exp as a contiguous [B, H, n] buffer, whatever its strides say: a
+        # merged one (`RowsOverState`'s rows, laid out from a transpose) is made contiguous here
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, keys, values, out, lse, None, None, q.shape[-2], keys.shape[-2],
+            grad_out, q, keys, values, out, lse.contiguous(), None, None, q.shape[-2], keys.shape[-2],
             0.0, k_start == q_start, unused, unused, scale=scale,
         )
 
@@ -112,7 +114,7 @@ class CudnnKernel(FlashKernel):
             return super().backward(grad_out, q, keys, values, out, lse.float(), mask, scale, q_start, k_start)
         # attn_bias, cumulative lengths and the philox seed/offset are absent (no bias, no varlen, no dropout)
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, keys, values, out, lse.float().unsqueeze(-1), None, None, None, None, None,
+            grad_out, q, keys, values, out, lse.float().contiguous().unsqueeze(-1), None, None, None, None, None,
             q.shape[-2], keys.shape[-2], 0.0, k_start == q_start, scale=scale,
         )
 

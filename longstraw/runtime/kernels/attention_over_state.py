@@ -47,7 +47,9 @@ class RowsOverState(torch.autograd.Function):
             out_p, lse_p = torch.ops.longstraw.causal_attention_forward(_folded(q), keys, values, scale, o)
             compute = compute_dtype(q)
             merged, lse = merge_with_own(_unfolded(out_p, rows).to(compute), _unfolded(lse_p, rows), out.to(compute), lse)
-            out = merged.to(q.dtype)
+            # the merge follows `_unfolded`'s transposed strides; the fused kernels' backward reads the
+            # log-sum-exp as a contiguous buffer (flash ignores its strides)
+            out, lse = merged.to(q.dtype), lse.contiguous()
         ctx.step, ctx.slots, ctx.scale, ctx.first = step, (k_slot, v_slot), scale, first
         ctx.save_for_backward(q, k, v, out, lse)
         return out
