@@ -361,6 +361,7 @@ def test_depth_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert "in the reverse pass" not in detached["steps"]
 
 
+@pytest.mark.slow  # 31 s; CI runs depth_bench in one process and context_parallel_bench over ranks
 def test_depth_bench_runs_context_parallel_on_the_cpu(tmp_path, monkeypatch):
     """depth_bench.py --ranks 2: two gloo processes run every run with the
     prompt state sharded; the result is rank 0's, its floor counts one

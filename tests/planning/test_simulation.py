@@ -59,7 +59,8 @@ def _report(model, P: int) -> longstraw.ExplainReport:
                              options={"prefix_chunk_size": 32, "recompute_layers": False})
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+# one rank under -m slow: the two ranks' case runs the same workspace planning per rank
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_a_short_trace_plans_the_attention_workspace_of_a_long_prompt(ranks, monkeypatch):
     """Traced at 65 positions (earlier keys of 32 a call) and planned for
     513 on CUDA, where the backward's key blocks (capped at 64 here) are
@@ -179,6 +180,7 @@ def test_the_hybrid_plans_fla_s_gated_delta_backward(monkeypatch):
     assert planned["auto"] - planned["torch"] >= states, (planned, states)
 
 
+@pytest.mark.slow  # 32 s on a CPU; a regression check of one past failure
 def test_the_simulation_does_not_depend_on_when_python_collects_cycles():
     """Fake tensors and the simulation's own objects form reference cycles
     that hold storages until the cyclic collector runs; the simulation
