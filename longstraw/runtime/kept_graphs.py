@@ -113,13 +113,14 @@ class GraphBytes:
     def row(self) -> int:
         """What one more row of a branch step takes beside the planned peak
         (which holds one step): the planned bytes until a kept branch was
-        measured, then its measured bytes per row and half as much again for
-        the step's working memory (its backward's gradients of the largest
-        activations: at the dense slice's shapes about 0.4 GB a row beside a
-        kept 1.27 GB), at most the planned bytes. The planned bytes are the
-        largest step's, a prompt chunk's in exact mode: 7.9 GB at 8K there."""
+        measured, then twice its measured bytes per row, the second for the
+        step's working memory (its backward's gradients of the largest
+        activations, the logits' among them: at the dense slice's shapes
+        about 0.4 to 0.6 GB a row beside a kept 1.27 GB), at most the planned
+        bytes. The planned bytes are the largest step's, a prompt chunk's in
+        exact mode: 7.9 GB at 8K there."""
         measured = self.measured.get("branch")
-        return self.planned if measured is None else min(self.planned, int(1.5 * measured))
+        return self.planned if measured is None else min(self.planned, int(2 * measured))
 
     def prompt(self, prefix_len: int, chunks: int, branch_len: int) -> int:
         planned = chunks * self.planned

@@ -267,11 +267,12 @@ def test_planned_rows_follow_the_room(monkeypatch):
 
 def test_planned_rows_follow_the_measured_graph_bytes(monkeypatch):
     """Once a kept branch is measured (CUDA; faked here at a tenth of the
-    planned bytes), a row beyond the first is counted at its measured
-    bytes and half as much again, not at the planned bytes (the largest
-    step's, an upper bound): room for three planned graphs runs one row per
-    step on the first call and the group's four rows as one step on the
-    second, every graph kept both times. Eager's gradients both times."""
+    planned bytes), a row beyond the first is counted at twice its measured
+    bytes, not at the planned bytes (the largest step's, an upper bound):
+    room for three planned graphs keeps the prompt's graph on the first
+    call (one row per step), the branches' too on the second (one row per
+    step: no branch measured yet), and runs the group's four rows as one
+    step on the third, every graph kept. Eager's gradients every time."""
     from longstraw.runtime import kept_graphs
 
     sized = pipeline.size_plan
@@ -305,7 +306,7 @@ def test_planned_rows_follow_the_measured_graph_bytes(monkeypatch):
     assert calls[2].count(BATCHED) == 1 and ONE_ROW not in calls[2] and calls[2].count(KEPT) == 1, calls[2]
     assert all("differentiating the kept prompt" in call for call in calls)
     row = backend.plans[-1].runner.graph_bytes.row()
-    assert row == int(1.5 * (planned["graph"] // 10)), (row, planned)
+    assert row == 2 * (planned["graph"] // 10), (row, planned)
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "4"])
