@@ -320,6 +320,7 @@ class CompiledGroupLoss:
         self.plans: OrderedDict[tuple, GroupPlan | None] = OrderedDict()
         self.guarded: dict[tuple, tuple[int, ...]] = {}  # signature -> arguments its plans fold
         self.activations: Simulations = {}  # the planner's simulations, shared by this graph's plans
+        self.kept_bytes: dict[str, float] = {}  # kept graphs' measured bytes per position, likewise
         self.warned = False
 
     def __call__(self, *args: Any) -> Any:
@@ -354,7 +355,7 @@ class CompiledGroupLoss:
         Specialising is part of planning: a graph it refuses (an in-place
         write into an argument, a functorch transform) follows
         `on_unsupported` like any other."""
-        planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations)
+        planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations, self.kept_bytes)
         try:
             for stage in PIPELINE:
                 planning = stage.apply(planning)

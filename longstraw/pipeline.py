@@ -45,6 +45,7 @@ class Planning:
     options: Options
     passes: tuple[ArchitecturePass, ...]
     activations: Simulations  # the planner's simulations, shared by a compiled graph's plans
+    kept_bytes: dict[str, float] | None = None  # kept graphs' measured bytes per position, shared likewise
     specialization: Specialization | None = None
     partition: Partition | None = None
     program: StepProgram | None = None
@@ -104,7 +105,8 @@ def _size(p: Planning) -> Planning:
 def _runner(p: Planning) -> Planning:
     room = p.room
     runner = GroupRunner(p.program, p.sized, state_room=room.states, graph_room=room.graphs,
-                         graph_chunk_bytes=room.graph_chunk, step_bytes=room.step, branch_room=room.spare)
+                         graph_chunk_bytes=room.graph_chunk, step_bytes=room.step, branch_room=room.spare,
+                         kept_bytes=p.kept_bytes)
     runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in p.args])
     return dataclasses.replace(p, runner=runner)
 

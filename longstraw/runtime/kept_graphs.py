@@ -99,33 +99,38 @@ class GraphBytes:
     """What keeping a graph is counted at: per prompt chunk or branch row,
     the planned activations (`planned`, an upper bound: the largest step's,
     with its kernels' workspaces), or, once a kept graph of the kind was
-    measured (`measuring`, on CUDA) to hold less, its bytes per branch row
-    or prompt position (a prompt not measured yet: a branch's per
-    position, which runs the same layers and its LM head besides)."""
+    measured (`measuring`, on CUDA) to hold less, its bytes per position
+    (of a branch row, or of the prompt) times the positions (a prompt not
+    measured yet: a branch's per position, which runs the same layers and
+    its LM head besides). The measurements (`measured`) are per position so
+    that the plans of one compiled loss share them (`CompiledGroupLoss`):
+    what a kept step holds does not depend on the prompt's length (the
+    state is not in its graph), so a new length starts from what earlier
+    lengths measured."""
 
-    def __init__(self, planned: int) -> None:
+    def __init__(self, planned: int, measured: dict[str, float] | None = None) -> None:
         self.planned = planned
-        self.measured: dict[str, float] = {}
+        self.measured: dict[str, float] = {} if measured is None else measured
 
-    def branch(self, rows: int) -> int:
-        return self._least("branch", rows, rows * self.planned)
+    def branch(self, rows: int, positions: int) -> int:
+        """A step of `rows` branch rows of `positions` positions each."""
+        return self._least("branch", rows * positions, rows * self.planned)
 
-    def row(self) -> int:
-        """What one more row of a branch step takes beside the planned peak
-        (which holds one step): the planned bytes until a kept branch was
-        measured, then twice its measured bytes per row, the second for the
-        step's working memory (its backward's gradients of the largest
-        activations, the logits' among them: at the dense slice's shapes
-        about 0.4 to 0.6 GB a row beside a kept 1.27 GB), at most the planned
-        bytes. The planned bytes are the largest step's, a prompt chunk's in
-        exact mode: 7.9 GB at 8K there."""
-        measured = self.measured.get("branch")
-        return self.planned if measured is None else min(self.planned, int(2 * measured))
+    def row(self, positions: int) -> int:
+        """What one more row of a branch step (`positions` positions) takes
+        beside the planned peak (which holds one step): the planned bytes
+        until a kept branch was measured, then twice its measured bytes, the
+        second for the step's working memory (its backward's gradients of
+        the largest activations, the logits' among them: at the dense
+        slice's shapes about 0.4 to 0.6 GB a row beside a kept 1.27 GB), at
+        most the planned bytes. The planned bytes are the largest step's, a
+        prompt chunk's in exact mode: 7.9 GB at 8K there."""
+        return min(self.planned, 2 * self.branch(1, positions))
 
-    def prompt(self, prefix_len: int, chunks: int, branch_len: int) -> int:
+    def prompt(self, prefix_len: int, chunks: int) -> int:
         planned = chunks * self.planned
-        if "prompt" not in self.measured and "branch" in self.measured and branch_len > 0:
-            return min(planned, int(self.measured["branch"] / branch_len * prefix_len))
+        if "prompt" not in self.measured and "branch" in self.measured:
+            return min(planned, int(self.measured["branch"] * prefix_len))
         return self._least("prompt", prefix_len, planned)
 
     def _least(self, kind: str, units: int, planned: int) -> int:
@@ -136,9 +141,9 @@ class GraphBytes:
     def measuring(self, keep: bool, kind: str, units: int, device: torch.device) -> Iterator[None]:
         """Around a step that keeps its graph (`keep`): where the device
         tells (`device_memory.allocated`), the bytes the step left
-        allocated per unit, the largest seen of the kind."""
+        allocated per unit (position), the largest seen of the kind."""
         before = allocated(device) if keep else None
         yield
         if before is not None:
-            held = max(allocated(device) - before, 0) / units
+            held = max(allocated(device) - before, 0) / max(units, 1)
             self.measured[kind] = max(self.measured.get(kind, 0.0), held)

@@ -84,12 +84,14 @@ class GroupRunner(BackwardPass):
     prompt chunk's or one branch's (kept states and graphs share one count
     of bytes); `step_bytes`: what the planned step needs beside the weights
     and gradients, which each call keeps free before it spends `graph_room`
-    (`device_memory.room_now`)."""
+    (`device_memory.room_now`); `kept_bytes`: what kept graphs were measured
+    to hold per position, shared by the plans of one compiled loss
+    (`kept_graphs.GraphBytes`)."""
 
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
         state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0, step_bytes: int = 0,
-        branch_room: int = 0,
+        branch_room: int = 0, kept_bytes: dict[str, float] | None = None,
     ) -> None:
         part = program.partition
         self.program = program
@@ -101,7 +103,7 @@ class GroupRunner(BackwardPass):
         self.state_room = state_room
         self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
         self.branch_room = branch_room
-        self.graph_bytes = GraphBytes(graph_chunk_bytes)
+        self.graph_bytes = GraphBytes(graph_chunk_bytes, kept_bytes)
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -152,11 +154,11 @@ class GroupRunner(BackwardPass):
         """Whether this runner's branch steps may hold several rows (`Options.branch_rows`)."""
         return one_row_reason(self.program, self.ranks is not None) is None and not self.sampled
 
-    def _rows_per_step(self, group: Group, room: int) -> int:
+    def _rows_per_step(self, group: Group, room: int, branch_len: int) -> int:
         """Branch rows per step for `group` (`kept_graphs.rows_per_step`)."""
         if not self.batches_branches:
             return 1
-        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_bytes.row())
+        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_bytes.row(branch_len))
 
     @functools.cached_property
     def keeps_graphs(self) -> bool:
@@ -321,17 +323,16 @@ class GroupRunner(BackwardPass):
             prompt_cost = None
             if leaves is not None and self.options.prompt_grad == "exact" and any(
                     position in self.state_ancestors for position in leaves):
-                prompt_cost = self.graph_bytes.prompt(group.prefix_len, self.schedule(group.prefix_len).count,
-                                                      branch_len)
-            per_step = self._rows_per_step(group, rows_room)
+                prompt_cost = self.graph_bytes.prompt(group.prefix_len, self.schedule(group.prefix_len).count)
+            per_step = self._rows_per_step(group, rows_room, branch_len)
             if leaves is not None and per_step > 1 and self.options.branch_rows is None:
-                branch = self.graph_bytes.branch(1) if self.keeps_branch_graphs else None
+                branch = self.graph_bytes.branch(1, branch_len) if self.keeps_branch_graphs else None
                 beside = lambda rows: self._spending(  # noqa: E731
-                    kept, end, last, graph_room - (rows - 1) * self.graph_bytes.row())
+                    kept, end, last, graph_room - (rows - 1) * self.graph_bytes.row(branch_len))
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
                                           (group.prefix_len, branch_len))
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
-            room = graph_room - (per_step - 1) * self.graph_bytes.row()
+            room = graph_room - (per_step - 1) * self.graph_bytes.row(branch_len)
             spending = self._spending(kept, end, last, room) if leaves is not None else None
             prompt_graph = prompt_cost is not None and spending.take(prompt_cost)
             graph = [] if prompt_graph else None
@@ -345,9 +346,10 @@ class GroupRunner(BackwardPass):
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
-                            and spending.take(self.graph_bytes.branch(len(rows))))
+                            and spending.take(self.graph_bytes.branch(len(rows), branch_len)))
                     with noting(f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"), \
-                            torch.set_grad_enabled(keep), self.graph_bytes.measuring(keep, "branch", len(rows), device):
+                            torch.set_grad_enabled(keep), \
+                            self.graph_bytes.measuring(keep, "branch", len(rows) * branch_len, device):
                         ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round,
                                           rows=len(rows))
                         inputs_of_row = self._step_inputs(

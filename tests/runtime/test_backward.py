@@ -234,7 +234,8 @@ def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
             assert_parity(batch_loss, backend, detached_batch_reference, model, *batch, tol=TOL)
         counts.append((seen.count(KEPT), seen.count(KEPT_BRANCH)))
     runner = backend.plans[-1].runner
-    assert runner.graph_bytes.measured["branch"] == planned["graph"] // 10  # one row per step: (after - before) / 1
+    # one row per step of 4 positions (R + 1): (after - before) per position
+    assert runner.graph_bytes.measured["branch"] == planned["graph"] // 10 / 4
     assert counts == [(3, 4), (6, 4)], counts
 
 
