@@ -206,24 +206,9 @@ def test_kept_graphs_are_counted_at_their_measured_bytes(monkeypatch):
     their measured bytes (a tenth of a planned graph) it keeps the second
     group's prompt and branches too, and the second call keeps every
     graph. Eager's gradients both times."""
-    from longstraw.runtime import kept_graphs
+    from helpers.kept_room import room_for_graphs
 
-    sized = pipeline.size_plan
-    planned = {}
-
-    def room_for_three(program, *args):
-        options, room = sized(program, *args)
-        planned["graph"] = room.graph_chunk
-        return options, KeptRoom(0, 3 * room.graph_chunk, room.graph_chunk)
-
-    held = [0]
-
-    def allocated(device):  # every step that keeps its graph leaves a tenth of a planned graph allocated
-        held[0] += planned["graph"] // 10
-        return held[0]
-
-    monkeypatch.setattr(pipeline, "size_plan", room_for_three)
-    monkeypatch.setattr(kept_graphs, "allocated", allocated)
+    planned = room_for_graphs(monkeypatch, 3)  # each kept step measured at a tenth of a planned graph
     fam = FAMILIES["qwen3"]
     model = fam.build()
     batch = make_batch([2, 2], P=13, R=3, vocab=model.config.vocab_size)

@@ -275,29 +275,12 @@ def test_planned_rows_follow_the_measured_graph_bytes(monkeypatch):
     step on the third, every graph kept. A new prompt length (a new plan
     of the same compiled loss) starts from what was measured: four rows
     at once at its first call. Eager's gradients every time."""
-    from longstraw.runtime import kept_graphs
-
     from helpers.compare import assert_close, assert_grads_close
     from helpers.harness import compiled_loss_and_grads
+    from helpers.kept_room import room_for_graphs
     from helpers.reference import eager_loss_and_grads
 
-    sized = pipeline.size_plan
-    planned = {}
-
-    def room_for_three(program, *args):
-        options, room = sized(program, *args)
-        planned.setdefault("graph", room.graph_chunk)  # the first plan's
-        spare = 3 * room.graph_chunk
-        return options, KeptRoom(0, spare, room.graph_chunk, room.step, spare)
-
-    held = [0]
-
-    def allocated(device):  # every step that keeps its graph leaves a tenth of a planned graph allocated
-        held[0] += planned["graph"] // 10
-        return held[0]
-
-    monkeypatch.setattr(pipeline, "size_plan", room_for_three)
-    monkeypatch.setattr(kept_graphs, "allocated", allocated)
+    planned = room_for_graphs(monkeypatch, 3)  # each kept step measured at a tenth of the first plan's graph
     fam = FAMILIES["qwen3"]
     model = fam.build()
     backend = longstraw.Backend(prefix_chunk_size=4, memory_budget_gb=100.0, verify_state=True)

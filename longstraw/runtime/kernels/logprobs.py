@@ -26,9 +26,12 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+
+from longstraw.runtime.carry import recompute_grads
+from longstraw.runtime.prompt_state import has_values
 
 _ROWS_PER_BLOCK_ELEMENTS = 1 << 26  # elements of one block of the PyTorch path's float32 temporaries (256 MB)
+_COMPUTE_DTYPE = torch.float32  # whatever the logits' dtype, as TRL computes (its losses and metrics read float32)
 
 
 @functools.cache
@@ -45,15 +48,9 @@ def _fused(logits: torch.Tensor) -> Callable | None:
     """The fused kernel where it applies to `logits` (CUDA, 16- or 32-bit, values, TRL installed)."""
     if logits.device.type != "cuda" or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    if isinstance(logits, FakeTensor):
+    if not has_values(logits):
         return None
     return _triton_kernel()
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """float32 whatever the logits' dtype, as TRL computes (its losses and metrics read float32)."""
-    del logits
-    return torch.float32
 
 
 def _blocks(logits: torch.Tensor) -> list[tuple[int, int]]:
@@ -63,12 +60,11 @@ def _blocks(logits: torch.Tensor) -> list[tuple[int, int]]:
     return [(s, min(size, rows - s)) for s in range(0, rows, size)]
 
 
-def _statistics(z: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(log-prob of `index`, entropy, log-normaliser, expected logit) of rows of logits `z` (at temperature)."""
+def _softmax(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-normaliser, probabilities, expected logit) of rows of logits `z` (at temperature)."""
     log_z = torch.logsumexp(z, dim=-1)
     p = torch.exp(z - log_z[:, None])
-    expected = (p * z).sum(-1)
-    return z.gather(-1, index[:, None]).squeeze(-1) - log_z, log_z - expected, log_z, expected
+    return log_z, p, (p * z).sum(-1)
 
 
 @torch.library.custom_op("longstraw::logprobs_and_entropy", mutates_args=())
@@ -82,23 +78,23 @@ def logprobs_and_entropy(
     if fused is not None:
         logps, entropy = fused(logits, index, temperature, mask)
         return logps, entropy
-    compute = _compute_dtype(logits)
+    compute = _COMPUTE_DTYPE
     flat, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
     logps = torch.zeros(flat_index.shape, dtype=compute, device=logits.device)
     entropy = torch.zeros_like(logps)
     for start, length in _blocks(logits):
-        z = flat.narrow(0, start, length).to(compute) / temperature
-        lp, ent, _, _ = _statistics(z, flat_index.narrow(0, start, length))
-        logps.narrow(0, start, length).copy_(lp)
-        entropy.narrow(0, start, length).copy_(ent)
+        rows = slice(start, start + length)
+        z = flat[rows].to(compute) / temperature
+        log_z, _, expected = _softmax(z)
+        logps[rows] = z.gather(-1, flat_index[rows, None]).squeeze(-1) - log_z
+        entropy[rows] = log_z - expected
     zero = torch.zeros((), dtype=compute, device=logits.device)
     return torch.where(mask, logps.view(index.shape), zero), torch.where(mask, entropy.view(index.shape), zero)
 
 
 @logprobs_and_entropy.register_fake
 def _(logits, index, mask, temperature):
-    compute = _compute_dtype(logits)
-    return index.new_empty(index.shape, dtype=compute), index.new_empty(index.shape, dtype=compute)
+    return index.new_empty(index.shape, dtype=_COMPUTE_DTYPE), index.new_empty(index.shape, dtype=_COMPUTE_DTYPE)
 
 
 @torch.library.custom_op("longstraw::logprobs_and_entropy_backward", mutates_args=())
@@ -108,7 +104,7 @@ def logprobs_and_entropy_backward(
 ) -> torch.Tensor:
     """d(logits) [..., V] (logits' dtype) from the gradients of both outputs,
     in PyTorch; zero on masked rows."""
-    compute = _compute_dtype(logits)
+    compute = _COMPUTE_DTYPE
     flat, flat_index = logits.reshape(-1, logits.shape[-1]), index.reshape(-1)
     real = mask.reshape(-1)
     g_lp, g_ent = grad_logps.reshape(-1).to(compute), grad_entropy.reshape(-1).to(compute)
@@ -117,8 +113,7 @@ def logprobs_and_entropy_backward(
         rows = slice(start, start + length)
         z = flat[rows].to(compute) / temperature
         idx = flat_index[rows]
-        _, _, log_z, expected = _statistics(z, idx)
-        p = torch.exp(z - log_z[:, None])
+        _, p, expected = _softmax(z)
         # d logp / dz = onehot - p;  d entropy / dz = p * (E[z] - z);  dz / dlogits = 1 / T
         block = -g_lp[rows, None] * p + g_ent[rows, None] * p * (expected[:, None] - z)
         block.scatter_add_(-1, idx[:, None], g_lp[rows, None])
@@ -147,15 +142,12 @@ def _backward(ctx, grad_logps, grad_entropy):
         return None, None, None, None
     fused = _fused(logits)
     if fused is not None:
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_(True)
-            outs = [(o, g) for o, g in zip(fused(leaf, index, ctx.temperature, mask), (grad_logps, grad_entropy))
-                    if g is not None]
-            (grad,) = torch.autograd.grad([o for o, _ in outs], [leaf], [g for _, g in outs])
+        (grad,) = recompute_grads(lambda leaf: fused(leaf, index, ctx.temperature, mask), [logits],
+                                  [grad_logps, grad_entropy], [True])
         return grad, None, None, None
     zeros = None
     if grad_logps is None or grad_entropy is None:
-        zeros = torch.zeros(index.shape, dtype=_compute_dtype(logits), device=logits.device)
+        zeros = torch.zeros(index.shape, dtype=_COMPUTE_DTYPE, device=logits.device)
     grad = torch.ops.longstraw.logprobs_and_entropy_backward(
         logits, index, mask, ctx.temperature, zeros if grad_logps is None else grad_logps,
         zeros if grad_entropy is None else grad_entropy)

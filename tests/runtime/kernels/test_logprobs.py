@@ -44,7 +44,7 @@ def test_matches_the_pytorch_ops(which, block_elements, monkeypatch):
     entropy's under autograd to float64's rounding, at a temperature, with
     padding, one block or many, and with the entropy unused (its gradient None)."""
     monkeypatch.setattr(kernel, "_ROWS_PER_BLOCK_ELEMENTS", block_elements)
-    monkeypatch.setattr(kernel, "_compute_dtype", lambda logits: torch.float64)
+    monkeypatch.setattr(kernel, "_COMPUTE_DTYPE", torch.float64)
     logits, index, mask = _inputs()
     got, got_grad = _grads(logprobs_and_entropy, logits, index, mask, 0.7, which)
     want, want_grad = _grads(lambda *a: _eager(*a, dtype=torch.float64), logits, index, mask, 0.7, which)
