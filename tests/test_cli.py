@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from longstraw.cli import main
 
 from helpers.paths import REPO
@@ -41,6 +43,7 @@ def test_module_entry_point(tmp_path):
     assert "predicted peak" in result.stdout
 
 
+@pytest.mark.slow  # 14 s; CI plans one rank of context parallelism in tests/planning/test_planner.py
 def test_explain_plans_one_rank_of_a_context_parallel_run(capsys):
     """`--ranks 2`: the plan is one rank's, holding the larger share of the
     prompt state, so about twice the prompt fits the same budget."""

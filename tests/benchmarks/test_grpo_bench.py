@@ -417,6 +417,7 @@ def test_depth_bench_records_a_run_stopped_by_its_timeout(tmp_path, monkeypatch)
     assert set(run["steps"]) == {"capturing prompt chunk", "running branch"}
 
 
+@pytest.mark.slow  # 19 s; CI runs context parallelism itself in tests/parallel/test_context_parallel.py
 def test_context_parallel_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     """benchmarks/context_parallel_bench.py's smoke run (tiny shapes, two
     gloo processes on the CPU, chunks of 8 so both ranks hold some): the

@@ -217,11 +217,12 @@ DEEP = {
 }
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: context parallelism's rounds
 @pytest.mark.parametrize("kind, mode, recompute", [
     pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow), ("qwen3_5", "detached", False),
     pytest.param("qwen3", "exact", True, marks=pytest.mark.slow),  # the hybrid's case covers the extrapolation in CI
 ])
-def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, recompute, monkeypatch):
+def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, recompute, ranks, monkeypatch):
     """A model of six periods of identical layers is simulated at two and
     three (`longstraw.planning.depth`), each phase's peak extrapolated to the full
     depth: the same bytes as simulating every layer."""
@@ -241,12 +242,10 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
     monkeypatch.setattr(planner, "simulate_phases", simulate)
     model = memory_model(report.group_plan)
     device = torch.device("cpu")
-    for ranks in (1, 2):  # also one rank's steps of two (context parallelism's rounds)
-        simulated.clear()
-        extrapolated = model.simulated_peak(mode, 32, recompute, device, None, ranks)
-        assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
-        plan = report.group_plan
-        assert extrapolated == simulation.simulate_step(plan.program, plan.options, mode, 32, recompute, device, None, ranks)
+    extrapolated = model.simulated_peak(mode, 32, recompute, device, None, ranks)
+    assert simulated == [2 * depth.period, 3 * depth.period]  # two and three periods, no fallback to the whole depth
+    plan = report.group_plan
+    assert extrapolated == simulation.simulate_step(plan.program, plan.options, mode, 32, recompute, device, None, ranks)
 
 
 @pytest.mark.parametrize("kind, mode, recompute", [
