@@ -29,15 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
-import tempfile
 
 import torch
 
-from grpo.loop import add_loop_arguments, loop_start, run_loops
+from grpo.loop import add_loop_arguments, isolated_run, loop_start, run_loops
 from grpo.measure import Clock, plans_made, recorded_failure, release, timed_step
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
@@ -101,21 +97,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def isolated_run(P: int, mode: str, clock: Clock) -> dict:
-    """`run_mode` in a process of its own: this script with `--in-process`
-    for one P and one mode, its result read back."""
-    with tempfile.TemporaryDirectory() as scratch:
-        # the same arguments, the run's own given after them (argparse keeps an option's last value)
-        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--in-process", "--P", str(P),
-                   "--modes", mode, "--out-dir", scratch, "--name", "one", "--budget-s", str(int(clock.left()))]
-        done = subprocess.run(command, timeout=clock.left() + 30, env=os.environ.copy())
-        path = os.path.join(scratch, "one.json")
-        if done.returncode != 0 or not os.path.exists(path):
-            return {"mode": mode, "P": P, "ok": False, "error": f"the run's process exited with {done.returncode}"}
-        with open(path) as f:
-            return json.load(f)["runs"][0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_loop_arguments(parser, modes=LOOP_MODES, P="8192,32768,131072", G=8, R=1024, steps=20, name="length_loop_bench")
@@ -131,7 +112,7 @@ def main() -> None:
     if args.in_process:
         run = lambda P, mode: run_mode(model, mode, P, args, model.config.vocab_size, model.device)  # noqa: E731
     else:
-        run = lambda P, mode: isolated_run(P, mode, clock)  # noqa: E731
+        run = lambda P, mode: isolated_run(__file__, P, mode, clock)[0]  # noqa: E731
     run_loops(args, modes, result, stem, clock, run, table)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.loop import isolated_run
 from grpo.measure import Clock, phase_seconds, plans_made, recorded_failure, release, steps_named, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
@@ -208,6 +209,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke run of the script)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="step_profile")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every model, P and mode in this process (by default each runs in its own, so "
+                             "what a run that ran out of memory leaves on the device does not shrink the next "
+                             "run's plan)")
     args = parser.parse_args()
     clock = Clock(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -219,15 +224,22 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
     report: list[str] = []
+    result["isolated"] = not args.in_process
     for kind in args.model.split(","):
-        model = build_model(kind, args.tiny, dtype, device)
-        model.config.use_cache = False
+        model = build_model(kind, args.tiny, dtype, device) if args.in_process else None
+        if model is not None:
+            model.config.use_cache = False
         for P in (int(p) for p in args.P.split(",")):
             for mode in args.modes.split(","):
                 if clock.left() < 20:
                     result["runs"].append({"model": kind, "mode": mode, "P": P, "ok": False, "error": "time budget"})
                     continue
-                run = profile_mode(model, kind, mode, P, args, report)
+                if model is not None:
+                    run = profile_mode(model, kind, mode, P, args, report)
+                else:
+                    run, text = isolated_run(__file__, P, mode, clock, model=kind)
+                    run.setdefault("model", kind)
+                    report.append(text)
                 result["runs"].append(run)
                 print(table([run]).splitlines()[-1], flush=True)
                 with open(stem + ".json", "w") as f:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -74,3 +77,25 @@ def run_loops(args: argparse.Namespace, modes: Sequence[str], result: dict, stem
     with open(stem + ".md", "w") as f:
         f.write(table(result) + "\n")
     print(table(result))
+
+
+def isolated_run(script: str, P: int, mode: str, clock: Clock, model: str | None = None) -> tuple[dict, str]:
+    """One P and one mode of `script` in a process of its own (the script
+    again with `--in-process`, its other arguments as given), so what one
+    run leaves on the device (an out-of-memory peer's tensors, cuDNN's
+    plans) does not reach the next run's planner: the run's record and the
+    text it wrote beside it (`<name>.txt`, "" where none)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        # the same arguments, the run's own given after them (argparse keeps an option's last value)
+        command = [sys.executable, os.path.abspath(script), *sys.argv[1:], "--in-process", "--P", str(P),
+                   "--modes", mode, "--out-dir", scratch, "--name", "one", "--budget-s", str(int(clock.left()))]
+        if model is not None:
+            command += ["--model", model]
+        done = subprocess.run(command, timeout=clock.left() + 30, env=os.environ.copy())
+        path = os.path.join(scratch, "one.json")
+        if done.returncode != 0 or not os.path.exists(path):
+            return {"mode": mode, "P": P, "ok": False, "error": f"the run's process exited with {done.returncode}"}, ""
+        with open(path) as f:
+            run = json.load(f)["runs"][0]
+        text = os.path.join(scratch, "one.txt")
+        return run, (Path(text).read_text() if os.path.exists(text) else "")

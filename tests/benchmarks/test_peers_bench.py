@@ -94,7 +94,7 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
 
     argv = ["step_profile.py", "--tiny", "--P", "48", "--G", "2", "--R", "8", "--modes", "longstraw_exact,prefix_grouper",
             "--options", '{"keep_graphs": true, "recompute_layers": false, "prefix_chunk_size": 16}', "--top", "3",
-            "--new-length", "--out-dir", str(tmp_path), "--name", "profile"]
+            "--new-length", "--in-process", "--out-dir", str(tmp_path), "--name", "profile"]
     monkeypatch.setattr(sys, "argv", argv)
     step_profile.main()
     runs = {run["mode"]: run for run in json.loads((tmp_path / "profile.json").read_text())["runs"]}
