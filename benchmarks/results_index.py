@@ -89,6 +89,13 @@ SUPERSEDED: dict[str, Supersession] = {
     "grpo_bench_glm5_f_h200": Supersession("grpo_bench_glm5_h_h200", "same command after TF32 products"),
     "length_loop_gated_h100": Supersession(
         "length_loop_strided_h100", "the gate keyed on strides too, each mode in its own process"),
+    "length_loop_strided_h100": Supersession(
+        "length_loop_templates_h100", "same loop at 8K, 32K and 128K with values read off symbolic templates, "
+        "flash below 65,536 keys and step graphs' code generated at their first run"),
+    "step_profile_peers_dense_h100": Supersession(
+        "step_profile_peers_rows_h100", "every peer again from 2K to 16K with the rows at their measured bytes; "
+        "its 32K exact step stands (the later run's planned for memory an out-of-memory peer left held)",
+        partly=True),
     "step_profile_rows_h100": Supersession(
         "step_profile_planned_h100", "the exact and prefix-grouper steps again, with the rows' fused attention, "
         "kept graphs at their measured bytes and the rows giving way to kept graphs", partly=True),
@@ -469,6 +476,44 @@ def step_profiles(runs: dict[str, Result], before: str, stems: list[str]) -> lis
     return lines
 
 
+EVERY_LENGTH_MODES = ("longstraw_exact", "longstraw_detached", "prefix_grouper", "trl_ckpt")
+
+
+def every_length(runs: dict[str, Result], stems: list[str], invalid: set[tuple[str, str, int]]) -> list[str]:
+    """Warm step and peak per prompt length and peer, each cell from the
+    last of `stems` that ran it, except the runs `invalid` names
+    (stem, mode, P); an out-of-memory run says so."""
+    cells: dict[tuple[str, int], str] = {}
+    for stem in stems:
+        for r in runs[stem]["runs"]:
+            if (stem, r["mode"], r["P"]) in invalid or r["mode"] not in EVERY_LENGTH_MODES:
+                continue
+            if r.get("ok"):
+                cells[r["mode"], r["P"]] = f"{r['warm_s']:.3f} s ({gb(r['peak_gb'])})"
+            elif r.get("oom"):
+                cells[r["mode"], r["P"]] = "out of memory"
+    lengths = sorted({P for _, P in cells})
+    lines = ["| P | " + " | ".join(PEERS_MODES[m] for m in EVERY_LENGTH_MODES) + " |",
+             "|---|" + "---|" * len(EVERY_LENGTH_MODES)]
+    for P in lengths:
+        lines.append(f"| {count(P)} | " + " | ".join(cells.get((m, P), "-") for m in EVERY_LENGTH_MODES) + " |")
+    return lines
+
+
+def length_loop(runs: dict[str, Result], stem: str) -> list[str]:
+    """Per mode and P: the warm step at P, the mean step of the loop of new lengths, and their ratio."""
+    lines = ["| P | mode | warm step at P | mean step of the loop | loop / warm | plans (s) | Dynamo compiles |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs[stem]["runs"]:
+        label = PEERS_MODES[r["mode"]]
+        if not r.get("ok"):
+            lines.append(f"| {count(r['P'])} | {label} | {'out of memory' if r.get('oom') else 'failed'} | - | - | - | - |")
+            continue
+        lines.append(f"| {count(r['P'])} | {label} | {r['warm_s']:.2f} s | {r['loop_mean_s']:.2f} s | "
+                     f"{r['loop_over_warm']:.2f}x | {r['plans']} ({r['plan_s']:.1f}) | {r['dynamo_graphs']} |")
+    return lines
+
+
 def depth(runs: dict[str, Result], stems: list[str]) -> list[str]:
     """One row per file: its largest P run."""
     lines = ["| mode | P | peak | floor (weights + grads + state (+ d(state))) | seconds (whole call) |",
@@ -505,8 +550,9 @@ def state(runs: dict[str, Result], stem: str) -> list[str]:
 
 
 PAGE_TABLES: dict[str, tuple[str, ...]] = {
-    "README": ("grpo-dense", "depth", "index"),
-    "benchmarks": ("grpo-dense", "depth", "grpo-glm5", "state-bytes", "peers", "step-profile"),
+    "README": ("grpo-dense", "every-length", "length-loop", "depth", "index"),
+    "benchmarks": ("grpo-dense", "every-length", "length-loop", "depth", "grpo-glm5", "state-bytes", "peers",
+                   "step-profile"),
 }
 """Which tables each page holds (README.md, docs/benchmarks.md), by marker name."""
 
@@ -518,6 +564,10 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
     glm5 = [f"grpo_bench_glm5_{n}_h200" for n in "acegh"]
     return {
         "grpo-dense": "\n".join(grpo_dense(runs, dense, 32768)),
+        # the later run's exact step at 32K planned for what an out-of-memory peer left held (its note)
+        "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100"],
+                                                {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
+        "length-loop": "\n".join(length_loop(runs, "length_loop_templates_h100")),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
         "grpo-glm5": "\n".join(grpo_glm5(runs, glm5, 3072)),
         "state-bytes": "\n".join(state(runs, "state_bytes")),
