@@ -94,8 +94,7 @@ SUPERSEDED: dict[str, Supersession] = {
         "flash below 65,536 keys and step graphs' code generated at their first run"),
     "step_profile_peers_dense_h100": Supersession(
         "step_profile_peers_rows_h100", "every peer again from 2K to 16K with the rows at their measured bytes; "
-        "its 32K exact step stands (the later run's planned for memory an out-of-memory peer left held)",
-        partly=True),
+        "its 32K exact step is `step_profile_exact32k_h100`, in a process of its own", partly=True),
     "step_profile_rows_h100": Supersession(
         "step_profile_planned_h100", "the exact and prefix-grouper steps again, with the rows' fused attention, "
         "kept graphs at their measured bytes and the rows giving way to kept graphs", partly=True),
@@ -565,7 +564,8 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
     return {
         "grpo-dense": "\n".join(grpo_dense(runs, dense, 32768)),
         # the later run's exact step at 32K planned for what an out-of-memory peer left held (its note)
-        "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100"],
+        "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
+                                                       "step_profile_exact32k_h100"],
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
         "length-loop": "\n".join(length_loop(runs, "length_loop_templates_h100")),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
