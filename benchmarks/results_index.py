@@ -549,7 +549,7 @@ def state(runs: dict[str, Result], stem: str) -> list[str]:
 
 
 PAGE_TABLES: dict[str, tuple[str, ...]] = {
-    "README": ("grpo-dense", "every-length", "length-loop", "depth", "index"),
+    "README": ("grpo-dense", "every-length", "depth", "index"),
     "benchmarks": ("grpo-dense", "every-length", "length-loop", "depth", "grpo-glm5", "state-bytes", "peers",
                    "step-profile"),
 }
