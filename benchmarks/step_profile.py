@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from grpo.loop import isolated_run
-from grpo.measure import Clock, phase_seconds, plans_made, recorded_failure, release, steps_named, sync, timed_step
+from grpo.measure import Clock, dynamo_compiles, phase_seconds, plans_made, recorded_failure, release, steps_named, sync, timed_step
 from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
@@ -86,13 +86,13 @@ def split_call(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> dict:
     planning (`GroupPlan.seconds` of the plans it made) and the rest (running
     the step)."""
     torch._dynamo.utils.clear_compilation_metrics()  # a bounded record: cleared, not counted from
-    with plans_made(runner) as plans:
+    with plans_made(runner) as plans, dynamo_compiles() as compiles:
         seconds = timed_step(runner, batch)
-    compiles = torch._dynamo.utils.get_compilation_metrics()
-    dynamo = sum(m.entire_frame_compile_time_s or 0.0 for m in compiles)
+    metrics = torch._dynamo.utils.get_compilation_metrics()
     planning = sum(p.seconds.total for p in plans if p.seconds is not None)
-    return {"s": seconds, "dynamo_compiles": len(compiles), "dynamo_s": dynamo, "plans": len(plans),
-            "plan_s": planning, "run_s": seconds - dynamo - planning}
+    return {"s": seconds, "dynamo_compiles": compiles["compiles"], "dynamo_s": compiles["seconds"],
+            "dynamo_metrics_s": sum(m.entire_frame_compile_time_s or 0.0 for m in metrics), "plans": len(plans),
+            "plan_s": planning, "run_s": seconds - compiles["seconds"] - planning}
 
 
 def plan_of(runner: PeerRunner) -> dict:

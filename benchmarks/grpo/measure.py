@@ -76,6 +76,34 @@ def timed_step(runner, batch) -> float:
 
 
 @contextlib.contextmanager
+def dynamo_compiles() -> Iterator[dict[str, float]]:
+    """Dynamo's compiles inside: how many (`counters`' unique graphs) and
+    their wall seconds (between the compile callbacks Dynamo runs around each
+    outermost compile). Not `get_compilation_metrics`: where logging the
+    metrics fails (it did on the H100's torch 2.11), it records nothing."""
+    from torch._dynamo.callback import callback_handler
+
+    out = {"compiles": 0, "seconds": 0.0}
+    started: list[float] = []
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def start(_args) -> None:
+        started.append(time.perf_counter())
+
+    def end(_args) -> None:
+        out["seconds"] += time.perf_counter() - started.pop()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield out
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+        out["compiles"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+@contextlib.contextmanager
 def plans_made(runner) -> Iterator[list]:
     """The LongStraw plans the calls inside make (`GroupPlan`s; none for a
     peer without a LongStraw backend), filled in on exit. By identity: the
