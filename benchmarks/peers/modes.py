@@ -7,6 +7,7 @@ differs is how the per-token log-probs of the completions are computed:
 
   trl_eager           trl.GRPOTrainer: one forward over the n_prompts x G rows [prompt; completion]
   trl_ckpt            the same with gradient checkpointing (GRPOConfig's default), non-reentrant
+                      (both: a hybrid's Gated DeltaNet on fla's kernels where they run, `gated_delta`)
   prefix_grouper      prefix-grouper 0.0.1.post1: one packed row per prompt [prompt, c_1 .. c_G],
                       attention through its transformers attention function over SDPA
   longstraw_detached  longstraw.integrations.trl.LongStrawGRPOTrainer, prompt_grad="detached"
@@ -15,6 +16,7 @@ differs is how the per-token log-probs of the completions are computed:
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from typing import Any
 
@@ -33,6 +35,7 @@ from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 from longstraw.integrations.trl import LongStrawGRPOTrainer
 
 from .batch import EOS_ID, PAD_ID
+from .gated_delta import hopper_safe_gated_delta
 
 PEERS = ("trl_eager", "trl_ckpt", "prefix_grouper", "longstraw_detached", "longstraw_exact")
 PG_ATTENTION = "prefix_grouper_attention"  # the name prefix-grouper registers its attention under
@@ -127,6 +130,9 @@ class PeerRunner:
     def __enter__(self) -> PeerRunner:
         model = self.model
         self._dir = tempfile.TemporaryDirectory()
+        self._contexts = contextlib.ExitStack()
+        if self.mode.startswith("trl"):  # HF's hybrid layers on fla's kernels, as LongStraw's steps run them
+            self._contexts.enter_context(hopper_safe_gated_delta())
         config = GRPOConfig(output_dir=self._dir.name, per_device_train_batch_size=self.rows, num_generations=self.G,
                             steps_per_generation=1, max_completion_length=self.R, beta=0.0, bf16=False,
                             use_cpu=model.device.type == "cpu", gradient_checkpointing=False, report_to="none",
@@ -158,6 +164,7 @@ class PeerRunner:
         if self.mode == "prefix_grouper":
             model.set_attn_implementation("sdpa")
         self.trainer = None
+        self._contexts.close()
         self._dir.cleanup()
         torch._dynamo.reset()
 

@@ -157,3 +157,61 @@ def test_hybrid_peers_compute_trls_loss_and_gradients():
     # HF's norms round through float32 in both (as in the family tests, 1e-6 there at their smaller
     # shapes); here the Gated DeltaNet gate's projection gathers 1.04e-6 of it over 24 prompt positions
     assert compare(got, want)["max_rel_l2"] < 2e-6, compare(got, want)
+
+
+def test_trl_modes_call_hf_s_gated_delta_where_fla_does_not_apply():
+    """The peers' Hopper-safe Gated DeltaNet (`peers.gated_delta`) stands in
+    for HF's function during TRL's modes only, and off CUDA calls HF's own
+    (here TRL's eager step on the hybrid slice, HF's function recorded)."""
+    import importlib
+
+    from peers import gated_delta
+
+    module = importlib.import_module(gated_delta.HF_MODULES[0])
+    hf = module.torch_chunk_gated_delta_rule
+    calls = []
+    module.torch_chunk_gated_delta_rule = lambda *a, **k: calls.append(1) or hf(*a, **k)
+    try:
+        model = build_model("hybrid", True, torch.float64, CPU)
+        batch = trl_micro_batch(N_PROMPTS, G, P, R, model.config.vocab_size, CPU)
+        with PeerRunner(model, "trl_eager", N_PROMPTS * G, G, R) as runner:
+            assert module.torch_chunk_gated_delta_rule.__name__ == "chunk_gated_delta_rule"  # the drop-in
+            runner.step(batch)
+        assert calls and module.torch_chunk_gated_delta_rule.__name__ == "<lambda>"  # restored on exit
+    finally:
+        module.torch_chunk_gated_delta_rule = hf
+
+
+@pytest.mark.gpu
+def test_hopper_safe_gated_delta_matches_the_reference():
+    """On CUDA in bf16: fla's forward and LongStraw's backward through HF's
+    call signature give the float64 reference's output and input gradients
+    (`gated_delta_rule_reference`), within fla's own forward error."""
+    from peers import gated_delta
+
+    from longstraw.runtime.kernels import fla_gated_delta
+    from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
+
+    if fla_gated_delta.fla_ops() is None:
+        pytest.fail("flash-linear-attention is not installed: this test checks its kernels")
+    gen = torch.Generator().manual_seed(0)
+    B, L, Hk, Hv, D = 2, 1000, 2, 4, 64
+    bf16 = lambda *s: torch.randn(*s, generator=gen).cuda().bfloat16()  # noqa: E731
+    q, k, v = bf16(B, L, Hk, D), bf16(B, L, Hk, D), bf16(B, L, Hv, D)
+    g = (-torch.rand(B, L, Hv, generator=gen) * 0.2).cuda()
+    beta = torch.rand(B, L, Hv, generator=gen).cuda().bfloat16()
+    grad_out = bf16(B, L, Hv, D)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    fallback = lambda *a, **kw: pytest.fail("HF's function ran where fla applies")  # noqa: E731
+    out, state = gated_delta.drop_in(fallback)(*inputs[:3], g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True)
+    assert state is None
+    got = torch.autograd.grad(out, inputs, grad_out)
+    exact = [x.detach().double().requires_grad_() for x in inputs]
+    zero = torch.zeros(B, Hv, D, D, dtype=torch.float64, device="cuda")
+    want_out, _ = gated_delta_rule_reference(*exact, zero, True)
+    want = torch.autograd.grad(want_out, exact, grad_out.double())
+    error = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    forward = error(out, want_out)
+    assert forward < 3e-2
+    for name, a, b in zip("qkvgb", got, want):
+        assert error(a, b) < max(3e-2, 10 * forward), name
