@@ -225,6 +225,7 @@ class LatentAttentionPass(ArchitecturePass):
     overrides = ("causal_attention",)
     runs_rounds = True  # `round_attention` over `LatentKeys`, the own keys `[latent | rope key]`
     branch_graphs_kept = True  # the backward reads the state before the step only (`latent_attention._keys`)
+    branches_batched = True  # `latent_attention_step` runs a batched step's rows one by one over the state
 
     def claims(self, node: fx.Node) -> bool:
         return mla_of(node) is not None
@@ -268,5 +269,18 @@ def latent_attention_step(
 ) -> torch.Tensor:
     """Absorbed causal attention of the step's queries `q` [1, H, n, dn + dr]
     over positions `[0, o + n)` of the latent and the rope key; returns
-    [1, H, n, dv] like the SDPA it replaces."""
+    [1, H, n, dv] like the SDPA it replaces. A step of several branch rows
+    (`StepContext.rows`, `q` [rows, H, n, dn + dr]) runs each row as a
+    one-row step: a row's own latent and rope key come from the arguments,
+    never from the state's buffers (`latent_attention._keys`), so the rows
+    share the prompt's state and nothing else; the layer's other operators
+    ran on all rows at once."""
+    if ctx.rows > 1:
+        one = dataclasses.replace(ctx, rows=1)
+        latent_rows, rope_rows = ctx.state.slots[latent_slot].batch_dim, ctx.state.slots[rope_slot].batch_dim
+        return torch.cat([
+            absorbed_attention(one, q.narrow(0, j, 1), latent.narrow(latent_rows, j, 1),
+                               rope_key.narrow(rope_rows, j, 1), weight, latent_slot, rope_slot, nope_dim, scale)
+            for j in range(ctx.rows)
+        ])
     return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale)
