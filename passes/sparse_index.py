@@ -209,6 +209,7 @@ class SparseLatentAttentionPass(ArchitecturePass):
     overrides = ("causal_attention",)
     runs_rounds = True  # `_round_topk`, then `latent_attention._RoundLatentOverSelection`
     branch_graphs_kept = True  # the selection is made in the forward; the backward reads earlier keys only
+    branches_batched = True  # `sparse_latent_attention_step` runs a batched step's rows one by one over the state
 
     def claims(self, node: fx.Node) -> bool:
         return selected_by_topk(node)
@@ -447,7 +448,23 @@ def sparse_latent_attention_step(
     k: int,
 ) -> torch.Tensor:
     """The step's DSA: select (no gradient, as eager's indexer), then absorbed
-    MLA over the selected positions only; returns [1, H, n, dv] like the SDPA."""
+    MLA over the selected positions only; returns [1, H, n, dv] like the SDPA.
+    A step of several branch rows (`StepContext.rows`) runs each row as a
+    one-row step, selecting among the prompt's index keys and its own (from
+    the arguments, as its latent and rope key)."""
+    if ctx.rows > 1:
+        one = dataclasses.replace(ctx, rows=1)
+        slots = ctx.state.slots
+        row_dims = (0, slots[latent_slot].batch_dim, slots[rope_slot].batch_dim, None, 0,
+                    slots[index_slot].batch_dim, 0)  # q, latent, rope key, weight (shared), index query, key, weights
+        kwargs = dict(latent_slot=latent_slot, rope_slot=rope_slot, index_slot=index_slot, nope_dim=nope_dim,
+                      scale=scale, index_scale=index_scale, k=k)
+        inputs = (q, latent, rope_key, weight, index_query, index_key, weights)
+        return torch.cat([
+            sparse_latent_attention_step(one, *(x if d is None else x.narrow(d, j, 1) for x, d in zip(inputs, row_dims)),
+                                         **kwargs)
+            for j in range(ctx.rows)
+        ])
     with torch.no_grad():
         selection = select_topk(ctx, index_query, index_key, weights, index_slot, index_scale, k)
     selected = (selection.positions, selection.valid)

@@ -78,6 +78,7 @@ def run_batch(family: str, sizes: list[int], **options) -> list[str]:
     # latent attention (MLA): kept graphs of several rows, and replayed layer by layer (exact mode: the
     # detached reference here holds keys and values constant, MLA's detached mode its latent state)
     ("deepseek_v3", [3, 2], 3, "exact", True, False),
+    ("glm_moe_dsa", [3, 2], 3, "exact", True, False),  # and DSA's selection
     pytest.param("deepseek_v3", [3, 2], 2, "exact", False, True, marks=pytest.mark.slow),
 ])
 def test_branch_rows_match_eager(family, sizes, rows, mode, keep, recompute):
@@ -207,10 +208,14 @@ def test_dropout_is_replayed_for_the_rows_of_a_step():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), "a step of two rows replayed differently"
 
 
-def test_passes_that_read_one_row_run_one_row_per_step(caplog):
-    """GLM-5's sparse attention (DSA) reads its state for one row per step
-    (`ArchitecturePass.branches_batched`): asked for three rows, the plan
-    runs one and says why, in the log and in its summary."""
+def test_passes_that_read_one_row_run_one_row_per_step(caplog, monkeypatch):
+    """A pass that keeps `ArchitecturePass.branches_batched` False (a pass
+    of your own until a parity test shows its rows; here the built-in
+    sparse attention, switched off): asked for three rows, the plan runs
+    one and says why, in the log and in its summary."""
+    from longstraw.passes.sparse_index import SparseLatentAttentionPass
+
+    monkeypatch.setattr(SparseLatentAttentionPass, "branches_batched", False)
     with caplog.at_level(logging.WARNING, logger="longstraw.runtime.runner"):
         seen = run_batch("glm_moe_dsa", [3], branch_rows=3)
     assert BATCHED not in phases(seen) and phases(seen).count(ONE_ROW) == 3
@@ -218,13 +223,14 @@ def test_passes_that_read_one_row_run_one_row_per_step(caplog):
                for r in caplog.records)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "glm_moe_dsa"])
 def test_latent_attention_runs_steps_of_several_rows(family):
-    """Latent attention (MLA: DeepSeek-V3, and Kimi Linear beside its delta
-    rule) in steps of several rows, each row over the prompt's latent state
-    with its own latent from the step's arguments
-    (`passes.mla.latent_attention_step`): eager's loss and gradients, two
-    groups in steps of two rows and one, NaN-filled memory."""
+    """Latent attention (MLA: DeepSeek-V3, Kimi Linear beside its delta
+    rule; with DSA's selection: GLM-5) in steps of several rows, each row
+    over the prompt's latent (and index) state with its own from the step's
+    arguments (`passes.mla.latent_attention_step`,
+    `passes.sparse_index.sparse_latent_attention_step`): eager's loss and
+    gradients, two groups in steps of two rows and one, NaN-filled memory."""
     seen = run_batch(family, [3, 2], branch_rows=2, recompute_layers=False)
     assert phases(seen).count(BATCHED) == 2, family
 
