@@ -138,13 +138,14 @@ H200_SWEEPS = {
 }
 
 
-def test_the_plan_reports_branch_rows_from_the_room():
+def test_the_plan_reports_branch_rows_from_the_room(monkeypatch):
     """With a budget and `branch_rows=None`, as many rows per branch step as
     the room beside the peak holds at one branch's graph per row beyond the
     first, as the runner decides (`kept_graphs.rows_per_step`); where graphs
     may be kept, the rows give way to them (one row per step where the
     rows' room would keep graphs over fewer positions) and, where both fit,
-    the graphs kept come out of what is left. MLA's steps hold one row."""
+    the graphs kept come out of what is left. MLA's steps hold rows too,
+    and a pass that does not declare `branches_batched` holds one."""
     report = longstraw.explain(grpo_loss_f64, make_model("qwen3"), *make_group(2, 20, 4))
     sized = {"prefix_chunk_size": 8, "recompute_layers": False, "prompt_grad": "detached"}
     base = report.plan(P=64, G=6, **sized)
@@ -158,6 +159,10 @@ def test_the_plan_reports_branch_rows_from_the_room():
     table = report.plan(P=64, G=6, budget_gb=(base.peak + 3 * graph + graph // 2) / 1e9, **sized).table()
     assert "branch steps: 2 of up to 4 rows for 6 branches" in table
     latent = longstraw.explain(grpo_loss_f64, FAMILIES["deepseek_v3"].build(), *make_group(2, 20, 4))
+    assert latent.plan(P=64, G=6, budget_gb=1000.0, **sized).kept.rows == 6
+    from longstraw.passes.mla import LatentAttentionPass
+
+    monkeypatch.setattr(LatentAttentionPass, "branches_batched", False)
     assert latent.plan(P=64, G=6, budget_gb=1000.0, **sized).kept.rows == 1
 
 
