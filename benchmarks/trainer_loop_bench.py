@@ -40,6 +40,7 @@ from transformers import TrainerCallback
 from grpo.loop import add_loop_arguments, loop_start, run_loops
 from grpo.measure import Clock, recorded_failure, sync, synced
 from longstraw.integrations.trl import LongStrawGRPOTrainer
+from peers.gated_delta import hopper_safe_gated_delta
 
 MODES = ("trl_ckpt", "longstraw_exact")
 PARTS = ("generation", "scoring", "loss", "backward", "other")
@@ -102,7 +103,9 @@ def run_mode(model, mode: str, P: int, args) -> dict:
     out: dict = {"mode": mode, "P": P}
     rows = args.prompts * args.G
     clock = StepClock()
-    with recorded_failure(out, model), tempfile.TemporaryDirectory() as folder:
+    # TRL's modes: a hybrid's Gated DeltaNet on fla's kernels where they run (`peers.gated_delta`)
+    hf_layers = hopper_safe_gated_delta() if mode.startswith("trl") else contextlib.nullcontext()
+    with recorded_failure(out, model), tempfile.TemporaryDirectory() as folder, hf_layers:
         config = trl.GRPOConfig(output_dir=folder, per_device_train_batch_size=rows, num_generations=args.G,
                                 max_completion_length=args.R, max_steps=args.steps, beta=0.0, bf16=False,
                                 use_cpu=model.device.type == "cpu", gradient_checkpointing=mode == "trl_ckpt",
