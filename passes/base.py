@@ -238,3 +238,18 @@ class CarryPass(ArchitecturePass):
 
         step.__name__ = step.__qualname__ = f"{self.name}_step"
         return step
+
+
+def each_row_as_one_step(ctx: Any, step: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+                         row_dims: Sequence[int | None], **constants: Any) -> torch.Tensor:
+    """A step of several branch rows (`StepContext.rows`) run as one-row
+    steps of `step`: row j of each input (narrowed along its `row_dims`
+    entry; None: shared by the rows, a weight), the outputs concatenated
+    along dim 0. For a claimed operator whose one-row step reads the row's
+    own positions from its arguments, never from the state's buffers (which
+    hold one row), so the rows share the prompt's state and nothing else."""
+    one = dataclasses.replace(ctx, rows=1)
+    return torch.cat([
+        step(one, *(x if d is None else x.narrow(d, j, 1) for x, d in zip(inputs, row_dims)), **constants)
+        for j in range(ctx.rows)
+    ])

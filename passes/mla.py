@@ -41,7 +41,7 @@ from longstraw.runtime.kernels.latent_attention import absorbed_attention
 from longstraw.runtime.prompt_state import StepContext
 from longstraw.trace.functionalize import is_updated
 
-from .base import ArchitecturePass, SiteState, StepEmitter
+from .base import ArchitecturePass, SiteState, StepEmitter, each_row_as_one_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +276,8 @@ def latent_attention_step(
     share the prompt's state and nothing else; the layer's other operators
     ran on all rows at once."""
     if ctx.rows > 1:
-        one = dataclasses.replace(ctx, rows=1)
-        latent_rows, rope_rows = ctx.state.slots[latent_slot].batch_dim, ctx.state.slots[rope_slot].batch_dim
-        return torch.cat([
-            absorbed_attention(one, q.narrow(0, j, 1), latent.narrow(latent_rows, j, 1),
-                               rope_key.narrow(rope_rows, j, 1), weight, latent_slot, rope_slot, nope_dim, scale)
-            for j in range(ctx.rows)
-        ])
+        slots = ctx.state.slots
+        return each_row_as_one_step(ctx, latent_attention_step, (q, latent, rope_key, weight),
+                                    (0, slots[latent_slot].batch_dim, slots[rope_slot].batch_dim, None),
+                                    latent_slot=latent_slot, rope_slot=rope_slot, nope_dim=nope_dim, scale=scale)
     return absorbed_attention(ctx, q, latent, rope_key, weight, latent_slot, rope_slot, nope_dim, scale)

@@ -47,7 +47,7 @@ from longstraw.parallel.shards import by_rank, gather_round, padded_to, shard_po
 from longstraw.runtime.kernels.latent_attention import absorbed_attention, flat_positions
 from longstraw.runtime.prompt_state import StepContext, has_values
 
-from .base import ArchitecturePass, SiteState, StepEmitter
+from .base import ArchitecturePass, SiteState, StepEmitter, each_row_as_one_step
 from .mla import latent_of
 
 INDEX_KEY_TILE = 4096  # at most this many keys scored at once
@@ -453,18 +453,12 @@ def sparse_latent_attention_step(
     one-row step, selecting among the prompt's index keys and its own (from
     the arguments, as its latent and rope key)."""
     if ctx.rows > 1:
-        one = dataclasses.replace(ctx, rows=1)
         slots = ctx.state.slots
-        row_dims = (0, slots[latent_slot].batch_dim, slots[rope_slot].batch_dim, None, 0,
-                    slots[index_slot].batch_dim, 0)  # q, latent, rope key, weight (shared), index query, key, weights
-        kwargs = dict(latent_slot=latent_slot, rope_slot=rope_slot, index_slot=index_slot, nope_dim=nope_dim,
-                      scale=scale, index_scale=index_scale, k=k)
-        inputs = (q, latent, rope_key, weight, index_query, index_key, weights)
-        return torch.cat([
-            sparse_latent_attention_step(one, *(x if d is None else x.narrow(d, j, 1) for x, d in zip(inputs, row_dims)),
-                                         **kwargs)
-            for j in range(ctx.rows)
-        ])
+        return each_row_as_one_step(
+            ctx, sparse_latent_attention_step, (q, latent, rope_key, weight, index_query, index_key, weights),
+            (0, slots[latent_slot].batch_dim, slots[rope_slot].batch_dim, None, 0, slots[index_slot].batch_dim, 0),
+            latent_slot=latent_slot, rope_slot=rope_slot, index_slot=index_slot, nope_dim=nope_dim, scale=scale,
+            index_scale=index_scale, k=k)
     with torch.no_grad():
         selection = select_topk(ctx, index_query, index_key, weights, index_slot, index_scale, k)
     selected = (selection.positions, selection.valid)

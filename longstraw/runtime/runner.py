@@ -154,11 +154,11 @@ class GroupRunner(BackwardPass):
         """Whether this runner's branch steps may hold several rows (`Options.branch_rows`)."""
         return one_row_reason(self.program, self.ranks is not None) is None and not self.sampled
 
-    def _rows_per_step(self, group: Group, room: int, branch_len: int) -> int:
-        """Branch rows per step for `group` (`kept_graphs.rows_per_step`)."""
+    def _rows_per_step(self, group: Group, room: int, row_bytes: int) -> int:
+        """Branch rows per step for `group` (`kept_graphs.rows_per_step`), a row beyond the first at `row_bytes`."""
         if not self.batches_branches:
             return 1
-        return rows_per_step(self.options.branch_rows, len(group.rows), room, self.graph_bytes.row(branch_len))
+        return rows_per_step(self.options.branch_rows, len(group.rows), room, row_bytes)
 
     @functools.cached_property
     def keeps_graphs(self) -> bool:
@@ -324,15 +324,15 @@ class GroupRunner(BackwardPass):
             if leaves is not None and self.options.prompt_grad == "exact" and any(
                     position in self.state_ancestors for position in leaves):
                 prompt_cost = self.graph_bytes.prompt(group.prefix_len, self.schedule(group.prefix_len).count)
-            per_step = self._rows_per_step(group, rows_room, branch_len)
+            row_bytes = self.graph_bytes.row(branch_len)  # one more row of a branch step
+            per_step = self._rows_per_step(group, rows_room, row_bytes)
             if leaves is not None and per_step > 1 and self.options.branch_rows is None:
                 branch = self.graph_bytes.branch(1, branch_len) if self.keeps_branch_graphs else None
-                beside = lambda rows: self._spending(  # noqa: E731
-                    kept, end, last, graph_room - (rows - 1) * self.graph_bytes.row(branch_len))
+                beside = lambda rows: self._spending(kept, end, last, graph_room - (rows - 1) * row_bytes)  # noqa: E731
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
                                           (group.prefix_len, branch_len))
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
-            room = graph_room - (per_step - 1) * self.graph_bytes.row(branch_len)
+            room = graph_room - (per_step - 1) * row_bytes
             spending = self._spending(kept, end, last, room) if leaves is not None else None
             prompt_graph = prompt_cost is not None and spending.take(prompt_cost)
             graph = [] if prompt_graph else None
