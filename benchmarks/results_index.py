@@ -92,6 +92,8 @@ SUPERSEDED: dict[str, Supersession] = {
     "length_loop_strided_h100": Supersession(
         "length_loop_templates_h100", "same loop at 8K, 32K and 128K with values read off symbolic templates, "
         "flash below 65,536 keys and step graphs' code generated at their first run"),
+    "length_loop_templates_h100": Supersession(
+        "length_loop20_h100", "the loop at the issue's 20 steps from 2K to 32K; its 128K rows stand", partly=True),
     "step_profile_peers_dense_h100": Supersession(
         "step_profile_peers_rows_h100", "every peer again from 2K to 16K with the rows at their measured bytes; "
         "its 32K exact step is `step_profile_exact32k_h100`, in a process of its own", partly=True),
@@ -499,16 +501,23 @@ def every_length(runs: dict[str, Result], stems: list[str], invalid: set[tuple[s
     return lines
 
 
-def length_loop(runs: dict[str, Result], stem: str) -> list[str]:
-    """Per mode and P: the warm step at P, the mean step of the loop of new lengths, and their ratio."""
-    lines = ["| P | mode | warm step at P | mean step of the loop | loop / warm | plans (s) | Dynamo compiles |",
-             "|---|---|---|---|---|---|---|"]
-    for r in runs[stem]["runs"]:
-        label = PEERS_MODES[r["mode"]]
-        if not r.get("ok"):
-            lines.append(f"| {count(r['P'])} | {label} | {'out of memory' if r.get('oom') else 'failed'} | - | - | - | - |")
+def length_loop(runs: dict[str, Result], stems: list[str]) -> list[str]:
+    """Per mode and P: the warm step at P, the mean step of the loop of new
+    lengths, and their ratio; a (mode, P) of several files from the first."""
+    lines = ["| P | mode | steps | warm step at P | mean step of the loop | loop / warm | plans (s) | Dynamo compiles |",
+             "|---|---|---|---|---|---|---|---|"]
+    seen = set()
+    rows = [(stem, r) for stem in stems for r in runs[stem]["runs"]]
+    for stem, r in sorted(rows, key=lambda sr: sr[1]["P"]):
+        if (r["mode"], r["P"]) in seen:
             continue
-        lines.append(f"| {count(r['P'])} | {label} | {r['warm_s']:.2f} s | {r['loop_mean_s']:.2f} s | "
+        seen.add((r["mode"], r["P"]))
+        label, steps = PEERS_MODES[r["mode"]], runs[stem]["steps"]
+        if not r.get("ok"):
+            lines.append(f"| {count(r['P'])} | {label} | {steps} | {'out of memory' if r.get('oom') else 'failed'} "
+                         "| - | - | - | - |")
+            continue
+        lines.append(f"| {count(r['P'])} | {label} | {steps} | {r['warm_s']:.2f} s | {r['loop_mean_s']:.2f} s | "
                      f"{r['loop_over_warm']:.2f}x | {r['plans']} ({r['plan_s']:.1f}) | {r['dynamo_graphs']} |")
     return lines
 
@@ -567,7 +576,7 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
         "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
                                                        "step_profile_exact32k_h100"],
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
-        "length-loop": "\n".join(length_loop(runs, "length_loop_templates_h100")),
+        "length-loop": "\n".join(length_loop(runs, ["length_loop20_h100", "length_loop_templates_h100"])),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
         "grpo-glm5": "\n".join(grpo_glm5(runs, glm5, 3072)),
         "state-bytes": "\n".join(state(runs, "state_bytes")),
