@@ -75,13 +75,12 @@ def test_segments_are_contiguous_and_follow_the_layers():
     assert layer_nodes and {ids[n] for n in layer_nodes} == {2}
 
 
-def _activations(layers: int, recompute: bool, mode: str) -> int:
+def _activations(layers: int, mode: str) -> dict[bool, int]:
+    """Simulated activations without and with recomputation, from one trace."""
     torch._dynamo.reset()
     model = make_plain(num_layers=layers, hidden_size=64, intermediate_size=256)
-    report = longstraw.explain(
-        grpo_loss_f64, model, *make_group(2, 65, 64), options={"prefix_chunk_size": 32, "recompute_layers": recompute}
-    )
-    return report.plan(P=65, G=2, R=64, prompt_grad=mode).activations
+    report = longstraw.explain(grpo_loss_f64, model, *make_group(2, 65, 64), options={"prefix_chunk_size": 32})
+    return {rc: report.plan(P=65, G=2, R=64, prompt_grad=mode, recompute_layers=rc).activations for rc in (False, True)}
 
 
 @pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
@@ -89,7 +88,7 @@ def test_what_a_replay_holds_stops_growing_with_depth(mode):
     """Simulated peak of a step under autograd, 2 against 8 layers: without
     recomputation every layer's activations stay; with it only each layer's
     input (the residual stream, 64 x 64 x 8 bytes per layer here) does."""
-    held = {(layers, rc): _activations(layers, rc, mode) for layers in (2, 8) for rc in (False, True)}
+    held = {(layers, rc): held for layers in (2, 8) for rc, held in _activations(layers, mode).items()}
     grow = held[8, False] - held[2, False]
     grow_rc = held[8, True] - held[2, True]
     residual = 64 * 64 * 8
