@@ -69,19 +69,20 @@ def test_length_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "loop.json").read_text())["isolated"]
 
 
-def test_kept_graphs_through_trl_give_trls_gradients():
-    """LongStraw exact and detached with `keep_graphs=True` through TRL's
-    `compute_loss`: exact gives TRL's gradients, detached its own."""
+# detached mode's kept graphs against its replays: tests/runtime/test_backward.py in CI
+@pytest.mark.parametrize("mode", ["longstraw_exact", pytest.param("longstraw_detached", marks=pytest.mark.slow)])
+def test_kept_graphs_through_trl_give_trls_gradients(mode):
+    """LongStraw with `keep_graphs=True` through TRL's `compute_loss`:
+    exact gives TRL's gradients, detached its own (replayed) ones."""
     model = build_model("dense", True, torch.float64, CPU)
     batch = trl_micro_batch(N_PROMPTS, G, P, R, model.config.vocab_size, CPU)
-    for mode in ("longstraw_exact", "longstraw_detached"):
-        want_loss, want = loss_and_grads(model, "trl_eager" if mode == "longstraw_exact" else mode, batch)
-        with PeerRunner(model, mode, N_PROMPTS * G, G, R, {"keep_graphs": True, "prefix_chunk_size": 8,
-                                                            "recompute_layers": False}) as runner:
-            loss = runner.step(batch)
-            assert runner.trainer.longstraw_backend.plans[-1].runner.keeps_branch_graphs
-        torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
-        assert compare(grads_of(model), want)["max_rel_l2"] < 1e-6, mode
+    want_loss, want = loss_and_grads(model, "trl_eager" if mode == "longstraw_exact" else mode, batch)
+    with PeerRunner(model, mode, N_PROMPTS * G, G, R, {"keep_graphs": True, "prefix_chunk_size": 8,
+                                                        "recompute_layers": False}) as runner:
+        loss = runner.step(batch)
+        assert runner.trainer.longstraw_backend.plans[-1].runner.keeps_branch_graphs
+    torch.testing.assert_close(loss, want_loss, rtol=1e-9, atol=0)
+    assert compare(grads_of(model), want)["max_rel_l2"] < 1e-6, mode
 
 
 def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
