@@ -165,12 +165,12 @@ class StepCase:
 
 STEP_CASES = {
     # MLA's latent state is sharded by the same gathers as DSA's, whose case runs here (the latent one under -m slow)
-    2: [StepCase("dense", "detached"), StepCase("hybrid", "exact", prompts=(2, 3)), StepCase("dense", "exact", left=11),
+    2: [StepCase("dense", "detached"), StepCase("hybrid", "exact", prompts=(2, 3)),
+        # TRL's padding, and chunks of 8, 8, 8 and 5: the second round's are of unequal lengths (padded in its gathers)
+        StepCase("dense", "exact", P=30, left=11),
         StepCase("sparse", "exact"),
         # the full-depth configuration: layer-wise recomputation and attention outputs on the host, in rounds
-        StepCase("hybrid", "exact", layerwise=True, host=True),
-        # chunks of 8, 8, 8 and 5: the second round's are of unequal lengths (padded in its gathers)
-        StepCase("dense", "exact", P=30)],
+        StepCase("hybrid", "exact", layerwise=True, host=True)],
     # four rows over three ranks: two shadows in the second round of branches; each branch's outputs,
     # gathered, in its own row: a tail that tells the rows apart
     3: [StepCase("hybrid", "exact", G=4, coupled=True)],
@@ -188,7 +188,8 @@ SLOW_STEP_CASES = {
         # sliding windows, a reference policy and LoRA adapters: one-process parity covers each, and
         # CP's sharded attention and gathers are the same code as for the cases CI runs
         StepCase("window", "exact"), StepCase("dense", "exact", reference=True), StepCase("lora", "exact"),
-        StepCase("latent", "exact"), StepCase("dense", "exact", coupled=True)],
+        StepCase("latent", "exact"), StepCase("dense", "exact", coupled=True), StepCase("dense", "exact", left=11),
+        StepCase("dense", "exact", P=30)],
     3: [StepCase("sparse", "exact", G=4, coupled=True), StepCase("hybrid", "detached", P=29), StepCase("dense", "detached"), StepCase("dense", "exact", left=11), StepCase("latent", "exact"),
         StepCase("sparse", "exact"), StepCase("dense", "exact"), StepCase("hybrid", "exact", P=29)],
 }
