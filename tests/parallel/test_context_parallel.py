@@ -785,6 +785,9 @@ def _failure_worker(rank: int, world: int, port: int, out: str) -> None:
     except Exception as error:  # noqa: BLE001
         res["again"] = f"{type(error).__name__}: {error}"
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    store.add("saved", 1)
+    while rank == 0 and int(store.add("saved", 0)) < world:  # rank 0 holds the store: it leaves last
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("case", [  # CI: the backward's failure, which crosses the most collectives
