@@ -14,7 +14,6 @@ state (its Dynamo caches, its process groups).
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import socket
 
@@ -45,7 +44,7 @@ def spawn(worker, world: int, tmp_path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server first starts
+    mp.set_forkserver_preload(PRELOAD)  # read when the server first starts
     mp.start_processes(_in_environment, args=(worker, dict(os.environ), world, port, str(tmp_path)), nprocs=world,
                        join=True, start_method="forkserver")
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(world)]
