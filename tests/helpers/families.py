@@ -1,8 +1,9 @@
 """The HF causal-LM families LongStraw claims, and the ones it refuses.
 
 One registry drives the differential suite (`tests/models/test_families.py`) and the
-README's "supported and refused" table (`python tests/helpers/families.py` rewrites
-it; `test_readme_table_is_generated_from_the_registry` keeps them in step).
+table of supported and refused families in docs/models.md and its summary in the README
+(`python tests/helpers/families.py` rewrites both; `test_family_tables_are_generated_from_the_registry`
+keeps them in step).
 A family is either supported, proven by float64 parity against eager in both
 modes, or refused with a message the suite matches: nothing in between. A
 refused family's `fix` is the message's advice as code, which the suite
@@ -409,12 +410,13 @@ REFUSED = [
 
 FAMILIES = {f.name: f for f in SUPPORTED + REFUSED}
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README, MODELS_DOC = ROOT / "README.md", ROOT / "docs" / "models.md"
 _START, _END = "<!-- families:start -->", "<!-- families:end -->"
 
 
-def readme_table() -> str:
-    """The README's table, from the registry."""
+def family_table() -> str:
+    """docs/models.md's table, from the registry: every family with its status and notes."""
     rows = ["| family | status | notes |", "|---|---|---|"]
     for f in SUPPORTED:
         rows.append(f"| {f.name} | supported | {f.note} |")
@@ -423,18 +425,30 @@ def readme_table() -> str:
     return "\n".join(rows)
 
 
-def readme_section(text: str) -> str:
-    """The table between the README's markers."""
+def family_summary() -> str:
+    """The README's short form of the table: the names, by status."""
+    supported = ", ".join(f"`{f.name}`" for f in SUPPORTED)
+    refused = ", ".join(f"`{f.name}`" for f in REFUSED)
+    return (f"Supported ({len(SUPPORTED)}): {supported}.\n\n"
+            f"Refused with a tested message ({len(REFUSED)}): {refused}.")
+
+
+GENERATED = {README: family_summary, MODELS_DOC: family_table}
+
+
+def generated_section(text: str) -> str:
+    """What stands between a document's family markers."""
     _, start, rest = text.partition(_START)
     body, end, _ = rest.partition(_END)
     if not start or not end:
-        raise ValueError(f"README.md has no {_START} ... {_END} section")
+        raise ValueError(f"no {_START} ... {_END} section")
     return body.strip("\n")
 
 
 if __name__ == "__main__":
-    text = README.read_text()
-    head, _, rest = text.partition(_START)
-    _, _, tail = rest.partition(_END)
-    README.write_text(f"{head}{_START}\n{readme_table()}\n{_END}{tail}")
-    print(f"rewrote the families table in {README}", file=sys.stderr)
+    for path, render in GENERATED.items():
+        text = path.read_text()
+        head, _, rest = text.partition(_START)
+        _, _, tail = rest.partition(_END)
+        path.write_text(f"{head}{_START}\n{render()}\n{_END}{tail}")
+        print(f"rewrote the families section of {path}", file=sys.stderr)

@@ -21,7 +21,7 @@ import longstraw
 from longstraw.errors import NO_FIX
 
 from conftest import raises_longstraw
-from helpers.families import FAMILIES, README, REFUSED, SUPPORTED, readme_section, readme_table
+from helpers.families import FAMILIES, GENERATED, REFUSED, SUPPORTED, generated_section
 from helpers.harness import assert_parity
 from helpers.losses import grpo_loss_f64
 from helpers.parity import check_family, deterministic_algorithms
@@ -148,8 +148,9 @@ def test_every_family_is_claimed_once():
     assert set(CORE) <= {f.name for f in SUPPORTED}
 
 
-def test_readme_table_is_generated_from_the_registry():
-    assert readme_section(README.read_text()) == readme_table(), "run `python tests/helpers/families.py` to regenerate"
+@pytest.mark.parametrize("path", sorted(GENERATED), ids=lambda p: p.name)
+def test_family_tables_are_generated_from_the_registry(path):
+    assert generated_section(path.read_text()) == GENERATED[path](), "run `python tests/helpers/families.py`"
 
 
 def test_gpt2_with_one_response():
