@@ -4,9 +4,12 @@ LongStraw, per step split into generation, scoring and the loss.
 Per P and mode: `GRPOTrainer.train()` (TRL with gradient checkpointing, its
 default) or `LongStrawGRPOTrainer.train()` (exact) for `--steps` steps on
 `--prompts` random prompts per step of about P tokens (words of a
-word-level tokenizer over the model's vocabulary, lengths drawn from
-[7P/8, P]), G generations each of up to R tokens (HF `generate`, as TRL
-does without vLLM), a constant reward. Each step's time is split, with the
+word-level tokenizer over the model's vocabulary; one length per step,
+drawn from [7P/8, P], the dataset in order), G generations each of up to
+R tokens (HF `generate`, as TRL does without vLLM), a constant reward.
+A step's prompts share their length: HF's SDPA path builds an explicit
+`[B, 1, P, P]` mask for a left-padded batch, 61 GiB at 8 rows of 64K,
+which no trainer's generation survives. Each step's time is split, with the
 device synchronised at every boundary, into:
 
   generation  TRL's `_generate` (sampling the completions)
@@ -55,9 +58,14 @@ def word_tokenizer(vocab: int) -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
-def prompts(n: int, P: int, vocab: int, seed: int) -> list[str]:
+def prompts(steps: int, per_step: int, P: int, vocab: int, seed: int) -> list[str]:
+    """`per_step` prompts of one length for each of `steps` steps, in the order the steps read them."""
     draw = random.Random(seed)
-    return [" ".join(f"w{draw.randrange(2, vocab)}" for _ in range(draw.randint(7 * P // 8, P))) for _ in range(n)]
+    out = []
+    for _ in range(steps):
+        length = draw.randint(7 * P // 8, P)
+        out += [" ".join(f"w{draw.randrange(2, vocab)}" for _ in range(length)) for _ in range(per_step)]
+    return out
 
 
 def constant_reward(completions: list[str], **kwargs: object) -> list[float]:
@@ -110,8 +118,8 @@ def run_mode(model, mode: str, P: int, args) -> dict:
                                 max_completion_length=args.R, max_steps=args.steps, beta=0.0, bf16=False,
                                 use_cpu=model.device.type == "cpu", gradient_checkpointing=mode == "trl_ckpt",
                                 learning_rate=1e-7, logging_steps=1, report_to="none", save_strategy="no", seed=0,
-                                temperature=1.0)
-        dataset = Dataset.from_dict({"prompt": prompts(args.steps * args.prompts, P, vocab, P)})
+                                temperature=1.0, shuffle_dataset=False)
+        dataset = Dataset.from_dict({"prompt": prompts(args.steps, args.prompts, P, vocab, P)})
         trainer_cls, extra = trl.GRPOTrainer, {}
         if mode.startswith("longstraw"):
             trainer_cls, extra = LongStrawGRPOTrainer, {"longstraw_options": {"prompt_grad": "exact"}}
