@@ -289,10 +289,23 @@ def step_profile(r: Result) -> tuple[str, str]:
     return f"where one step's time goes ({r['n_prompts']} prompts x G = {r['G']}, R = {r['R']})", "; ".join(head)
 
 
+def trainer_loop_bench(r: Result) -> tuple[str, str]:
+    head = []
+    for run in r["runs"]:
+        if not run.get("ok"):
+            head.append(f"{run['mode']} {count(run['P'])}: " + ("OOM" if run.get("oom") else "failed"))
+            continue
+        mean = run["mean_s"]
+        head.append(f"{run['mode']} {count(run['P'])}: {mean['total']:.2f} s a step, loss + backward "
+                    f"{mean['loss'] + mean['backward']:.2f} s, peak {run['peak_gb']:.1f} GB")
+    return (f"`train()` with generation ({r['model']} slice, {r['n_prompts']} prompts x G = {r['G']}, R = {r['R']}, "
+            f"{r['steps']} steps): each step split into generation, scoring, loss and backward", "; ".join(head))
+
+
 # By the name of the script that writes the files.
 DESCRIBE: dict[str, Callable[[Result], tuple[str, str]]] = {f.__name__: f for f in (
     grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes,
-    planning_bench, length_loop_bench, step_profile)}
+    planning_bench, length_loop_bench, step_profile, trainer_loop_bench)}
 
 
 def describe(result: Result) -> tuple[str, str]:
