@@ -25,7 +25,9 @@ def compare(got: dict, want: dict) -> dict:
     for n in want:
         a, b = got[n].double().flatten(), want[n].double().flatten()
         rel[n] = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-        cos[n] = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+        # not `cosine_similarity`: its eps floors the norms, and a gradient of norm 1e-9 read as orthogonal
+        norms = a.norm() * b.norm()
+        cos[n] = (a @ b / norms).item() if norms > 0 else float(a.norm() == b.norm())
     worst = max(rel, key=rel.get)
     return {"max_rel_l2": rel[worst], "worst_parameter": worst, "min_cosine": min(cos.values()), "parameters": len(want)}
 

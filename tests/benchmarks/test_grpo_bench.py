@@ -477,3 +477,14 @@ def test_an_allocator_trace_is_replayed_to_its_peak():
     out = replayed([{"action": "alloc", "addr": 6, "size": 70, "frames": fla}], before=0)
     assert out["top"][0] == {"where": "chunk.py:7 backward <- runtime.py:40 step", "gb": 70 / GiB,
                              "stack": ["chunk.py:7 backward", "runtime.py:40 step"]}
+
+
+def test_cosine_of_small_gradients_is_not_floored():
+    """A gradient of norm 1e-9 equal to its reference has cosine 1 (torch's
+    `cosine_similarity` floors the norms at 1e-8 and read such pairs as near
+    orthogonal); zero against zero counts as equal, zero against not as 0."""
+    g = torch.randn(64, dtype=torch.float64) * 1e-9
+    same = compare({"w": g, "z": torch.zeros(3)}, {"w": g.clone(), "z": torch.zeros(3)})
+    assert same["min_cosine"] == pytest.approx(1.0) and same["max_rel_l2"] == 0.0
+    assert compare({"w": -g}, {"w": g})["min_cosine"] == pytest.approx(-1.0)
+    assert compare({"z": torch.zeros(3)}, {"z": torch.ones(3)})["min_cosine"] == 0.0
