@@ -302,10 +302,25 @@ def trainer_loop_bench(r: Result) -> tuple[str, str]:
             f"{r['steps']} steps): each step split into generation, scoring, loss and backward", "; ".join(head))
 
 
+def verl_bench(r: Result) -> tuple[str, str]:
+    head = []
+    for mode, sweep in r["sweep"].items():
+        ok = [run for run in sweep["runs"] if run.get("ok")]
+        if not ok:
+            head.append(f"{mode}: " + ("OOM" if any(run.get("oom") for run in sweep["runs"]) else "failed")
+                        + f" at {count(sweep['runs'][0]['P'])}")
+            continue
+        last = ok[-1]
+        head.append(f"{mode}: largest P {count(last['P'])} ({sweep['limited_by']}), warm update {last['warm_s']:.2f} s, "
+                    f"peak {last['peak_gb']:.1f} GB")
+    return (f"verl's FSDP2 actor update, its engine against LongStraw's ({r['model']} slice, 2 prompts x G = {r['G']}, "
+            f"R = {r['R']}, flash_attn {'on' if r.get('flash_attn') else 'off'})", "; ".join(head))
+
+
 # By the name of the script that writes the files.
 DESCRIBE: dict[str, Callable[[Result], tuple[str, str]]] = {f.__name__: f for f in (
     grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes,
-    planning_bench, length_loop_bench, step_profile, trainer_loop_bench)}
+    planning_bench, length_loop_bench, step_profile, trainer_loop_bench, verl_bench)}
 
 
 def describe(result: Result) -> tuple[str, str]:
