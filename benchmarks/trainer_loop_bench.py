@@ -31,7 +31,7 @@ import contextlib
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import transformers
@@ -79,6 +79,7 @@ class StepClock(TrainerCallback):
         self.steps: list[dict[str, float]] = []
         self.current: dict[str, float] = {}
         self.start = 0.0
+        self.failed_in: str | None = None  # the innermost part an exception left, if one did
 
     def on_step_begin(self, args, state, control, **kwargs):
         sync()
@@ -90,8 +91,14 @@ class StepClock(TrainerCallback):
         self.current["other"] = total - sum(self.current[p] for p in PARTS if p != "other")
         self.steps.append({"total": total, **self.current})
 
-    def part(self, name: str) -> contextlib.AbstractContextManager:
-        return synced(lambda seconds: self.current.__setitem__(name, self.current[name] + seconds))
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        try:
+            with synced(lambda seconds: self.current.__setitem__(name, self.current[name] + seconds)):
+                yield
+        except BaseException:
+            self.failed_in = self.failed_in or name
+            raise
 
     def timing(self, fn: Callable, name: str, less: tuple[str, ...] = ()) -> Callable:
         """`fn` timed into `name`, less the parts timed inside it (`less`)."""
@@ -143,6 +150,8 @@ def run_mode(model, mode: str, P: int, args) -> dict:
         model.__dict__.pop("forward", None)  # TRL's fused LM head patches the instance's forward
         if mode == "trl_ckpt":
             model.gradient_checkpointing_disable()
+    if not out.get("ok"):  # where it stopped: the part (generation, loss, ...) and the steps finished before
+        out.update(failed_in=clock.failed_in, steps_done=len(clock.steps), steps=clock.steps)
     torch._dynamo.reset()
     return out
 
@@ -152,7 +161,9 @@ def table(result: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for run in result["runs"]:
         if not run.get("ok"):
-            lines.append(f"| {run['mode']} | {run['P']:,} | {'OOM' if run.get('oom') else 'failed'} | - | - | - | - | - | - | - |")
+            where = f" in {run['failed_in']} of step {run['steps_done'] + 1}" if run.get("failed_in") else ""
+            lines.append(f"| {run['mode']} | {run['P']:,} | {'OOM' if run.get('oom') else 'failed'}{where} | - | - | - | - | - "
+                         f"| - | - |")
             continue
         mean = run["mean_s"]
         lines.append(f"| {run['mode']} | {run['P']:,} | {run['first_step_s']:.2f} | {mean['total']:.2f} | "

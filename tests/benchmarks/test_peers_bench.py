@@ -143,6 +143,37 @@ def test_trainer_loop_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     assert "| longstraw_exact | 40 |" in (tmp_path / "loop.md").read_text()
 
 
+def test_trainer_loop_bench_records_where_a_run_stopped(tmp_path, monkeypatch):
+    """A run that fails (here generation running out of memory at the
+    second step) is recorded with the part it failed in and the steps it
+    finished; a step's prompts share one length (no padded generation batch)."""
+    import json
+
+    import trainer_loop_bench
+
+    drawn = trainer_loop_bench.prompts(3, 2, 40, 64, seed=1)
+    lengths = [len(p.split()) for p in drawn]
+    assert len(lengths) == 6 and all(lengths[i] == lengths[i + 1] for i in range(0, 6, 2))
+    assert all(35 <= n <= 40 for n in lengths)
+    generate = trainer_loop_bench.LongStrawGRPOTrainer._generate
+    calls = []
+
+    def failing_generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 10.57 GiB (simulated)")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_loop_bench.LongStrawGRPOTrainer, "_generate", failing_generate)
+    argv = ["trainer_loop_bench.py", "--tiny", "--P", "40", "--R", "6", "--steps", "2", "--modes", "longstraw_exact",
+            "--out-dir", str(tmp_path), "--name", "loop"]
+    monkeypatch.setattr(sys, "argv", argv)
+    trainer_loop_bench.main()
+    (run,) = json.loads((tmp_path / "loop.json").read_text())["runs"]
+    assert not run["ok"] and run["oom"] and run["failed_in"] == "generation" and run["steps_done"] == 1, run
+    assert "| longstraw_exact | 40 | OOM in generation of step 2 |" in (tmp_path / "loop.md").read_text()
+
+
 def test_hybrid_peers_compute_trls_loss_and_gradients():
     """peers_bench --model hybrid: LongStraw exact through TRL on the Qwen3.5
     hybrid slice (Gated DeltaNet and full attention, left-padded prompts)
