@@ -9,7 +9,7 @@ drawn from [7P/8, P], the dataset in order), G generations each of up to
 R tokens (HF `generate`, as TRL does without vLLM), a constant reward.
 A step's prompts share their length: HF's SDPA path builds an explicit
 `[B, 1, P, P]` mask for a left-padded batch, 61 GiB at 8 rows of 64K,
-which no trainer's generation survives. Each step's time is split, with the
+where both trainers' generation ran out of memory on an 80 GB card. Each step's time is split, with the
 device synchronised at every boundary, into:
 
   generation  TRL's `_generate` (sampling the completions)
