@@ -486,6 +486,7 @@ def _left_in_cycles(run) -> tuple[int, list[str]]:
     that `run()` (Python's cyclic collector off) left in reference cycles."""
     from longstraw.planning.simulation import without_cyclic_gc
 
+    gc.collect()  # what earlier tests left in cycles is not this step's
     with without_cyclic_gc():
         run()
         gc.set_debug(gc.DEBUG_SAVEALL)  # before the collector is back on: nothing of the step is freed unseen
