@@ -118,9 +118,17 @@ class SpanGraphs:
             for _ in range(2):  # warm-up off the graph: library handles, workspaces, lazy initialisation
                 run()
         torch.cuda.current_stream().wait_stream(side)
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        before = generator.clone_state()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            grads = run()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                grads = run()
+        except BaseException:
+            # a capture that fails ends before the device's generator leaves its capture state,
+            # and every later random draw on the device would then be refused
+            generator.graphsafe_set_state(before)
+            raise
         return _Captured(graph, static, grads)
 
 

@@ -228,7 +228,7 @@ def hybrid_detached_reference(model, prompt, responses, advantages, mask):
     layer, 0, so HF would number them from 0), the cache under the name the
     model takes (`cache_params` for Mamba-2 alone)."""
     G, P, R = responses.shape[0], prompt.shape[0], responses.shape[1]
-    positions = torch.arange(P - 1, P - 1 + R)
+    positions = torch.arange(P - 1, P - 1 + R, device=prompt.device)
 
     def run():
         cache = {}

@@ -206,8 +206,14 @@ def test_hybrid_on_cuda_with_and_without_graphs(mode, monkeypatch):
 @pytest.mark.gpu
 def test_a_span_that_cannot_be_captured_names_the_option():
     """A carried operator whose kernel synchronises with the host cannot be
-    captured: the error says so and how to run it eagerly."""
+    captured: the error says so and how to run it eagerly, and the device's
+    random generator still draws afterwards (a failed capture left it in its
+    capture state, and every later `torch.randn` on the device raised)."""
     state, x = torch.randn(1, 4, device="cuda"), torch.randn(1, 8, 4, device="cuda")
     fn = lambda carry, x: (x * float(x.sum()), carry + x[:, -1])  # noqa: E731 - float(): a host synchronisation
     with pytest.raises(longstraw.LongStrawError, match="cuda_graphs"):
         carry.SpanGraphs().grads("syncs", fn, [state, x], [torch.ones_like(x), None], [False, True])
+    torch.manual_seed(0)
+    first = torch.randn(3, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(torch.randn(3, device="cuda"), first)
