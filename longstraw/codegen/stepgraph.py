@@ -286,7 +286,8 @@ class _StepBuilder:
             classes = {c for d in an.dims_of(t) for c in an.classes(d)} if t not in leaves else set()
             if {row_cls, col_cls} <= classes or any(i in tiled for i in t.all_input_nodes):
                 tiled.add(t)
-        vectors = list(dict.fromkeys(i for t in tiled for i in t.all_input_nodes if i not in tiled))
+        # in graph order: a tile graph's inputs, and so a step's code, are the same at every plan
+        vectors = list(dict.fromkeys(i for t in tree.nodes if t in tiled for i in t.all_input_nodes if i not in tiled))
 
         saved = self.graph, self.sizing, self.env
         full_env = {leaf: saved[2][original] for leaf, original in leaves.items()}
