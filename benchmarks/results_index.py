@@ -317,10 +317,20 @@ def verl_bench(r: Result) -> tuple[str, str]:
             f"R = {r['R']}, flash_attn {'on' if r.get('flash_attn') else 'off'})", "; ".join(head))
 
 
+def gpu_tests(r: Result) -> tuple[str, str]:
+    counts: dict[str, int] = {}
+    for test in r["tests"].values():
+        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+    head = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
+    bad = [name.split("::")[-1] for name, test in r["tests"].items() if test["outcome"] in ("failed", "error")]
+    return (f"the GPU-marked tests of {', '.join(r['paths'])}",
+            head + (f" ({', '.join(bad)})" if bad else "") + (", stopped by its budget" if r["stopped_by_budget"] else ""))
+
+
 # By the name of the script that writes the files.
 DESCRIBE: dict[str, Callable[[Result], tuple[str, str]]] = {f.__name__: f for f in (
     grpo_bench, depth_bench, context_parallel_bench, peers_bench, attention_bench, gpu_smoke, state_bytes,
-    planning_bench, length_loop_bench, step_profile, trainer_loop_bench, verl_bench)}
+    planning_bench, length_loop_bench, step_profile, trainer_loop_bench, verl_bench, gpu_tests)}
 
 
 def describe(result: Result) -> tuple[str, str]:
