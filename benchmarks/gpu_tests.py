@@ -84,7 +84,8 @@ def table(result: dict) -> str:
     counts: dict[str, int] = {}
     for test in result["tests"].values():
         counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
-    lines = ["| " + " | ".join(counts) + " |", "|" + " ---: |" * len(counts), "| " + " | ".join(map(str, counts.values())) + " |"]
+    lines = ["| " + " | ".join(counts) + " |", "|" + " ---: |" * len(counts),
+             "| " + " | ".join(map(str, counts.values())) + " |"]
     lines += [f"- {name}: {test['outcome']}" + (f" ({test['error']})" if test.get("error") else "")
               for name, test in result["tests"].items() if test["outcome"] not in ("passed", "skipped")]
     return "\n".join(lines)
@@ -97,12 +98,13 @@ def main() -> None:
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="gpu_tests")
     args = parser.parse_args()
-    argv = ["python", "benchmarks/gpu_tests.py", *["benchmarks/results" if a == args.out_dir else a for a in sys.argv[1:]]]
+    argv = ["python", "benchmarks/gpu_tests.py",
+            *["benchmarks/results" if a == args.out_dir else a for a in sys.argv[1:]]]
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
     tests, stopped = run(args.paths, args.budget_s, stem + ".log")
-    result = {**provenance(" ".join(argv)), "paths": args.paths, "budget_s": args.budget_s, "stopped_by_budget": stopped,
-              "tests": tests}
+    result = {**provenance(" ".join(argv)), "paths": args.paths, "budget_s": args.budget_s,
+              "stopped_by_budget": stopped, "tests": tests}
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     print(table(result))
