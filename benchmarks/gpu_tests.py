@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 from grpo.results import provenance
 
@@ -81,9 +82,7 @@ def run(paths: list[str], budget_s: float, log_path: str) -> tuple[dict[str, dic
 
 
 def table(result: dict) -> str:
-    counts: dict[str, int] = {}
-    for test in result["tests"].values():
-        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+    counts = Counter(test["outcome"] for test in result["tests"].values())
     lines = ["| " + " | ".join(counts) + " |", "|" + " ---: |" * len(counts),
              "| " + " | ".join(map(str, counts.values())) + " |"]
     lines += [f"- {name}: {test['outcome']}" + (f" ({test['error']})" if test.get("error") else "")

@@ -33,6 +33,7 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -318,9 +319,7 @@ def verl_bench(r: Result) -> tuple[str, str]:
 
 
 def gpu_tests(r: Result) -> tuple[str, str]:
-    counts: dict[str, int] = {}
-    for test in r["tests"].values():
-        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+    counts = Counter(test["outcome"] for test in r["tests"].values())
     head = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
     bad = [name.split("::")[-1] for name, test in r["tests"].items() if test["outcome"] in ("failed", "error")]
     return (f"the GPU-marked tests of {', '.join(r['paths'])}",
