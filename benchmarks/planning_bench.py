@@ -10,8 +10,10 @@ to the model) is compiled with `backend="longstraw"` and planned, not run
 same draws as length_loop_bench's). Per call it records the wall time
 (Dynamo's compile included where one happens), whether Dynamo compiled,
 and the plan's seconds split into specialisation, analysis and memory
-(`GroupPlan.seconds`). The memory stage simulates nothing on the meta
-device, so its share here is the planner's arithmetic alone.
+(`GroupPlan.seconds`), and how many full collections of Python's
+garbage collector ran in it (each walks every object Dynamo left in the
+process). The memory stage simulates nothing on the meta device, so its
+share here is the planner's arithmetic alone.
 
     python benchmarks/planning_bench.py --model dense --steps 12 --out-dir $OUT --name planning_bench_dense_cpu
 
@@ -21,6 +23,7 @@ writes `<out-dir>/<name>.json` and `<name>.md`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -47,6 +50,22 @@ def trl_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ad
     return -((torch.exp(logp - logp.detach()) * advantages[:, None]) * weight).sum() / weight.sum()
 
 
+class FullCollections:
+    """Counts the garbage collector's full (generation 2) collections and their seconds."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+
 def plan_loop(args: argparse.Namespace) -> list[dict]:
     model = build_model(args.model, args.tiny, torch.bfloat16, torch.device("meta"))
     model.config.use_cache = False
@@ -54,10 +73,13 @@ def plan_loop(args: argparse.Namespace) -> list[dict]:
     backend.stop_after_planning = True
     compiled = torch.compile(trl_loss, backend=backend)
     calls = []
+    collections = FullCollections()
+    gc.callbacks.append(collections)
     for lengths, R in loop_lengths(args.P, args.R, args.prompts, args.steps, args.seed):
         batch = trl_micro_batch(args.prompts, args.G, max(lengths), R, model.config.vocab_size, torch.device("cpu"),
                                 lengths=lengths)
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        count, spent = collections.count, collections.seconds
         start = time.perf_counter()
         try:
             compiled(model, *(batch[k].to("meta") for k in KEYS))
@@ -67,10 +89,13 @@ def plan_loop(args: argparse.Namespace) -> list[dict]:
         calls.append({"prompt_lengths": lengths, "R": R, "wall_s": time.perf_counter() - start,
                       "dynamo_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames,
                       "plan_s": seconds.total, "specialize_s": seconds.specialize, "analysis_s": seconds.analysis,
-                      "memory_s": seconds.memory})
+                      "memory_s": seconds.memory, "full_collections": collections.count - count,
+                      "full_collection_s": collections.seconds - spent})
         print(f"  P {lengths} R {R}: {calls[-1]['wall_s']:.2f} s, plan {seconds.total:.2f} s "
-              f"(specialize {seconds.specialize:.2f}, analysis {seconds.analysis:.2f}, memory {seconds.memory:.3f})"
+              f"(specialize {seconds.specialize:.2f}, analysis {seconds.analysis:.2f}, memory {seconds.memory:.3f}), "
+              f"{calls[-1]['full_collections']} full collections"
               f"{', Dynamo compiled' if calls[-1]['dynamo_compiled'] else ''}", flush=True)
+    gc.callbacks.remove(collections)
     return calls
 
 
@@ -78,12 +103,16 @@ def table(result: dict) -> str:
     calls = result["calls"]
     planned = [c for c in calls if not c["dynamo_compiled"]]
     mean = sum(c["plan_s"] for c in planned) / max(len(planned), 1)
-    lines = ["| calls | Dynamo compiles | their wall s | plan s per new length (mean) | specialise | analysis | memory |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    wall = sum(c["wall_s"] for c in planned) / max(len(planned), 1)
+    lines = ["| calls | Dynamo compiles | their wall s | plan s per new length (mean) | specialise | analysis | memory "
+             "| wall s per new length (mean, max) | full collections in them (s) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     compiles = [c for c in calls if c["dynamo_compiled"]]
     part = {k: sum(c[k] for c in planned) / max(len(planned), 1) for k in ("specialize_s", "analysis_s", "memory_s")}
     lines.append(f"| {len(calls)} | {len(compiles)} | {sum(c['wall_s'] for c in compiles):.2f} | {mean:.2f} | "
-                 f"{part['specialize_s']:.2f} | {part['analysis_s']:.2f} | {part['memory_s']:.3f} |")
+                 f"{part['specialize_s']:.3f} | {part['analysis_s']:.3f} | {part['memory_s']:.3f} | "
+                 f"{wall:.3f}, {max((c['wall_s'] for c in planned), default=0):.3f} | "
+                 f"{sum(c['full_collections'] for c in planned)} ({sum(c['full_collection_s'] for c in planned):.2f}) |")
     return "\n".join(lines)
 
 

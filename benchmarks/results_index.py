@@ -265,7 +265,10 @@ def planning_bench(r: Result) -> tuple[str, str]:
     return (f"host cost of new prompt lengths ({r['model']} slice on the meta device, {r['mode']}): Dynamo's compiles "
             f"and the plan per new length",
             f"{len(compiles)} Dynamo compiles in {len(r['calls'])} calls ({sum(c['wall_s'] for c in compiles):.1f} s), "
-            f"then {mean:.2f} s of planning per new length")
+            f"then {mean:.2f} s of planning per new length" + (
+                f" ({sum(c['wall_s'] for c in planned) / max(len(planned), 1):.3f} s a call, "
+                f"{sum(c['full_collections'] for c in planned)} full garbage collections in them)"
+                if planned and "full_collections" in planned[0] else ""))
 
 
 def length_loop_bench(r: Result) -> tuple[str, str]:

@@ -21,4 +21,5 @@ def test_new_lengths_plan_without_recompiling():
     for call in calls:
         assert call["plan_s"] > 0
         assert abs(call["specialize_s"] + call["analysis_s"] + call["memory_s"] - call["plan_s"]) < 1e-9
-    assert "| 4 | 2 |" in table({"calls": calls})
+        assert call["full_collections"] >= 0 and call["full_collection_s"] <= call["wall_s"]
+    assert "| 4 | 2 |" in table({"calls": calls}) and "full collections" in table({"calls": calls})
