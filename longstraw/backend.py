@@ -33,7 +33,7 @@ from longstraw.errors import LongStrawError, UnsupportedGraphError, module_path,
 from longstraw.options import Options
 from longstraw.pass_registry import active_passes
 from longstraw.passes import ArchitecturePass
-from longstraw.pipeline import PIPELINE, Planning
+from longstraw.pipeline import Planning, run_pipeline
 from longstraw.planning.planner import Simulations
 from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.runtime.autograd_boundary import GroupFunction
@@ -357,8 +357,7 @@ class CompiledGroupLoss:
         `on_unsupported` like any other."""
         planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations, self.kept_bytes)
         try:
-            for stage in PIPELINE:
-                planning = stage.apply(planning)
+            planning = run_pipeline(planning)
             spent = dict(planning.seconds)
             seconds = PlanSeconds(spent["specialize"], spent["classify"] + spent["state"] + spent["codegen"],
                                   spent["size"] + spent["runner"])
