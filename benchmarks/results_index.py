@@ -94,7 +94,13 @@ SUPERSEDED: dict[str, Supersession] = {
         "length_loop_templates_h100", "same loop at 8K, 32K and 128K with values read off symbolic templates, "
         "flash below 65,536 keys and step graphs' code generated at their first run"),
     "length_loop_templates_h100": Supersession(
-        "length_loop20_h100", "the loop at the issue's 20 steps from 2K to 32K; its 128K rows stand", partly=True),
+        "length_loop20_128k_h100", "the loop at the issue's 20 steps at 128K (from 2K to 32K: length_loop20_h100); "
+        "its prefix-grouper row at 128K stands", partly=True),
+    "length_loop20_h100": Supersession(
+        "length_loop20_b_h100", "same command after planning holds the garbage collector off"),
+    "step_profile_first64k_h100": Supersession(
+        "step_profile_first64k_b_h100", "same command after the simulation's entry collection went and planning "
+        "holds the garbage collector off"),
     "step_profile_peers_dense_h100": Supersession(
         "step_profile_peers_rows_h100", "every peer again from 2K to 16K with the rows at their measured bytes; "
         "its 32K exact step is `step_profile_exact32k_h100`, in a process of its own", partly=True),
@@ -616,7 +622,8 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
         "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
                                                        "step_profile_exact32k_h100"],
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
-        "length-loop": "\n".join(length_loop(runs, ["length_loop20_h100", "length_loop_templates_h100"])),
+        "length-loop": "\n".join(length_loop(runs, ["length_loop20_b_h100", "length_loop20_128k_h100",
+                                                          "length_loop_templates_h100"])),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
         "grpo-glm5": "\n".join(grpo_glm5(runs, glm5, 3072)),
         "state-bytes": "\n".join(state(runs, "state_bytes")),
