@@ -112,7 +112,8 @@ def table(result: dict) -> str:
     lines.append(f"| {len(calls)} | {len(compiles)} | {sum(c['wall_s'] for c in compiles):.2f} | {mean:.2f} | "
                  f"{part['specialize_s']:.3f} | {part['analysis_s']:.3f} | {part['memory_s']:.3f} | "
                  f"{wall:.3f}, {max((c['wall_s'] for c in planned), default=0):.3f} | "
-                 f"{sum(c['full_collections'] for c in planned)} ({sum(c['full_collection_s'] for c in planned):.2f}) |")
+                 f"{sum(c['full_collections'] for c in planned)} "
+                 f"({sum(c['full_collection_s'] for c in planned):.2f}) |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,7 @@ from longstraw.errors import LongStrawError
 from longstraw.options import Options
 from longstraw.passes import ArchitecturePass
 from longstraw.planning.planner import Simulations
+from longstraw.planning.simulation import without_cyclic_gc
 from longstraw.planning.sizing import KeptRoom, size_plan
 from longstraw.runtime.runner import GroupRunner
 from longstraw.trace.specialize import Specialization, specialize
@@ -158,19 +159,18 @@ def young_garbage_only() -> Iterator[None]:
 
     Planning makes hundreds of thousands of short-lived objects (graph
     copies, fake tensors). With the collector on, those alive at one of its
-    young collections are promoted to the oldest generation, and a few new
-    lengths' worth of them trigger a full collection, which walks the half
-    million objects Dynamo leaves in a process: on a 2-core CPU 0.3 s every
-    five or so plans, as much again as the plans themselves. With it off
-    until the plan is made, the collection at the end frees planning's
-    cycles while they are young and promotes only what the plan keeps."""
-    enabled = gc.isenabled()
-    gc.disable()
+    young collections are promoted to the oldest generation, and every
+    several new lengths that sets off a full collection, which walks the
+    half million objects Dynamo leaves in a process: on a 2-core CPU one or
+    two plans in twenty took 0.3 to 0.4 s more, a fifth to a third of all
+    planning time (decision 0040). With it off until the plan is made, the
+    collection at the end frees planning's cycles while they are young and
+    promotes only what the plan keeps."""
     try:
-        yield
+        with without_cyclic_gc():
+            yield
     finally:
-        if enabled:
-            gc.enable()
+        if gc.isenabled():
             gc.collect(1)
 
 
