@@ -166,12 +166,13 @@ def young_garbage_only() -> Iterator[None]:
     planning time (decision 0040). With it off until the plan is made, the
     collection at the end frees planning's cycles while they are young and
     promotes only what the plan keeps."""
-    try:
-        with without_cyclic_gc():
+    enabled = gc.isenabled()
+    with without_cyclic_gc():
+        try:
             yield
-    finally:
-        if gc.isenabled():
-            gc.collect(1)
+        finally:
+            if enabled:  # before the collector is on again: its counts, reset, set off nothing at once
+                gc.collect(1)
 
 
 def run_pipeline(planning: Planning) -> Planning:
