@@ -115,6 +115,18 @@ SUPERSEDED: dict[str, Supersession] = {
         "planning_bench_dense_b_cpu", "same command with values read off symbolic examples and lazy code generation"),
     "planning_bench_hybrid_cpu": Supersession(
         "planning_bench_hybrid_b_cpu", "same command with values read off symbolic examples and lazy code generation"),
+    "planning_bench_dense_b_cpu": Supersession(
+        "planning_bench_dense_c_cpu", "22 draws, counting the garbage collector's full collections in each call"),
+    "planning_bench_dense_c_cpu": Supersession(
+        "planning_bench_dense_d_cpu", "same command after planning holds the garbage collector off (decision 0040)"),
+    "planning_bench_dense_d_cpu": Supersession(
+        "planning_bench_dense_e_cpu", "same command after specialisation compares arguments without pytree"),
+    "planning_bench_hybrid_b_cpu": Supersession(
+        "planning_bench_hybrid_c_cpu", "22 draws, counting the garbage collector's full collections in each call"),
+    "planning_bench_hybrid_c_cpu": Supersession(
+        "planning_bench_hybrid_d_cpu", "same command after planning holds the garbage collector off (decision 0040)"),
+    "planning_bench_hybrid_d_cpu": Supersession(
+        "planning_bench_hybrid_e_cpu", "same command after specialisation compares arguments without pytree"),
     "peers_bench_speed_h200": Supersession(
         "peers_bench_speed_b_h200", "LongStraw's warm steps after the padding fix; prefix-grouper's is still this one",
         partly=True),
