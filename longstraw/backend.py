@@ -83,7 +83,7 @@ class GroupPlan:
     program: StepProgram
     runner: GroupRunner
     options: Options
-    seconds: PlanSeconds | None = None
+    seconds: PlanSeconds
 
     @property
     def partition(self) -> Partition:
@@ -136,6 +136,8 @@ class GroupPlan:
             f"{self.state_fixed_bytes} bytes fixed",
             f"  schedule: recompute_layers={self.options.recompute_layers}, {self._kept_graphs()}",
             f"  branch steps: {self._branch_rows()}",
+            f"  planned in {self.seconds.total:.3f} s: specialisation {self.seconds.specialize:.3f}, analysis "
+            f"{self.seconds.analysis:.3f}, memory {self.seconds.memory:.3f} (Dynamo's trace not counted)",
         ]
         for slot in part.slots:
             size = (

@@ -52,6 +52,8 @@ def test_summary_names_regions_and_state():
     assert text.count("causal_attention") == len(plan.partition.slots) == 4
     assert plan.state_bytes_per_position == 2 * 2 * 2 * 8 * 8  # layers x (K, V) x heads x head_dim x float64
     assert plan.state_fixed_bytes == 0
+    seconds = plan.seconds
+    assert f"planned in {seconds.total:.3f} s: specialisation {seconds.specialize:.3f}, analysis" in text
 
 
 def readme_loss(model, prompt_ids, response_ids, advantages, completion_mask):
