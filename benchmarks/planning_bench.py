@@ -51,10 +51,17 @@ def trl_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ad
 
 
 class FullCollections:
-    """Counts the garbage collector's full (generation 2) collections and their seconds."""
+    """Counts the garbage collector's full (generation 2) collections and their seconds, while entered."""
 
     def __init__(self) -> None:
         self.count, self.seconds, self._start = 0, 0.0, 0.0
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
     def __call__(self, phase: str, info: dict) -> None:
         if info["generation"] != 2:
@@ -73,29 +80,28 @@ def plan_loop(args: argparse.Namespace) -> list[dict]:
     backend.stop_after_planning = True
     compiled = torch.compile(trl_loss, backend=backend)
     calls = []
-    collections = FullCollections()
-    gc.callbacks.append(collections)
-    for lengths, R in loop_lengths(args.P, args.R, args.prompts, args.steps, args.seed):
-        batch = trl_micro_batch(args.prompts, args.G, max(lengths), R, model.config.vocab_size, torch.device("cpu"),
-                                lengths=lengths)
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        count, spent = collections.count, collections.seconds
-        start = time.perf_counter()
-        try:
-            compiled(model, *(batch[k].to("meta") for k in KEYS))
-            raise RuntimeError("the loss ran instead of stopping after planning")
-        except PlanningDone as done:
-            seconds = done.plan.seconds
-        calls.append({"prompt_lengths": lengths, "R": R, "wall_s": time.perf_counter() - start,
-                      "dynamo_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames,
-                      "plan_s": seconds.total, "specialize_s": seconds.specialize, "analysis_s": seconds.analysis,
-                      "memory_s": seconds.memory, "full_collections": collections.count - count,
-                      "full_collection_s": collections.seconds - spent})
-        print(f"  P {lengths} R {R}: {calls[-1]['wall_s']:.2f} s, plan {seconds.total:.2f} s "
-              f"(specialize {seconds.specialize:.2f}, analysis {seconds.analysis:.2f}, memory {seconds.memory:.3f}), "
-              f"{calls[-1]['full_collections']} full collections"
-              f"{', Dynamo compiled' if calls[-1]['dynamo_compiled'] else ''}", flush=True)
-    gc.callbacks.remove(collections)
+    with FullCollections() as collections:
+        for lengths, R in loop_lengths(args.P, args.R, args.prompts, args.steps, args.seed):
+            batch = trl_micro_batch(args.prompts, args.G, max(lengths), R, model.config.vocab_size, torch.device("cpu"),
+                                    lengths=lengths)
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            count, spent = collections.count, collections.seconds
+            start = time.perf_counter()
+            try:
+                compiled(model, *(batch[k].to("meta") for k in KEYS))
+                raise RuntimeError("the loss ran instead of stopping after planning")
+            except PlanningDone as done:
+                seconds = done.plan.seconds
+            calls.append({"prompt_lengths": lengths, "R": R, "wall_s": time.perf_counter() - start,
+                          "dynamo_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames,
+                          "plan_s": seconds.total, "specialize_s": seconds.specialize, "analysis_s": seconds.analysis,
+                          "memory_s": seconds.memory, "full_collections": collections.count - count,
+                          "full_collection_s": collections.seconds - spent})
+            print(f"  P {lengths} R {R}: {calls[-1]['wall_s']:.2f} s, plan {seconds.total:.2f} s "
+                  f"(specialize {seconds.specialize:.2f}, analysis {seconds.analysis:.2f}, "
+                  f"memory {seconds.memory:.3f}), "
+                  f"{calls[-1]['full_collections']} full collections"
+                  f"{', Dynamo compiled' if calls[-1]['dynamo_compiled'] else ''}", flush=True)
     return calls
 
 
