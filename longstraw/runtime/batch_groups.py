@@ -104,7 +104,7 @@ class BatchGroups:
             if not bool((keys == keys[..., :1]).all()):
                 raise InputError(f"the key mask built from {name} ({describe_node(node)}) differs between heads: "
                                  "LongStraw supports a 2-D padding mask, one value per row and position")
-            keys = keys[..., 0].narrow(1, 0, self.part.end)
+            keys = keys[..., 0].narrow(1, 0, self.part.end).cpu()  # one copy: the checks below ask row by row
             for group in groups:
                 _check_same_prompt(keys[:, :prefix_len, None], group.rows if batch_dim is not None else (0,), node, name)
             _check_is_padding(keys, prefix_len, name)

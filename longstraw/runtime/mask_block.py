@@ -51,9 +51,12 @@ class MaskBlock:
     """The mask's rows `[offset, offset+length)` over the visible columns
     `[0, offset+length)`, computed only where asked for."""
 
-    def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, tiles: MaskTiles, offset: int, length: int, vectors: tuple[torch.Tensor, ...],
+                 host_padding: torch.Tensor | None = None) -> None:
         self.tiles, self.offset, self.length, self.vectors = tiles, offset, length, vectors
         self._rows: dict[int, MaskBlock] = {}
+        if host_padding is not None:
+            self._host_padding = host_padding  # a row's block: its part of the block's host copy
 
     def row(self, j: int) -> MaskBlock:
         """The block of the step's branch row `j` (`StepContext.rows`): its
@@ -61,7 +64,11 @@ class MaskBlock:
         if j not in self._rows:
             vectors = tuple(v if d is None or v.shape[d] == 1 else v.narrow(d, j, 1)
                             for v, d in zip(self.vectors, self.tiles.rows, strict=True))
-            self._rows[j] = MaskBlock(self.tiles, self.offset, self.length, vectors)
+            host = self._host_padding
+            if host is not None:
+                d = self.tiles.rows[self.tiles.padding]
+                host = host if d is None or host.shape[d] == 1 else host.narrow(d, j, 1)
+            self._rows[j] = MaskBlock(self.tiles, self.offset, self.length, vectors, host)
         return self._rows[j]
 
     def columns(self, start: int, count: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -79,7 +86,7 @@ class MaskBlock:
         Checked once per block in tiles of CHECK_TILE_ROWS x
         CHECK_TILE_COLUMNS. Meta and fake tensors (`longstraw.explain`) have
         no values: their mask is taken to be causal, as HF's is."""
-        keys = self._keys()
+        keys = self._host_keys
         if keys is not None and not bool(keys.all()):
             return False
         return self._positions_causal()
@@ -127,14 +134,14 @@ class MaskBlock:
         query before `a` sees nothing, one at or after `b` sees all of
         them). `first_key` and `key_span` are its cases the one-process
         steps run with fused kernels; context parallelism runs all of it.
-        None without a key mask, or for another pattern. Asked once per
-        block: every attention layer of a step reads the same block, and
-        each answer costs device syncs."""
+        None without a key mask, or for another pattern. Read off the
+        block's host copy of its key mask (`_host_keys`), remembered: every
+        attention layer of a step asks of the same block."""
         return self._interval
 
     @functools.cached_property
     def _interval(self) -> tuple[int, int] | None:
-        keys = self._keys()
+        keys = self._host_keys
         if keys is None or keys.shape[0] != 1 and not bool((keys == keys[:1]).all()):
             return None
         line = keys[0]
@@ -144,15 +151,24 @@ class MaskBlock:
             return None
         return (first, last) if self._positions_causal() else None
 
-    def _keys(self) -> torch.Tensor | None:
-        """The key mask over the visible columns, `[rows, o+n]`, when there is one with values."""
+    @property
+    def _host_keys(self) -> torch.Tensor | None:
+        """The key mask over the visible columns, `[rows, o+n]`, on the host."""
+        host = self._host_padding
+        return None if host is None else host.reshape(-1, host.shape[-1])
+
+    @functools.cached_property
+    def _host_padding(self) -> torch.Tensor | None:
+        """The key mask vector over the visible columns, on the host, when
+        there is one with values: one copy (and one device sync) per block,
+        its rows' blocks sharing it (`row`), where reading the device's copy
+        cost a sync per question and layer."""
         if self.tiles.padding is None:
             return None
         keys = self.vectors[self.tiles.padding]
         if not has_values(keys):
             return None
-        visible = self.offset + self.length
-        return keys.narrow(-1, 0, visible).reshape(-1, visible)
+        return keys.narrow(-1, 0, self.offset + self.length).cpu()
 
     def _positions_causal(self) -> bool:
         """`is_causal` of the block with every key on: it reads no input, so it is remembered."""

@@ -84,6 +84,39 @@ def test_the_answer_is_remembered_per_block(monkeypatch):
     assert len(calls) == 6
 
 
+def _padded_tiles(positions=CAUSAL) -> masks.MaskTiles:
+    """MaskTiles of `positions` and-ed with a key mask `[rows, 1, 1, L]` read from the data, as HF's padded masks."""
+
+    def tile(row_start, rows, col_start, cols, keys):
+        r = torch.arange(row_start, row_start + rows)[:, None]
+        c = torch.arange(col_start, col_start + cols)[None, :]
+        return positions(r, c) & keys.narrow(-1, col_start, cols)
+
+    return masks.MaskTiles(fx.symbolic_trace(tile), padding=0, rows=(0,))
+
+
+def test_a_block_reads_its_key_mask_to_the_host_once(monkeypatch):
+    """Every layer of a step asks the same block (and its rows' blocks) which
+    form its mask has; the answers come from one host copy of the key mask
+    per block, not a device sync per question, and they are the mask's."""
+    copies = []
+    original = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(self.shape) or original(self, *a, **k))
+    keys = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    block = _padded_tiles()(4, 4, keys[:, None, None, :])
+    for _layer in range(4):
+        assert not block.is_causal() and block.key_interval() is None  # the rows differ
+        assert [block.row(j).key_interval() for j in range(3)] == [(2, 8), (2, 6), (2, 8)]
+        assert block.row(0).first_key() == 2 and block.row(0).key_span() is None
+        assert block.row(1).key_span() == (2, 6) and block.row(1).first_key() is None
+        assert not block.row(0).is_causal()
+    assert copies == [torch.Size([3, 1, 1, 8])]
+
+    on = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    assert _padded_tiles()(4, 4, on).is_causal() and _padded_tiles()(4, 4, on).row(1).is_causal()
+    assert not _padded_tiles(WINDOW)(4, 4, on).is_causal()  # every key on, the positions part a window
+
+
 class _LargestBool(TorchDispatchMode):
     """The most elements of any boolean tensor an operator returns."""
 
