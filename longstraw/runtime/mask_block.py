@@ -62,12 +62,10 @@ class MaskBlock:
         """The block of the step's branch row `j` (`StepContext.rows`): its
         vectors cut to that row (kept, since every layer asks)."""
         if j not in self._rows:
-            vectors = tuple(v if d is None or v.shape[d] == 1 else v.narrow(d, j, 1)
-                            for v, d in zip(self.vectors, self.tiles.rows, strict=True))
+            cut = lambda v, d: v if d is None or v.shape[d] == 1 else v.narrow(d, j, 1)  # noqa: E731
+            vectors = tuple(cut(v, d) for v, d in zip(self.vectors, self.tiles.rows, strict=True))
             host = self._host_padding
-            if host is not None:
-                d = self.tiles.rows[self.tiles.padding]
-                host = host if d is None or host.shape[d] == 1 else host.narrow(d, j, 1)
+            host = None if host is None else cut(host, self.tiles.rows[self.tiles.padding])
             self._rows[j] = MaskBlock(self.tiles, self.offset, self.length, vectors, host)
         return self._rows[j]
 
@@ -85,7 +83,12 @@ class MaskBlock:
         minimum elsewhere; leading dimensions (batch, heads) must agree.
         Checked once per block in tiles of CHECK_TILE_ROWS x
         CHECK_TILE_COLUMNS. Meta and fake tensors (`longstraw.explain`) have
-        no values: their mask is taken to be causal, as HF's is."""
+        no values: their mask is taken to be causal, as HF's is. Remembered
+        per block: every attention layer of a step asks."""
+        return self._causal
+
+    @functools.cached_property
+    def _causal(self) -> bool:
         keys = self._host_keys
         if keys is not None and not bool(keys.all()):
             return False
