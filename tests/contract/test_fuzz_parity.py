@@ -2,9 +2,16 @@
 and chunk sizes, compiled exact mode against eager in float64 and float32.
 The plain decoder varies the rotary fraction, norms, K/V layouts and masks;
 HF's Qwen3/Llama vary layers, heads, GQA ratio, head dims and tied
-embeddings (their configs ignore a partial rotary factor).
+embeddings (their configs ignore a partial rotary factor). TRL's batches
+(several prompts, each left-padded its own way, ragged completions, rows
+shuffled) run under every runtime schedule the options can ask for (kept
+graphs, branch steps of several rows, kept group states, layer-wise
+recomputation, LM-head chunks), in both modes, with NaN-filled state,
+and so does the integrations' scorer (exact mode, one temperature or one
+per row).
 
-Bounded for CI: LONGSTRAW_FUZZ_EXAMPLES examples per property (default 6);
+Bounded for CI: LONGSTRAW_FUZZ_EXAMPLES examples per property (default 6; a
+third of them for the properties over TRL's batches);
 set it higher (and LONGSTRAW_FUZZ_SEED to explore other draws) for a long run:
 
     LONGSTRAW_FUZZ_EXAMPLES=300 pytest tests/contract/test_fuzz_parity.py
@@ -15,15 +22,18 @@ from __future__ import annotations
 import os
 
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import longstraw
+from longstraw.integrations.scoring import completion_logps_and_entropies
+from longstraw.models import qwen3_5
 
 from helpers.compare import assert_close, assert_grads_close
-from helpers.harness import compile_loss, compiled_loss_and_grads
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.models_under_test import hf_decoder
+from helpers.padding import MODELS, PAD_ID, TOL as PADDING_TOL, detached_reference, trl_grpo_loss
 from helpers.plain_transformer import make_plain
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
@@ -32,6 +42,7 @@ EXAMPLES = int(os.environ.get("LONGSTRAW_FUZZ_EXAMPLES", "6"))
 SEED = int(os.environ.get("LONGSTRAW_FUZZ_SEED", "0"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ_BATCHES = settings(FUZZ, max_examples=max(1, EXAMPLES // 3))  # a batch of several prompts compiles longer
 
 # float64 is exact up to reassociation; float32 rounds attention and norms differently per chunk
 TOL = {torch.float64: 1e-9, torch.float32: 2e-4}
@@ -103,3 +114,100 @@ def test_plain_decoders(cfg, group, dtype, init):
 def test_hf_decoders(family, layers, kv_heads, ratio, head_dim, tied, group, dtype):
     model = hf_decoder(family, layers, kv_heads, kv_heads * ratio, head_dim, tied)
     check(model, dtype, *group, HF_TOL[dtype])
+
+
+@st.composite
+def trl_batches(draw):
+    """TRL's micro-batch of several prompts: prompt i has `lengths[i]` real
+    tokens after its own left padding (to the longest), `sizes[i]` rows; each
+    completion its own length (at least one token), right-padded to R; the
+    rows shuffled. Returns (prompt_ids, prompt_mask, completion_ids,
+    completion_mask, advantages) as `helpers.padding` lays them out."""
+    sizes = draw(st.lists(st.integers(2, 3), min_size=1, max_size=3))  # a prompt of one row is refused
+    P = draw(st.integers(2, 24))
+    lengths = [draw(st.integers(2, P)) for _ in sizes]
+    R = draw(st.integers(1, 6))
+    assume(sum(sizes) != P + R)  # static shapes: a batch as long as the sequence is refused (axes not told apart)
+    assume(P + R > 4)  # the hybrid's sequence must be longer than its convolution's window (kernel 4)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+    rows = []
+    for length, n in zip(lengths, sizes):
+        prompt = torch.full((P,), PAD_ID, dtype=torch.long)
+        prompt[P - length:] = torch.randint(1, 64, (length,), generator=gen)
+        rows += [(prompt, (torch.arange(P) >= P - length).long())] * n
+    completion_lengths = torch.tensor([draw(st.integers(1, R)) for _ in rows])
+    completion_mask = (torch.arange(R)[None, :] < completion_lengths[:, None]).long()
+    completion_ids = torch.randint(1, 64, (len(rows), R), generator=gen).masked_fill(completion_mask == 0, PAD_ID)
+    order = torch.randperm(len(rows), generator=gen)
+    prompt_ids = torch.stack([p for p, _ in rows])[order]
+    prompt_mask = torch.stack([m for _, m in rows])[order]
+    advantages = torch.randn(len(rows), generator=gen, dtype=torch.float64)
+    return prompt_ids, prompt_mask, completion_ids[order], completion_mask[order], advantages
+
+
+@st.composite
+def schedules(draw):
+    """Options that choose how the runtime runs a step (None: as planned;
+    nothing is planned on the CPU)."""
+    return dict(
+        prompt_grad=draw(st.sampled_from(["exact", "detached"])),
+        prefix_chunk_size=draw(st.integers(1, 28)),
+        keep_graphs=draw(st.sampled_from([None, True, False])),
+        branch_rows=draw(st.sampled_from([None, 1, 2, 3])),
+        keep_group_states=draw(st.sampled_from([None, True])),
+        recompute_layers=draw(st.sampled_from([None, True])),
+        head_chunk_size=draw(st.sampled_from([None, 1, 2, 256])),
+    )
+
+
+# HF's models cast norms, rotary and (Qwen3.5) the delta rule's gates to float32 inside a float64 model: a
+# split of the sequence moves a value by an ulp of float64, and a float32 cast can round it to the next float32.
+# With those casts made float64 the hybrid's worst gradient differed by 2e-11 (a drawn case that differed by
+# 5e-6 at a gradient 1/70 the size of the largest).
+TRL_TOL = {"qwen3": PADDING_TOL, "llama": PADDING_TOL, "qwen3_5": 2e-5}
+
+
+@seed(SEED)
+@FUZZ_BATCHES
+@given(family=st.sampled_from(["qwen3", "llama", "qwen3_5"]), batch=trl_batches(), options=schedules(),
+       init=st.integers(0, 1000))
+def test_trl_batches_under_every_schedule(family, batch, options, init):
+    """Float64 parity with eager (exact) or the detached contract through
+    HF's cache, whatever the schedule."""
+    torch._dynamo.reset()
+    model = MODELS[family](seed=init)
+    backend = longstraw.Backend(verify_state=True, **options)
+    with qwen3_5.bound():
+        assert_parity(trl_grpo_loss, backend, detached_reference, model, *batch, tol=TRL_TOL[family])
+    assert backend.plans and backend.plans[-1].num_branches == batch[0].shape[0]
+
+
+SCORER_TOL = 2e-5  # the scorer computes log-probs and entropies in float32 whatever the model's dtype, as TRL does
+
+
+def scored_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, temperature):
+    """A GRPO loss over the integrations' scorer (`longstraw::logprobs_and_entropy`), with an entropy bonus."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logps, entropy = completion_logps_and_entropies(model, input_ids, attention_mask, completion_ids.shape[1],
+                                                    temperature)
+    mask = completion_mask.to(logps.dtype)
+    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+@seed(SEED)
+@FUZZ_BATCHES
+@given(family=st.sampled_from(["qwen3", "qwen3_5"]), batch=trl_batches(), options=schedules(),
+       per_row=st.booleans(), init=st.integers(0, 1000))
+def test_the_scorer_under_every_schedule(family, batch, options, per_row, init):
+    """The integrations' scorer (a temperature, or one per row as verl
+    samples) matches eager in exact mode whatever the schedule."""
+    torch._dynamo.reset()
+    model = MODELS[family](seed=init)
+    rows = batch[0].shape[0]
+    temperature = torch.linspace(0.5, 1.5, rows, dtype=torch.float64) if per_row else 0.7
+    backend = longstraw.Backend(verify_state=True, **{**options, "prompt_grad": "exact"})
+    with qwen3_5.bound():
+        assert_parity(scored_loss, backend, None, model, *batch, temperature, tol=SCORER_TOL)
+    assert backend.plans and backend.plans[-1].num_branches == rows
