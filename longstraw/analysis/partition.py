@@ -287,6 +287,27 @@ def _near(node: fx.Node, names: set[str], direction: str, hops: int = 8) -> bool
     return False
 
 
+def _position_length(position: tuple[fx.Node, int]) -> int | None:
+    """The traced length of a claimed operator's position axis (None where not a concrete size)."""
+    seq_node, seq_dim = position
+    value = tensor_of(seq_node)
+    size = None if value is None else value.shape[seq_dim]
+    return size if isinstance(size, int) else None
+
+
+def _padded_to_a_window(*positions: tuple[fx.Node, int]) -> bool:
+    """Whether one claimed operator's position axis is a `pad` of a tensor
+    as long as the other's: one sequence, which HF's cache pads to a causal
+    convolution's kernel where it is shorter."""
+    for (node, dim), other in (positions, positions[::-1]):
+        source = node.args[0] if node.op == "call_function" and op_name(node) == "pad" and node.args else None
+        value, padded = tensor_of(source) if isinstance(source, fx.Node) else None, tensor_of(node)
+        if value is not None and padded is not None and value.dim() == padded.dim() \
+                and value.shape[dim] == _position_length(other):
+            return True
+    return False
+
+
 def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tuple[int, int]:
     """The sequence and group classes of the claimed operators. A size-1
     factor of a query's position dimension that is not a group axis is
@@ -302,6 +323,14 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
         tokens.setdefault(tuple(c for c in classes if an.factor_size(c) != 1 or c in group), node)
     if len(tokens) != 1:
         first, second = list(tokens.values())[:2]
+        if _padded_to_a_window(positions[first][0], positions[second][0]):
+            lengths = [_position_length(positions[node][0]) for node in (first, second)]
+            raise UnsupportedGraphError(
+                f"{describe_node(first)} runs over {lengths[0]} positions and {describe_node(second)} over "
+                f"{lengths[1]}. If the loss runs one sequence, the model treats a sequence this short differently "
+                "(HF's cache pads a causal convolution's states shorter than its kernel to the kernel's length). "
+                "Call the model with use_cache=False, or trace the loss with a longer prompt and completion."
+            )
         raise UnsupportedGraphError(
             f"{describe_node(first)} and {describe_node(second)} run over two different sequences: LongStraw "
             "shares one prompt along one sequence axis. Build the input ids once and pass the same tensor to "

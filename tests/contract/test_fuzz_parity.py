@@ -128,7 +128,7 @@ def trl_batches(draw):
     lengths = [draw(st.integers(2, P)) for _ in sizes]
     R = draw(st.integers(1, 6))
     assume(sum(sizes) != P + R)  # static shapes: a batch as long as the sequence is refused (axes not told apart)
-    assume(P + R > 4)  # the hybrid's sequence must be longer than its convolution's window (kernel 4)
+    assume(P + R > 4)  # HF's cache pads the hybrid's shorter sequences to its convolution's kernel: refused
     gen = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
     rows = []
     for length, n in zip(lengths, sizes):

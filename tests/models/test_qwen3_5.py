@@ -154,6 +154,18 @@ def test_parity_other_shapes():
     assert_parity(grpo_loss_f64, backend, hybrid_detached_reference, model, *args, tol=TOL)
 
 
+def test_a_sequence_shorter_than_the_convolution_is_refused_with_the_cache_as_cause():
+    """Three positions, a kernel of four: HF's cache pads the convolution's
+    states to the kernel, so its axis is not the sequence's. The refusal says
+    so, and its fix (no cache) gives eager's gradients."""
+    model = make_qwen3_5()
+    args = make_group(2, 2, 1, seed=3)
+    with pytest.raises(longstraw.UnsupportedGraphError, match=r"runs over 4 positions .* over 3\. .*use_cache=False"):
+        compile_loss(grpo_loss_f64, longstraw.Backend())(model, *args)
+    model.config.use_cache = False
+    assert_parity(grpo_loss_f64, longstraw.Backend(), hybrid_detached_reference, model, *args, tol=TOL)
+
+
 @pytest.mark.parametrize("mode", ["exact", "detached"])
 def test_branch_order_does_not_matter(mode):
     """Permuting the responses permutes nothing in the gradients: no branch
