@@ -60,6 +60,7 @@ def test_custom_pass_example():
     assert re.search(r"total: 0 B per prompt position, 256 B fixed", output), output
 
 
+@pytest.mark.slow  # 19-32 s in CI; tests/integrations/test_verl.py holds the same update to verl's in CI
 def test_verl_actor_update_example():
     """One verl actor update through LongStraw against verl's own engine: gradients within 1e-5."""
     output = _run("verl_actor_update.py")
