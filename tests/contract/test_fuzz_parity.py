@@ -33,7 +33,7 @@ from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.models_under_test import hf_decoder
-from helpers.padding import MODELS, PAD_ID, TOL as PADDING_TOL, detached_reference, trl_grpo_loss
+from helpers.padding import MODELS, TOL as PADDING_TOL, detached_reference, padded_group, trl_grpo_loss
 from helpers.plain_transformer import make_plain
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
@@ -121,28 +121,18 @@ def trl_batches(draw):
     """TRL's micro-batch of several prompts: prompt i has `lengths[i]` real
     tokens after its own left padding (to the longest), `sizes[i]` rows; each
     completion its own length (at least one token), right-padded to R; the
-    rows shuffled. Returns (prompt_ids, prompt_mask, completion_ids,
-    completion_mask, advantages) as `helpers.padding` lays them out."""
+    rows shuffled. Each prompt's group is `helpers.padding.padded_group`."""
     sizes = draw(st.lists(st.integers(2, 3), min_size=1, max_size=3))  # a prompt of one row is refused
     P = draw(st.integers(2, 24))
     lengths = [draw(st.integers(2, P)) for _ in sizes]
     R = draw(st.integers(1, 6))
     assume(sum(sizes) != P + R)  # static shapes: a batch as long as the sequence is refused (axes not told apart)
     assume(P + R > 4)  # HF's cache pads the hybrid's shorter sequences to its convolution's kernel: refused
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
-    rows = []
-    for length, n in zip(lengths, sizes):
-        prompt = torch.full((P,), PAD_ID, dtype=torch.long)
-        prompt[P - length:] = torch.randint(1, 64, (length,), generator=gen)
-        rows += [(prompt, (torch.arange(P) >= P - length).long())] * n
-    completion_lengths = torch.tensor([draw(st.integers(1, R)) for _ in rows])
-    completion_mask = (torch.arange(R)[None, :] < completion_lengths[:, None]).long()
-    completion_ids = torch.randint(1, 64, (len(rows), R), generator=gen).masked_fill(completion_mask == 0, PAD_ID)
-    order = torch.randperm(len(rows), generator=gen)
-    prompt_ids = torch.stack([p for p, _ in rows])[order]
-    prompt_mask = torch.stack([m for _, m in rows])[order]
-    advantages = torch.randn(len(rows), generator=gen, dtype=torch.float64)
-    return prompt_ids, prompt_mask, completion_ids[order], completion_mask[order], advantages
+    data_seed = draw(st.integers(0, 1000))
+    groups = [padded_group(n, P, R, P - length, [draw(st.integers(1, R)) for _ in range(n)], seed=data_seed + i)
+              for i, (length, n) in enumerate(zip(lengths, sizes))]
+    order = torch.randperm(sum(sizes), generator=torch.Generator().manual_seed(data_seed))
+    return tuple(torch.cat(parts)[order] for parts in zip(*groups))
 
 
 @st.composite
