@@ -90,15 +90,20 @@ def generated_module(graph: fx.Graph, name: str, root: torch.nn.Module | None = 
 
 def build_outer(part: Partition) -> StepGraph:
     """Roots and data values the steps import, from the original placeholders."""
-    imports = step_imports(part)
+    return build_from_inputs(part, step_imports(part), "LongStrawOuter")
+
+
+def build_from_inputs(part: Partition, values: list[fx.Node], name: str) -> StepGraph:
+    """A graph computing `values` from the original placeholders, as the
+    whole graph does (the scorer's masks, `read_cut.py`, use it too)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {p: graph.placeholder(p.name) for p in part.placeholders}
-    needed = needed_for(imports, set(part.placeholders))
+    needed = needed_for(values, set(part.placeholders))
     for node in part.graph.nodes:
         if node in needed and node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in imports))
-    return StepGraph(generated_module(graph, "LongStrawOuter"), list(part.placeholders))
+    graph.output(tuple(env[n] for n in values))
+    return StepGraph(generated_module(graph, name), list(part.placeholders))
 
 
 def step_imports(part: Partition) -> list[fx.Node]:

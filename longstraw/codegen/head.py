@@ -189,8 +189,10 @@ class HeadChunks(torch.nn.Module):
 
     def forward(self, ctx: Any, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pieces = []
-        for start in range(0, self.rows, self.chunk):
-            length = min(self.chunk, self.rows - start)
+        # a step cut short (`read_cut.py`) has the read positions its last exit still reaches
+        rows = min(self.rows, ctx.offset + ctx.length - self.first - self.spread)
+        for start in range(0, rows, self.chunk):
+            length = min(self.chunk, rows - start)
             span = HeadSpan(self.first + start, length + self.spread, start, length)
             args = [self._narrowed(x, how, span, ctx.offset) for x, how in zip(inputs, self.input_dims)]
             if torch.is_grad_enabled():

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 
 from longstraw.analysis.partition import Partition
-from longstraw.codegen.graphs import StepGraph, build_outer, build_tail
+from longstraw.analysis.read_cut import read_cut
+from longstraw.codegen.graphs import StepGraph, build_from_inputs, build_outer, build_tail
 from longstraw.codegen.stages import Stage, stages_of
 from longstraw.nodes import ancestors, is_random
 
@@ -25,6 +26,8 @@ class StepProgram:
     outer: StepGraph  # the values the steps import, computed once per call from the inputs
     stages: tuple[Stage, ...]  # `stages.py`: a frozen scoring stage first, if any; the last is replayed
     tail: StepGraph  # the loss from the stacked branch outputs
+    read_masks: StepGraph | None = None  # the scorer's masks from the inputs, where branch steps may be cut (`read_cut.py`)
+    uncut: str = ""  # otherwise why every branch step runs every position
 
     @property
     def prefix(self) -> StepGraph:
@@ -82,4 +85,9 @@ class StepProgram:
 def compile_program(part: Partition, head_chunk: int | None) -> StepProgram:
     """The step graphs of a partition with state, the branch steps' LM head
     `head_chunk` positions at a time."""
-    return StepProgram(part, build_outer(part), tuple(stages_of(part, head_chunk)), build_tail(part))
+    stages = tuple(stages_of(part, head_chunk))
+    cut = read_cut(part) if len(stages) == 1 else "a frozen stage hands the replayed one values at every position"
+    if isinstance(cut, str):
+        return StepProgram(part, build_outer(part), stages, build_tail(part), uncut=cut)
+    masks = build_from_inputs(part, list(cut.masks), "LongStrawReadMasks")
+    return StepProgram(part, build_outer(part), stages, build_tail(part), masks)

@@ -200,7 +200,10 @@ class ExplainReport:
     def __str__(self) -> str:
         counts = {r: sum(1 for _, d in self.graph.nodes(data=True) if d["region"] == r) for r in REGIONS}
         head = ", ".join(f"{r} {counts[r]}" for r in REGIONS if counts[r])
-        return f"longstraw explain: graph nodes by region: {head}\n{self.state_table()}"
+        program = self.group_plan.program
+        cut = ("stop after each row's last read position (analysis/read_cut.py)" if program.read_masks is not None
+               else f"run every position: {program.uncut}")
+        return f"longstraw explain: graph nodes by region: {head}\nbranch steps: {cut}\n{self.state_table()}"
 
     def to_dot(self) -> str:
         """Graphviz DOT: one cluster per region, nested clusters per layer, state edges red."""

@@ -18,7 +18,7 @@ from longstraw.options import Options
 from longstraw.parallel.collectives import replicate_from_first, summed_carry_grads, summed_over_ranks
 from longstraw.parallel.ranks import Ranks, posting_failures
 from longstraw.runtime.call_state import (
-    BranchTurn, CallState, Group, GroupCall, KeptChunk, RngState, branches_named, rows_of,
+    BranchTurn, CallState, Group, GroupCall, KeptChunk, ReadLengths, RngState, branches_named, rows_of,
 )
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext
@@ -101,7 +101,7 @@ class BackwardPass(abc.ABC):
         if exact:
             state.allocate_grads()
         branch_len = call.end - prefix_len
-        turns = self._branch_turns(state, group, branch_len, group_call.rows_per_step)
+        turns = self._branch_turns(state, group, branch_len, group_call.rows_per_step, group_call.reads)
         parts = RankParts(leaves, None if state.shard is None else state.shard.ranks)
         if turns[0].round is not None:
             parts.divided()
@@ -119,12 +119,16 @@ class BackwardPass(abc.ABC):
                 with noting(f"differentiating the kept {named}; no .grad was changed"):
                     self._accumulate(leaves, kept, slices)
                 continue
-            with self._replaying(group_call, ("branch", row), f"replaying {named} over [{prefix_len}, {call.end})"):
-                ctx = StepContext(state, prefix_len, branch_len, grad_enabled=True, round=turn.round, rows=len(rows))
+            where = f"replaying {named} over [{prefix_len}, {call.end})"
+            length = branch_len if turn.cut is None else turn.cut.length
+            with self._replaying(group_call, ("branch", row), where):
+                ctx = StepContext(state, prefix_len, length, grad_enabled=True, round=turn.round, rows=len(rows))
                 step = self.branch if len(rows) == 1 else self.branch_step(len(rows))
                 step_inputs = self._step_inputs(
-                    step, inputs, values, rows if turn.rows else row, prefix_len, branch_len, group_call.handed[row])
+                    step, inputs, values, rows if turn.rows else row, prefix_len, length, group_call.handed[row])
                 outs = self.replay_module("branch", len(rows))(ctx, *step_inputs)
+                if turn.cut is not None:
+                    outs = turn.cut.padded(outs, where)
                 self._accumulate(leaves, outs, slices)
         if exact and turns[0].round is not None:
             summed_carry_grads(state, prefix_len)
@@ -241,8 +245,10 @@ class BackwardPass(abc.ABC):
         """The group's prompt state, captured chunk by chunk (`again`: in backward, for a group not kept)."""
 
     @abc.abstractmethod
-    def _branch_turns(self, state: PromptState, group: Group, branch_len: int, per_step: int = 1) -> list[BranchTurn]:
-        """The group's branch steps this rank runs, `per_step` rows each."""
+    def _branch_turns(
+        self, state: PromptState, group: Group, branch_len: int, per_step: int = 1, reads: ReadLengths | None = None,
+    ) -> list[BranchTurn]:
+        """The group's branch steps this rank runs, `per_step` rows each (cut where `reads` says)."""
 
     @abc.abstractmethod
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:

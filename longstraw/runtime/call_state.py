@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from longstraw.errors import LongStrawError
 from longstraw.runtime.prompt_state import ChunkRound, PromptState
 
 
@@ -49,6 +50,32 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCut:
+    """A branch step run over the first `length` of its positions
+    (`analysis/read_cut.py`): its rows' loss reads only the first `needed`
+    of the `reads` read positions, and each output comes back padded with
+    zeros to all of them."""
+
+    length: int
+    needed: int
+    reads: int
+
+    def padded(self, outputs: Sequence[torch.Tensor], where: str) -> list[torch.Tensor]:
+        """`outputs` (`[rows, reads, ...]`) padded back to `reads` positions."""
+        out = []
+        for o in outputs:
+            if not self.needed <= o.shape[1] <= self.reads:
+                raise LongStrawError(
+                    f"{where}, cut to {self.length} positions, returned {o.shape[1]} read positions where its rows' "
+                    f"loss reads {self.needed} of {self.reads}: please report this (a branch step the read-cut proof "
+                    "accepted moved its positions)")
+            tail = list(o.shape)
+            tail[1] = self.reads - o.shape[1]
+            out.append(torch.cat([o, o.new_zeros(tail)], 1) if tail[1] else o)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class BranchTurn:
     """One branch step this rank runs: `row`. Under context parallelism's
     branch rounds (`round`) the ranks run `seats`, one row each, at once;
@@ -61,6 +88,7 @@ class BranchTurn:
     seats: tuple[int, ...]
     round: ChunkRound | None = None
     rows: tuple[int, ...] = ()  # the rows one batched step runs, `row` first; empty: `row` alone
+    cut: StepCut | None = None  # the step stops at its rows' last read position; None: it runs them all
 
     @property
     def step_rows(self) -> tuple[int, ...]:
@@ -79,6 +107,7 @@ class CallRecord:
 
     prefix_len: int  # prompt positions captured as state (the first group's)
     group_sizes: tuple[int, ...]  # rows per group, in the order they ran
+    branch_positions: tuple[int, int] = (0, 0)  # positions the branch steps ran, of those of the padded rows
 
 
 @dataclasses.dataclass
@@ -93,6 +122,50 @@ class GroupCall:
     graph: list[KeptChunk] | None = None  # the capture's autograd graph, chunk by chunk (`keep_graphs`)
     branches: dict[int, Sequence[torch.Tensor]] = dataclasses.field(default_factory=dict)  # kept branch outputs, by turn's row
     rows_per_step: int = 1  # branch rows per step, as the forward ran them (the backward replays them alike)
+    reads: ReadLengths | None = None  # where the branch steps stop (`read_cut.py`); None: at the end
+
+
+# What one more branch step costs beside its positions, counted in positions:
+# at 4K on an H100 one-row steps took what 8-row steps did (0.709 against
+# 0.712 s, 14 more steps), their launches hidden behind the kernels; a
+# step's ~700 launches at ~5 us, were they not, would cost about 130
+# positions of the dense slice's 27 us each.
+STEP_POSITIONS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLengths:
+    """Per row of the batch, one past the last read position its loss reads
+    (the scorer's masks), of `reads` read positions."""
+
+    needed: tuple[int, ...]
+    reads: int
+
+    def steps(self, rows: Sequence[int], per_step: int) -> list[tuple[int, ...]]:
+        """`rows` longest read first, dealt into steps of `per_step`, so a step's rows end near each other."""
+        order = sorted(rows, key=lambda r: -self.needed[r])
+        return [tuple(order[i:i + per_step]) for i in range(0, len(order), per_step)]
+
+    def rows_per_step(self, rows: Sequence[int], positions: int, most: int) -> int:
+        """The rows per step, at most `most` (what memory allows), that run
+        the fewest positions, a step counted as `STEP_POSITIONS` more: a
+        group's rows in one step run to its longest row, one row per step
+        runs each to its own."""
+        def cost(k: int) -> int:
+            steps = self.steps(rows, k)
+            return sum(len(s) * self._length(s, positions) for s in steps) + len(steps) * STEP_POSITIONS
+        return min(range(most, 0, -1), key=cost)
+
+    def _length(self, rows: Sequence[int], positions: int) -> int:
+        cut = self.cut(rows, positions)
+        return positions if cut is None else cut.length
+
+    def cut(self, rows: Sequence[int], positions: int) -> StepCut | None:
+        """The cut of a step of `rows` over `positions` (of which the last
+        `reads` give read positions), or None where it would save nothing."""
+        needed = max(1, max(self.needed[r] for r in rows))
+        length = needed + positions - self.reads
+        return StepCut(length, needed, self.reads) if positions >= self.reads and length < positions else None
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ from longstraw.runtime.call_state import (
     Group,
     GroupCall,
     KeptChunk,
+    ReadLengths,
     RngState,
     branches_named,
     rows_of,
@@ -269,14 +270,29 @@ class GroupRunner(BackwardPass):
         groups = self.batch.groups(values)
         self.batch.check_shared_values(values, groups)
         self.batch.check_padding(values, groups)
-        self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups))
         leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
         room = 0
         if leaves is not None:
             room = self._room_now(inputs, next(iter(leaves.values())).device, self.graph_room)
             inputs = [leaves.get(i, x) for i, x in enumerate(inputs)]
         with posting_failures(self.ranks):
-            return self.run(inputs, values, groups, self.part.end, backward, leaves, room)
+            return self.run(inputs, values, groups, self.part.end, backward, leaves, room, self._read_lengths(inputs))
+
+    def _read_lengths(self, inputs: Sequence[Any]) -> ReadLengths | None:
+        """Where each row's loss stops reading (`read_cut.py`), from the
+        scorer's masks on this call's inputs; None where the branch steps
+        run every position (no proof, no values, context parallelism)."""
+        masks = self.program.read_masks
+        if masks is None or self.sampled or self.ranks is not None:
+            return None
+        read = None
+        for mask in masks.module(*inputs):
+            read = mask != 0 if read is None else read | (mask != 0)
+        if not has_values(read):
+            return None
+        reads = read.shape[1]
+        last = (read * torch.arange(1, reads + 1, device=read.device)).amax(1)  # one past each row's last True
+        return ReadLengths(tuple(last.tolist()), reads)
 
     def _graph_leaves(self, inputs: Sequence[Any], values: dict) -> dict[int, torch.Tensor] | None:
         """Aliases of the inputs that need gradients, for steps run under
@@ -294,7 +310,7 @@ class GroupRunner(BackwardPass):
     @torch.no_grad()
     def run(
         self, inputs: Sequence[Any], values: dict, groups: Sequence[Group], end: int, backward: bool = True,
-        leaves: dict[int, torch.Tensor] | None = None, graph_room: int = 0,
+        leaves: dict[int, torch.Tensor] | None = None, graph_room: int = 0, reads: ReadLengths | None = None,
     ) -> tuple[list[torch.Tensor], CallState]:
         """Capture and branches from the outer values, group by group; `end`
         is the traced one except when `longstraw.explain` simulates other
@@ -307,12 +323,14 @@ class GroupRunner(BackwardPass):
         steps whose graphs `graph_room` has room for (a group's prompt in
         exact mode, then its branches one by one) run under autograd and
         keep their graphs, and the group's state, for the backward
-        (`graph_room`: the room this call found, `_room_now`)."""
+        (`graph_room`: the room this call found, `_room_now`). With `reads`
+        each branch step stops after its rows' last read position."""
         part = self.part
         probe = next(v for v in values.values() if isinstance(v, torch.Tensor))
         device, real = probe.device, has_values(probe)
         per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
+        ran = padded = 0  # branch positions run, and those of the padded rows
         planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
         rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
         for i, group in enumerate(groups):
@@ -331,6 +349,8 @@ class GroupRunner(BackwardPass):
                 beside = lambda rows: self._spending(kept, end, last, graph_room - (rows - 1) * row_bytes)  # noqa: E731
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
                                           (group.prefix_len, branch_len))
+            if reads is not None and self.options.branch_rows is None:  # fewer rows per step, fewer positions
+                per_step = reads.rows_per_step(group.rows, branch_len, per_step)
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
             room = graph_room - (per_step - 1) * row_bytes
             spending = self._spending(kept, end, last, room) if leaves is not None else None
@@ -340,21 +360,25 @@ class GroupRunner(BackwardPass):
             for stage in self.stages:
                 state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
                 dims = [part.batch_dim(part.branch_outputs[o]) for o in stage.outputs]
-                for turn in self._branch_turns(state, group, branch_len, per_step):
+                for turn in self._branch_turns(state, group, branch_len, per_step, reads):
                     row, rows = turn.row, turn.step_rows
+                    length = branch_len if turn.cut is None else turn.cut.length
                     step = stage.branch if len(rows) == 1 else self.branch_step(len(rows))
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
                     keep = (spending is not None and self.keeps_branch_graphs and turn.round is None
                             and spending.take(self.graph_bytes.branch(len(rows), branch_len)))
-                    with noting(f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"), \
-                            torch.set_grad_enabled(keep), \
-                            self.graph_bytes.measuring(keep, "branch", len(rows) * branch_len, device):
-                        ctx = StepContext(state, group.prefix_len, branch_len, grad_enabled=False, round=turn.round,
+                    where = f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"
+                    with noting(where), torch.set_grad_enabled(keep), \
+                            self.graph_bytes.measuring(keep, "branch", len(rows) * length, device):
+                        ctx = StepContext(state, group.prefix_len, length, grad_enabled=False, round=turn.round,
                                           rows=len(rows))
                         inputs_of_row = self._step_inputs(
-                            step, inputs, values, rows if turn.rows else row, group.prefix_len, branch_len, handed[row])
+                            step, inputs, values, rows if turn.rows else row, group.prefix_len, length, handed[row])
                         outs = step.module(ctx, *inputs_of_row)
+                        if turn.cut is not None:
+                            outs = turn.cut.padded(outs, where)
+                    ran, padded = ran + len(rows) * length, padded + len(rows) * branch_len
                     if keep:
                         branches[row] = outs[:len(stage.outputs)]
                         outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
@@ -370,15 +394,17 @@ class GroupRunner(BackwardPass):
                 elif not (replayed and last):
                     state.release()
                     state = None
-            calls.append(GroupCall(group, state, rng, handed, graph, branches, per_step))
+            calls.append(GroupCall(group, state, rng, handed, graph, branches, per_step, reads))
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
             for i, node in enumerate(part.branch_outputs)
         ]
+        self.last_call = CallRecord(groups[0].prefix_len, tuple(len(g.rows) for g in groups), (ran, padded))
         log.info(
-            "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all",
-            len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end,
+            "forward: %d rows in %d group(s), %s prompt positions captured, %d positions in all, "
+            "%d of the padded rows' %d branch positions run",
+            len(rows), len(groups), "/".join(str(g.prefix_len) for g in groups), end, ran, padded,
         )
         return outputs, CallState(values, calls, end, device, real, leaves)
 
@@ -460,9 +486,13 @@ class GroupRunner(BackwardPass):
             rounds.append(ChunkRound(block, owners, owners.index(self.ranks.rank)))
         return rounds, rest
 
-    def _branch_turns(self, state: PromptState, group: Group, branch_len: int, per_step: int = 1) -> list[BranchTurn]:
+    def _branch_turns(
+        self, state: PromptState, group: Group, branch_len: int, per_step: int = 1, reads: ReadLengths | None = None,
+    ) -> list[BranchTurn]:
         """The group's branch steps this rank runs, `per_step` rows each
-        (the last step takes what is left). Under context parallelism
+        (the last step takes what is left); with `reads`, the rows longest
+        read first, so a step's rows end near each other, and each step cut
+        after its rows' last read position. Under context parallelism
         (where rounds apply) the rows are dealt in rounds of W, one per rank,
         each rank running its own (`StepContext.round`, `branches`: its
         queries travel to the ranks holding the prompt's keys and back, as
@@ -470,6 +500,9 @@ class GroupRunner(BackwardPass):
         reads no other branch), so the branches' per-position work divides;
         elsewhere every rank runs every row."""
         shard = state.shard
+        if reads is not None:
+            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else (), cut=reads.cut(rows, branch_len))
+                    for rows in reads.steps(group.rows, per_step)]
         if per_step > 1:
             steps = [group.rows[i:i + per_step] for i in range(0, len(group.rows), per_step)]
             return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else ()) for rows in steps]

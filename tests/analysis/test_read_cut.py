@@ -1,0 +1,181 @@
+"""Branch steps cut after their rows' last read position (`analysis/read_cut.py`):
+the scorer's loss is proved to read nothing past it and runs fewer positions
+with eager's loss and gradients (float64, NaN-filled memory, every schedule
+below); a loss the proof does not cover runs every position, and says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longstraw
+from longstraw.integrations.scoring import completion_logps_and_entropies
+from longstraw.models import qwen3_5
+from longstraw.runtime.call_state import ReadLengths, StepCut
+from longstraw.runtime.kernels.logprobs import logprobs_and_entropy
+
+from helpers.compare import assert_close, assert_grads_close
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
+from helpers.padding import MODELS, padded_group
+from helpers.parity import deterministic_algorithms
+
+TOL = 2e-5  # the scorer computes log-probs and entropies in float32, as TRL does
+
+
+def batch():
+    """Two prompts (one left-padded) of three rows, completions of 5, 2, 3
+    and 1, 4, 2 real tokens right-padded to 5."""
+    groups = [padded_group(3, 6, 5, 1, [5, 2, 3], seed=1), padded_group(3, 6, 5, 0, [1, 4, 2], seed=2)]
+    return tuple(torch.cat(parts) for parts in zip(*groups))
+
+
+def scored_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, temperature):
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logps, entropy = completion_logps_and_entropies(model, input_ids, attention_mask, completion_ids.shape[1],
+                                                    temperature)
+    mask = completion_mask.to(logps.dtype)
+    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _scored(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, logits_of, mask_of=None):
+    """The scorer's loss with the logits and the mask taken by `logits_of(out, R)` and `mask_of(...)`."""
+    R = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits = logits_of(model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=R + 2).logits, R)
+    real = attention_mask[:, -R:] != 0
+    if mask_of is not None:
+        real = real & mask_of(model)
+    logps, entropy = logprobs_and_entropy(logits, input_ids[:, -R:], real, 0.7)
+    mask = completion_mask.to(logps.dtype)
+    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), logits
+
+
+def reads_logits_too(model, *batch):
+    """Adds nothing (0 x the logits' mean), but the tail reads every logit."""
+    loss, logits = _scored(model, *batch, lambda out, R: out[:, 1:-1])
+    return loss + 0.0 * logits.float().mean()
+
+
+def slices_from_the_end(model, *batch):
+    return _scored(model, *batch, lambda out, R: out[:, -R - 1:-1])[0]
+
+
+def regroups_with_a_traced_size(model, *batch):
+    return _scored(model, *batch, lambda out, R: out[:, 1:-1].reshape(out.shape[0], R, -1))[0]
+
+
+def masks_by_the_model(model, *batch):
+    """A mask that reads a parameter (always True here): the proof reads the graph, not the values."""
+    return _scored(model, *batch, lambda out, R: out[:, 1:-1], lambda model: model.lm_head.weight[0, 0] < 1e9)[0]
+
+
+def scored_from_the_front(model, *batch):
+    return _scored(model, *batch, lambda out, R: out[:, 1:-1])[0]
+
+
+SCHEDULES = [
+    {},
+    {"branch_rows": 2},
+    {"branch_rows": 3, "keep_graphs": False},
+    {"recompute_layers": True, "head_chunk_size": 1, "keep_graphs": False},
+    {"prefix_chunk_size": 2, "keep_group_states": True},
+]
+
+
+@pytest.mark.parametrize("options", SCHEDULES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "planned")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_the_scorer_runs_only_the_read_positions(family, options):
+    """Eager's loss and gradients (exact mode) from 23 of the padded rows'
+    36 branch positions (rows sorted into steps by their last read position)."""
+    model = MODELS[family](seed=0)
+    temperature = torch.linspace(0.5, 1.5, 6, dtype=torch.float64)  # one per row, as verl samples
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, **options)
+    with qwen3_5.bound(), deterministic_algorithms(False):
+        assert_parity(scored_loss, backend, None, model, *batch(), temperature, tol=TOL)
+    runner = backend.plans[-1].runner
+    assert runner.program.read_masks is not None, runner.program.uncut
+    ran, padded = runner.last_call.branch_positions
+    # one row per step: 5, 2, 3 | 1, 4, 2 reads, each run to its own + 1 (the position before the first read)
+    # branch_rows=2 sorts each group into steps (5, 3 | 2) and (4, 2 | 1); 3 runs a group to its longest
+    want = {1: 6 + 3 + 4 + 2 + 5 + 3, 2: 2 * 6 + 3 + 2 * 5 + 2, 3: 3 * 6 + 3 * 5}[options.get("branch_rows", 1)]
+    assert (ran, padded) == (want, 36)
+
+
+def test_detached_mode_is_unchanged_by_the_cut():
+    """Detached mode: the cut run equals a padded run of the same loss
+    (made uncut by reading the logits with weight 0)."""
+    model = MODELS["qwen3"](seed=0)
+    args = batch()[:5]
+    backend = longstraw.Backend(prompt_grad="detached", verify_state=True)
+    cut_loss, cut = compiled_loss_and_grads(compile_loss(scored_from_the_front, backend), model, *args)
+    ran, padded = backend.plans[-1].runner.last_call.branch_positions
+    assert ran < padded
+    whole = longstraw.Backend(prompt_grad="detached", verify_state=True)
+    want_loss, want = compiled_loss_and_grads(compile_loss(reads_logits_too, whole), model, *args)
+    ran, padded = whole.plans[-1].runner.last_call.branch_positions
+    assert ran == padded
+    assert_close(cut_loss, want_loss, 1e-12, "loss")
+    assert_grads_close(cut, want, 1e-12)
+
+
+@pytest.mark.parametrize("loss_fn, why", [
+    (reads_logits_too, "is read by `float"),
+    (slices_from_the_end, "slices positions counted from the end"),
+    (regroups_with_a_traced_size, "sizes a read axis with a traced constant"),
+    (masks_by_the_model, "computed from the model's values"),
+])
+def test_what_the_proof_does_not_cover_runs_every_position(loss_fn, why):
+    """Negative controls: each loss reads past a row's last real token, or
+    could move a read position at another length; it runs the padded rows,
+    says why, and still matches eager."""
+    model = MODELS["qwen3"](seed=0)
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True)
+    assert_parity(loss_fn, backend, None, model, *batch()[:5], tol=TOL)
+    runner = backend.plans[-1].runner
+    assert runner.program.read_masks is None
+    assert why in runner.program.uncut
+    ran, padded = runner.last_call.branch_positions
+    assert ran == padded
+
+
+def test_explain_says_whether_the_branch_steps_are_cut():
+    model = MODELS["qwen3"](seed=0)
+    cut = str(longstraw.explain(scored_from_the_front, model, *batch()[:5]))
+    assert "branch steps: stop after each row's last read position" in cut
+    whole = str(longstraw.explain(slices_from_the_end, model, *batch()[:5]))
+    assert "branch steps: run every position: `logits_1` (getitem) slices positions counted from the end" in whole
+
+
+def test_a_step_is_cut_after_its_longest_row():
+    reads = ReadLengths(needed=(5, 2, 0, 3), reads=5)
+    assert reads.cut((1, 3), 6) == StepCut(length=4, needed=3, reads=5)
+    assert reads.cut((2,), 6) == StepCut(length=2, needed=1, reads=5)  # a row with nothing to read runs one
+    assert reads.cut((0, 1), 6) is None  # it would save nothing
+
+
+def test_rows_per_step_runs_the_fewest_positions():
+    """A group of 8 completions of R = 1024 (one full, the rest shorter):
+    one step of 8 runs 8 x 1,025 positions; sorted steps of 2 run 6,376,
+    and at 128 positions a step beat one row per step (6,062 + 8 steps)."""
+    reads = ReadLengths(needed=(1024, 520, 600, 700, 800, 900, 950, 560), reads=1024)
+    rows = tuple(range(8))
+    assert reads.rows_per_step(rows, 1025, 8) == 2
+    assert reads.steps(rows, 2) == [(0, 6), (5, 4), (3, 2), (7, 1)]
+    assert reads.rows_per_step(rows, 1025, 1) == 1  # never more rows than memory allows
+    full = ReadLengths(needed=(1024,) * 8, reads=1024)
+    assert full.rows_per_step(rows, 1025, 8) == 8  # nothing to leave out: the fewest steps
+
+
+def test_a_cut_step_that_lost_read_positions_is_an_error():
+    """The runtime's own check: a step that returned fewer read positions
+    than its rows' loss reads is reported, never padded over."""
+    cut = StepCut(length=4, needed=3, reads=5)
+    logits = torch.ones(1, 3, 7)
+    padded = cut.padded([logits], "running branch 0 of 3")[0]
+    assert padded.shape == (1, 5, 7) and bool((padded[:, 3:] == 0).all()) and bool((padded[:, :3] == 1).all())
+    with pytest.raises(longstraw.LongStrawError, match="returned 2 read positions where its rows' loss reads 3"):
+        cut.padded([logits[:, :2]], "running branch 0 of 3")
