@@ -11,11 +11,13 @@ import torch
 import longstraw
 from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.models import qwen3_5
+from longstraw.runtime import call_state
 from longstraw.runtime.call_state import ReadLengths, StepCut
 from longstraw.runtime.kernels.logprobs import logprobs_and_entropy
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
+from helpers.kept_room import room_for_graphs
 from helpers.padding import MODELS, padded_group
 from helpers.parity import deterministic_algorithms
 
@@ -103,6 +105,20 @@ def test_the_scorer_runs_only_the_read_positions(family, options):
     # branch_rows=2 sorts each group into steps (5, 3 | 2) and (4, 2 | 1); 3 runs a group to its longest
     want = {1: 6 + 3 + 4 + 2 + 5 + 3, 2: 2 * 6 + 3 + 2 * 5 + 2, 3: 3 * 6 + 3 * 5}[options.get("branch_rows", 1)]
     assert (ran, padded) == (want, 36)
+
+
+@pytest.mark.parametrize("step_positions, want", [(0, 23), (1000, 33)])
+def test_planned_rows_per_step_run_the_fewest_positions(monkeypatch, step_positions, want):
+    """With room for every row in one step, the runner deals each group into
+    the steps that cost the least (`ReadLengths.rows_per_step`): one row per
+    step where a step costs nothing beside its positions, whole groups where
+    it costs more than any cut saves. Eager's loss and gradients either way."""
+    room_for_graphs(monkeypatch, 8)
+    monkeypatch.setattr(call_state, "STEP_POSITIONS", step_positions)
+    model = MODELS["qwen3"](seed=0)
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, memory_budget_gb=100.0, keep_graphs=False)
+    assert_parity(scored_loss, backend, None, model, *batch(), 0.7, tol=TOL)
+    assert backend.plans[-1].runner.last_call.branch_positions == (want, 36)
 
 
 def test_detached_mode_is_unchanged_by_the_cut():
