@@ -56,6 +56,19 @@ def _scored(model, prompt_ids, prompt_mask, completion_ids, completion_mask, adv
     return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), logits
 
 
+def scored_without_the_last_input(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages):
+    """The logits of positions P-1 .. P+R-2 taken whole (no `[:, :-1]`), so
+    the LM head and the op's inputs are a head region `head.py` chunks."""
+    R = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)[:, :-1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=R).logits
+    logps, entropy = logprobs_and_entropy(logits, completion_ids, completion_mask != 0, 0.7)
+    mask = completion_mask.to(logps.dtype)
+    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
 def reads_logits_too(model, *batch):
     """Adds nothing (0 x the logits' mean), but the tail reads every logit."""
     loss, logits = _scored(model, *batch, lambda out, R: out[:, 1:-1])
@@ -119,6 +132,18 @@ def test_planned_rows_per_step_run_the_fewest_positions(monkeypatch, step_positi
     backend = longstraw.Backend(prompt_grad="exact", verify_state=True, memory_budget_gb=100.0, keep_graphs=False)
     assert_parity(scored_loss, backend, None, model, *batch(), 0.7, tol=TOL)
     assert backend.plans[-1].runner.last_call.branch_positions == (want, 36)
+
+
+def test_a_chunked_head_runs_the_read_positions_of_a_cut_step():
+    """`HeadChunks` (two read positions a chunk) over a step cut short runs
+    the read positions its last exit reaches: 17 of 30 branch positions."""
+    model = MODELS["qwen3"](seed=0)
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, head_chunk_size=2)
+    with deterministic_algorithms(False):
+        assert_parity(scored_without_the_last_input, backend, None, model, *batch()[:5], tol=TOL)
+    runner = backend.plans[-1].runner
+    assert runner.program.branch.head is not None
+    assert runner.last_call.branch_positions == (17, 30)
 
 
 def test_detached_mode_is_unchanged_by_the_cut():
