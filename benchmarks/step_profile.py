@@ -107,7 +107,10 @@ def plan_of(runner: PeerRunner) -> dict:
             "graph_chunk_gb": runner.graph_chunk_bytes / 1e9, "state_room_gb": runner.state_room / 1e9,
             "branch_room_gb": runner.branch_room / 1e9,
             "kept_gb_measured": {k: v / 1e9 for k, v in runner.graph_bytes.measured.items()},
-            "plan_s": None if plan.seconds is None else plan.seconds.total}
+            "plan_s": None if plan.seconds is None else plan.seconds.total,
+            # the last call's branch positions run, of the padded rows' (decision 0041; absent before it)
+            "branch_positions": getattr(runner.last_call, "branch_positions", None),
+            "uncut": getattr(plan.program, "uncut", None)}
 
 
 def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -> dict:
