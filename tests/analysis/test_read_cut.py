@@ -204,12 +204,18 @@ def test_a_step_is_cut_after_its_longest_row():
     assert reads.cut((1, 3), 6) == StepCut(length=4, needed=3, reads=5)
     assert reads.cut((2,), 6) == StepCut(length=2, needed=1, reads=5)  # a row with nothing to read runs one
     assert reads.cut((0, 1), 6) is None  # it would save nothing
+    # at R = 1024 lengths are rounded up to multiples of 1025 // 16 = 64 (a handful of shapes a call)
+    long = ReadLengths(needed=(600, 1000, 1024), reads=1024)
+    assert long.cut((0,), 1025) == StepCut(length=640, needed=600, reads=1024)
+    assert long.cut((0, 1), 1025) == StepCut(length=1024, needed=1000, reads=1024)
+    assert long.cut((2,), 1025) is None
 
 
 def test_rows_per_step_runs_the_fewest_positions():
     """A group of 8 completions of R = 1024 (one full, the rest shorter):
-    one step of 8 runs 8 x 1,025 positions; sorted steps of 2 run 6,376,
-    and at 128 positions a step beat one row per step (6,062 + 8 steps)."""
+    one step of 8 runs 8 x 1,025 positions; sorted steps of 2 run 6,530
+    (lengths rounded up to multiples of 64), and at 128 positions a step
+    beat one row per step (6,273 and 8 steps)."""
     reads = ReadLengths(needed=(1024, 520, 600, 700, 800, 900, 950, 560), reads=1024)
     rows = tuple(range(8))
     assert reads.rows_per_step(rows, 1025, 8) == 2
