@@ -90,7 +90,10 @@ class Ranks:
             return
         pause = 1e-5
         while not work.is_completed():
-            self.raise_posted()
+            try:
+                self.raise_posted()
+            except dist.DistNetworkError:  # the store's rank finished its part and left: the collective tells
+                break
             time.sleep(pause)
             pause = min(2 * pause, _POLL_SECONDS)
         work.wait()

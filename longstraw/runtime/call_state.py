@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -125,12 +126,13 @@ class GroupCall:
     reads: ReadLengths | None = None  # where the branch steps stop (`read_cut.py`); None: at the end
 
 
-# What one more branch step costs beside its positions, counted in positions:
-# at 4K on an H100 one-row steps took what 8-row steps did (0.709 against
-# 0.712 s, 14 more steps), their launches hidden behind the kernels; a
-# step's ~700 launches at ~5 us, were they not, would cost about 130
-# positions of the dense slice's 27 us each.
-STEP_POSITIONS = 128
+# What one more branch step costs beside its positions, counted in positions.
+# Measured on an H100 (dense slice, TRL's batch, `step_profile_cut_h100`):
+# 12 to 14 more steps (sorted steps of 2 or 3 rows against one of 8) cost
+# from 28 to 260 positions each in wall time beyond the kernel time they
+# saved (each step's mask block is one more device sync); at 256 the
+# peers' batch runs steps of 4 rows, 14% fewer positions.
+STEP_POSITIONS = 256
 
 # A cut step's length is rounded up to one of this many lengths: each new
 # shape is a new CUDA graph of a carried operator's span (`carry.SpanGraphs`),
@@ -227,4 +229,16 @@ def rows_of(value: torch.Tensor, dim: int, rows: tuple[int, ...]) -> torch.Tenso
     """`value`'s `rows` along `dim`: a view where they are consecutive."""
     if rows == tuple(range(rows[0], rows[0] + len(rows))):
         return value.narrow(dim, rows[0], len(rows))
-    return value.index_select(dim, torch.tensor(rows, device=value.device))
+    return value.index_select(dim, _row_index(rows, value.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`rows` as an index on `device`, made once per rows and device: a step
+    of sorted rows (`ReadLengths.steps`) selects them from every input, and
+    a copy from pageable host memory would wait for the device each time;
+    this one is copied from pinned memory without waiting."""
+    index = torch.tensor(rows)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)

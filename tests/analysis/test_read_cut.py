@@ -212,17 +212,24 @@ def test_a_step_is_cut_after_its_longest_row():
 
 
 def test_rows_per_step_runs_the_fewest_positions():
-    """A group of 8 completions of R = 1024 (one full, the rest shorter):
-    one step of 8 runs 8 x 1,025 positions; sorted steps of 2 run 6,530
-    (lengths rounded up to multiples of 64), and at 128 positions a step
-    beat one row per step (6,273 and 8 steps)."""
+    """A group of 8 completions of R = 1024 (one full, the rest shorter),
+    lengths rounded up to multiples of 64: one step of 8 runs 8 x 1,025
+    positions, sorted steps of 4 run 6,916, of 2 6,530, one row per step
+    6,273. At 256 positions a step, steps of 4; at 128, of 2."""
     reads = ReadLengths(needed=(1024, 520, 600, 700, 800, 900, 950, 560), reads=1024)
     rows = tuple(range(8))
-    assert reads.rows_per_step(rows, 1025, 8) == 2
-    assert reads.steps(rows, 2) == [(0, 6), (5, 4), (3, 2), (7, 1)]
-    assert reads.rows_per_step(rows, 1025, 1) == 1  # never more rows than memory allows
+    assert call_state.STEP_POSITIONS == 256
+    assert reads.rows_per_step(rows, 1025, 8) == 4
+    assert reads.steps(rows, 4) == [(0, 6, 5, 4), (3, 2, 7, 1)]
+    assert reads.rows_per_step(rows, 1025, 3) == 3  # never more rows than memory allows
     full = ReadLengths(needed=(1024,) * 8, reads=1024)
     assert full.rows_per_step(rows, 1025, 8) == 8  # nothing to leave out: the fewest steps
+
+
+def test_rows_per_step_follow_the_cost_of_a_step(monkeypatch):
+    monkeypatch.setattr(call_state, "STEP_POSITIONS", 128)
+    reads = ReadLengths(needed=(1024, 520, 600, 700, 800, 900, 950, 560), reads=1024)
+    assert reads.rows_per_step(tuple(range(8)), 1025, 8) == 2
 
 
 def test_a_cut_step_that_lost_read_positions_is_an_error():
