@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import longstraw
-from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.models import qwen3_5
 from longstraw.runtime import call_state
 from longstraw.runtime.call_state import ReadLengths, StepCut
@@ -18,7 +17,7 @@ from longstraw.runtime.kernels.logprobs import logprobs_and_entropy
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
 from helpers.kept_room import room_for_graphs
-from helpers.padding import MODELS, padded_group
+from helpers.padding import MODELS, padded_group, scored_grpo_loss
 from helpers.parity import deterministic_algorithms
 
 TOL = 2e-5  # the scorer computes log-probs and entropies in float32, as TRL does
@@ -29,16 +28,6 @@ def batch():
     and 1, 4, 2 real tokens right-padded to 5."""
     groups = [padded_group(3, 6, 5, 1, [5, 2, 3], seed=1), padded_group(3, 6, 5, 0, [1, 4, 2], seed=2)]
     return tuple(torch.cat(parts) for parts in zip(*groups))
-
-
-def scored_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, temperature):
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    logps, entropy = completion_logps_and_entropies(model, input_ids, attention_mask, completion_ids.shape[1],
-                                                    temperature)
-    mask = completion_mask.to(logps.dtype)
-    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 def _scored(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, logits_of, mask_of=None):
@@ -118,7 +107,7 @@ def test_the_scorer_runs_only_the_read_positions(family, options):
     temperature = torch.linspace(0.5, 1.5, 6, dtype=torch.float64)  # one per row, as verl samples
     backend = longstraw.Backend(prompt_grad="exact", verify_state=True, **options)
     with qwen3_5.bound(), deterministic_algorithms(False):
-        assert_parity(scored_loss, backend, None, model, *batch(), temperature, tol=TOL)
+        assert_parity(scored_grpo_loss, backend, None, model, *batch(), temperature, tol=TOL)
     runner = backend.plans[-1].runner
     assert runner.program.read_masks is not None, runner.program.uncut
     ran, padded = runner.last_call.branch_positions
@@ -138,7 +127,7 @@ def test_planned_rows_per_step_run_the_fewest_positions(monkeypatch, step_positi
     monkeypatch.setattr(call_state, "STEP_POSITIONS", step_positions)
     model = MODELS["qwen3"](seed=0)
     backend = longstraw.Backend(prompt_grad="exact", verify_state=True, memory_budget_gb=100.0, keep_graphs=False)
-    assert_parity(scored_loss, backend, None, model, *batch(), 0.7, tol=TOL)
+    assert_parity(scored_grpo_loss, backend, None, model, *batch(), 0.7, tol=TOL)
     assert backend.plans[-1].runner.last_call.branch_positions == (want, 36)
 
 

@@ -26,14 +26,15 @@ from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
 import longstraw
-from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.models import qwen3_5
 
 from helpers.compare import assert_close, assert_grads_close
 from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64
 from helpers.models_under_test import hf_decoder
-from helpers.padding import MODELS, TOL as PADDING_TOL, detached_reference, padded_group, trl_grpo_loss
+from helpers.padding import (
+    MODELS, TOL as PADDING_TOL, detached_reference, padded_group, scored_grpo_loss, trl_grpo_loss,
+)
 from helpers.plain_transformer import make_plain
 from helpers.reference import eager_loss_and_grads
 from helpers.tiny_models import make_group
@@ -175,17 +176,6 @@ def test_trl_batches_under_every_schedule(family, batch, options, init):
 SCORER_TOL = 2e-5  # the scorer computes log-probs and entropies in float32 whatever the model's dtype, as TRL does
 
 
-def scored_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, temperature):
-    """A GRPO loss over the integrations' scorer (`longstraw::logprobs_and_entropy`), with an entropy bonus."""
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    logps, entropy = completion_logps_and_entropies(model, input_ids, attention_mask, completion_ids.shape[1],
-                                                    temperature)
-    mask = completion_mask.to(logps.dtype)
-    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
-    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-
-
 @seed(SEED)
 @FUZZ_BATCHES
 @given(family=st.sampled_from(["qwen3", "qwen3_5"]), batch=trl_batches(), options=schedules(),
@@ -199,5 +189,5 @@ def test_the_scorer_under_every_schedule(family, batch, options, per_row, init):
     temperature = torch.linspace(0.5, 1.5, rows, dtype=torch.float64) if per_row else 0.7
     backend = longstraw.Backend(verify_state=True, **{**options, "prompt_grad": "exact"})
     with qwen3_5.bound():
-        assert_parity(scored_loss, backend, None, model, *batch, temperature, tol=SCORER_TOL)
+        assert_parity(scored_grpo_loss, backend, None, model, *batch, temperature, tol=SCORER_TOL)
     assert backend.plans and backend.plans[-1].num_branches == rows

@@ -1,12 +1,14 @@
 """TRL's layout of a group: left-padded prompt, right-padded completions,
-int64 masks; its loss, its detached reference through HF's cache, and the
-parity check the padding suites share."""
+int64 masks; its loss (and one over the integrations' scorer), its
+detached reference through HF's cache, and the parity check the padding
+suites share."""
 
 from __future__ import annotations
 
 import torch
 
 import longstraw
+from longstraw.integrations.scoring import completion_logps_and_entropies
 from longstraw.models import qwen3_5
 
 from helpers.harness import assert_parity
@@ -37,6 +39,17 @@ def trl_grpo_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     logits_to_keep = completion_ids.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep + 1).logits[:, :-1]
     return trl_tail(logits, completion_ids, completion_mask, advantages)
+
+
+def scored_grpo_loss(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, temperature):
+    """A GRPO loss over the integrations' scorer (`longstraw::logprobs_and_entropy`), with an entropy bonus."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logps, entropy = completion_logps_and_entropies(model, input_ids, attention_mask, completion_ids.shape[1],
+                                                    temperature)
+    mask = completion_mask.to(logps.dtype)
+    per_token = -torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
 
 def padded_group(G: int, P: int, R: int, left: int, lengths: list[int] | None = None, seed: int = 0, vocab: int = 64):
