@@ -105,8 +105,8 @@ def _position_classes(part: Partition) -> set[int]:
         if node not in an.restricts or not isinstance(src, fx.Node):
             continue
         for r in an.restricts[node]:
-            if r.out_dim is not None and set(an.classes(an.dims_of(src)[r.in_dim])) & positions:
-                positions |= set(an.classes(an.dims_of(node)[r.out_dim]))
+            if r.out_dim is not None and _classes(part, src, r.in_dim) & positions:
+                positions |= _classes(part, node, r.out_dim)
     return positions
 
 
@@ -133,7 +133,7 @@ def _moves_positions(part: Partition, node: fx.Node, positions: set[int]) -> str
                     return "sizes a read axis with a traced constant"
     src = node.args[0] if node.args else None
     for r in an.restricts.get(node, []):
-        restricted = set(an.classes(an.dims_of(src)[r.in_dim])) if isinstance(src, fx.Node) else set()
+        restricted = _classes(part, src, r.in_dim) if isinstance(src, fx.Node) else set()
         if not restricted & positions:
             continue
         if r.out_dim is None or r.step != 1:
@@ -144,6 +144,12 @@ def _moves_positions(part: Partition, node: fx.Node, positions: set[int]) -> str
     if not in_classes <= out_classes:
         return "drops a position axis"
     return None
+
+
+def _classes(part: Partition, node: fx.Node, dim: int) -> set[int]:
+    """The classes of `node`'s dimension `dim` (none for a value without tensor dimensions)."""
+    dims = part.dims.dims_of(node)
+    return set(part.dims.classes(dims[dim])) if dim < len(dims) else set()
 
 
 def _counts_from_front(node: fx.Node, dim: int) -> bool:
