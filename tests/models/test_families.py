@@ -91,6 +91,39 @@ def test_family_shape_sweep(name, mode, shape):
     check_family(name, mode, shape, deterministic=True)
 
 
+# Families whose TRL layout (a left-padded prompt) does not run, whatever the cut: the reason each has.
+TRL_LAYOUT = {
+    "glm_moe_dsa": "its attn_mask selects keys with a top-k",  # DSA's proof reads positions only, not a key mask
+    "llama4_text": "the attn_mask depends on inputs",  # chunked attention and'd with the key padding mask
+}
+NAN_IN_EAGER = {"gemma3n"}  # HF's own gradients are NaN with a left-padded prompt (eager, no LongStraw involved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f.name for f in SUPPORTED if f.name not in NAN_IN_EAGER])
+def test_the_scorer_cuts_every_familys_branch_steps(name):
+    """The integrations' scorer at TRL's layout (two prompts, one
+    left-padded, ragged completions), exact mode, NaN-filled memory:
+    every family's branch steps stop at their rows' last read position
+    (23 of 36 positions) with eager's loss and gradients, or the family is
+    refused at this layout for a reason of its own."""
+    from helpers.padding import padded_group, scored_grpo_loss
+
+    family = FAMILIES[name]
+    groups = [padded_group(3, 7, 5, 1, [5, 2, 3], seed=1), padded_group(3, 7, 5, 0, [1, 4, 2], seed=2)]
+    batch = tuple(torch.cat(parts) for parts in zip(*groups))
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True)
+    with family.bind(), deterministic_algorithms(True):
+        if name in TRL_LAYOUT:
+            with raises_longstraw(TRL_LAYOUT[name]):
+                assert_parity(scored_grpo_loss, backend, None, family.build(), *batch, 0.7, tol=2e-5)
+            return
+        assert_parity(scored_grpo_loss, backend, None, family.build(), *batch, 0.7, tol=max(family.tol, 2e-5))
+    runner = backend.plans[-1].runner
+    assert runner.program.read_masks is not None, runner.program.uncut
+    assert runner.last_call.branch_positions == (23, 36)
+
+
 @pytest.mark.parametrize("name", [f.name for f in REFUSED])
 def test_refused_family_names_the_cause(name):
     family = FAMILIES[name]
