@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from longstraw.errors import LongStrawError
+from longstraw.runtime.mask_block import HOST_COPY
 from longstraw.runtime.prompt_state import ChunkRound, PromptState
 
 
@@ -226,10 +227,16 @@ def branches_named(rows: Sequence[int], group_size: int) -> str:
 
 
 def rows_of(value: torch.Tensor, dim: int, rows: tuple[int, ...]) -> torch.Tensor:
-    """`value`'s `rows` along `dim`: a view where they are consecutive."""
+    """`value`'s `rows` along `dim`: a view where they are consecutive. A
+    key mask's host copy (`mask_block.HOST_COPY`) comes along, cut alike."""
     if rows == tuple(range(rows[0], rows[0] + len(rows))):
-        return value.narrow(dim, rows[0], len(rows))
-    return value.index_select(dim, _row_index(rows, value.device))
+        out = value.narrow(dim, rows[0], len(rows))
+    else:
+        out = value.index_select(dim, _row_index(rows, value.device))
+    host = getattr(value, HOST_COPY, None)
+    if host is not None:
+        setattr(out, HOST_COPY, rows_of(host, dim, rows))
+    return out
 
 
 @functools.lru_cache(maxsize=256)

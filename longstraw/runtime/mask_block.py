@@ -26,6 +26,22 @@ CHECK_TILE_ROWS = 1024
 CHECK_TILE_COLUMNS = 65536
 
 
+HOST_COPY = "_longstraw_host_copy"
+"""The attribute of a key mask (and of its rows, `call_state.rows_of`) that
+holds its host copy, made once per call (`attach_host_copy`): a step's
+block reads its visible columns from it instead of copying them (a device
+sync per block: 16 steps of sorted rows a call made 16)."""
+
+
+def attach_host_copy(keys: torch.Tensor) -> None:
+    """Copy `keys` (a key mask the outer graph computed) to the host once, for every block of the call."""
+    setattr(keys, HOST_COPY, _copied_to_host(keys))
+
+
+def _copied_to_host(keys: torch.Tensor) -> torch.Tensor:
+    return keys.detach().cpu()  # a tensor of its own on the CPU too, without the attribute
+
+
 class MaskTiles(torch.nn.Module):
     """Computes tiles of one mask. `tile` is a generated graph:
     `tile(row_start, rows, column_start, columns, *vectors)` -> the mask's
@@ -171,7 +187,10 @@ class MaskBlock:
         keys = self.vectors[self.tiles.padding]
         if not has_values(keys):
             return None
-        return keys.narrow(-1, 0, self.offset + self.length).cpu()
+        host = getattr(keys, HOST_COPY, None)
+        if host is None or host.shape != keys.shape:
+            return _copied_to_host(keys.narrow(-1, 0, self.offset + self.length))
+        return host.narrow(-1, 0, self.offset + self.length)
 
     def _positions_causal(self) -> bool:
         """`is_causal` of the block with every key on: it reads no input, so it is remembered."""

@@ -64,6 +64,7 @@ from longstraw.runtime.kept_graphs import (
     rows_or_graphs,
     rows_per_step,
 )
+from longstraw.runtime.mask_block import attach_host_copy
 from longstraw.runtime.phases import noting, walked
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
@@ -270,6 +271,9 @@ class GroupRunner(BackwardPass):
         groups = self.batch.groups(values)
         self.batch.check_shared_values(values, groups)
         self.batch.check_padding(values, groups)
+        for node in self.part.key_padding:  # one host copy a call, for every step's mask block
+            if node in values and has_values(values[node]):
+                attach_host_copy(values[node])
         leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
         room = 0
         if leaves is not None:

@@ -117,6 +117,24 @@ def test_a_block_reads_its_key_mask_to_the_host_once(monkeypatch):
     assert not _padded_tiles(WINDOW)(4, 4, on).is_causal()  # every key on, the positions part a window
 
 
+def test_a_call_copies_its_key_mask_to_the_host_once(monkeypatch):
+    """TRL's layout with prompt chunks of 2 and sorted branch steps of 2
+    rows: every step's block (23 of them, forward and backward) reads its
+    key mask from the one host copy the call made, cut to its rows and
+    columns (a device sync a block before), with eager's loss and gradients."""
+    from helpers.harness import assert_parity
+    from helpers.padding import MODELS, padded_group, scored_grpo_loss
+
+    copies = []
+    original = masks._copied_to_host
+    monkeypatch.setattr(masks, "_copied_to_host", lambda keys: copies.append(tuple(keys.shape)) or original(keys))
+    groups = [padded_group(3, 6, 5, 1, [5, 2, 3], seed=1), padded_group(3, 6, 5, 0, [1, 4, 2], seed=2)]
+    batch = tuple(torch.cat(parts) for parts in zip(*groups))
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, branch_rows=2, prefix_chunk_size=2)
+    assert_parity(scored_grpo_loss, backend, None, MODELS["qwen3"](seed=0), *batch, 0.7, tol=2e-5)
+    assert copies == [(6, 1, 1, 11)]
+
+
 class _LargestBool(TorchDispatchMode):
     """The most elements of any boolean tensor an operator returns."""
 
