@@ -87,7 +87,5 @@ def compile_program(part: Partition, head_chunk: int | None) -> StepProgram:
     `head_chunk` positions at a time."""
     stages = tuple(stages_of(part, head_chunk))
     cut = read_cut(part) if len(stages) == 1 else "a frozen stage hands the replayed one values at every position"
-    if isinstance(cut, str):
-        return StepProgram(part, build_outer(part), stages, build_tail(part), uncut=cut)
-    masks = build_from_inputs(part, list(cut.masks), "LongStrawReadMasks")
-    return StepProgram(part, build_outer(part), stages, build_tail(part), masks)
+    masks = None if isinstance(cut, str) else build_from_inputs(part, list(cut.masks), "LongStrawReadMasks")
+    return StepProgram(part, build_outer(part), stages, build_tail(part), masks, cut if isinstance(cut, str) else "")

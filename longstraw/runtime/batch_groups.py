@@ -13,6 +13,7 @@ from longstraw.analysis.partition import Partition, Root
 from longstraw.errors import InputError, argument_name, describe_node
 from longstraw.nodes import ancestors
 from longstraw.runtime.call_state import Group
+from longstraw.runtime.mask_block import HOST_COPY
 from longstraw.runtime.prompt_state import has_values
 
 
@@ -95,7 +96,8 @@ class BatchGroups:
             for group in groups:
                 _check_same_prompt(rows, group.rows, root.node, _inputs_named(root.node))
         for node in self.part.key_padding:
-            value, batch_dim = values[node], self.part.batch_dim(node)
+            # the call's host copy where the runner made one (`mask_block.attach_host_copy`): no second copy
+            value, batch_dim = getattr(values[node], HOST_COPY, values[node]), self.part.batch_dim(node)
             if not has_values(value):
                 continue
             keys = value.movedim((batch_dim, -1), (0, 1)) if batch_dim is not None else value.movedim(-1, 0)[None]

@@ -270,10 +270,10 @@ class GroupRunner(BackwardPass):
         values = dict(zip(self.imports, self.outer.module(*inputs)))
         groups = self.batch.groups(values)
         self.batch.check_shared_values(values, groups)
-        self.batch.check_padding(values, groups)
-        for node in self.part.key_padding:  # one host copy a call, for every step's mask block
-            if node in values and has_values(values[node]):
+        for node in self.part.key_padding:  # one host copy a call, for the padding checks and every mask block
+            if has_values(values[node]):
                 attach_host_copy(values[node])
+        self.batch.check_padding(values, groups)
         leaves = self._graph_leaves(inputs, values) if backward and self.keeps_graphs else None
         room = 0
         if leaves is not None:
