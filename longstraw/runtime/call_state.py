@@ -131,8 +131,9 @@ class GroupCall:
 # Measured on an H100 (dense slice, TRL's batch, `step_profile_cut_h100`):
 # 12 to 14 more steps (sorted steps of 2 or 3 rows against one of 8) cost
 # from 28 to 260 positions each in wall time beyond the kernel time they
-# saved (each step's mask block is one more device sync); at 256 the
-# peers' batch runs steps of 4 rows, 14% fewer positions.
+# saved (each step's mask block was one more device sync then; the key mask
+# is now copied to the host once a call); at 256 the peers' batch runs steps
+# of 4 rows, 14% fewer positions.
 STEP_POSITIONS = 256
 
 # A cut step's length is rounded up to one of this many lengths: each new
