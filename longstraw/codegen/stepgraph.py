@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from longstraw.analysis.dims import DimAnalysis
 from longstraw.analysis.partition import Partition
@@ -29,9 +30,12 @@ from longstraw.codegen.graphs import GradModeReplay, StepGraph, generated_module
 from longstraw.codegen.head import HeadChunks, HeadRegion, head_region
 from longstraw.errors import UnsupportedGraphError, describe_node
 from longstraw.nodes import ancestors, arg, op_name, size_args, tensor_of
+from longstraw.runtime.kernels import weight_grads
 from longstraw.runtime.mask_block import MaskTiles
 from longstraw.runtime.prompt_state import write_state
 
+_WEIGHT_GRADS_INTO = {F.linear: weight_grads.linear, F.embedding: weight_grads.embedding}
+"""Operators whose weight gradient the step adds into `.grad` in place (`weight_grads.py`)."""
 _SIZED_METHODS = {"view", "reshape", "expand", "broadcast_to", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SIZED_FACTORIES = {"zeros", "ones", "empty", "full", "rand", "randn"}
 
@@ -392,6 +396,9 @@ class _StepBuilder:
         self.graph.output(tuple(results))
         module = generated_module(self.graph, f"LongStraw{self.kind.title()}Step", self.root)
         module.graph.eliminate_dead_code()  # e.g. K/V head repetition the attention step absorbed
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in _WEIGHT_GRADS_INTO:
+                node.target = _WEIGHT_GRADS_INTO[node.target]
         module.recompile()
         return StepGraph(module, externals, region)
 

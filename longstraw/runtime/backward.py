@@ -20,6 +20,7 @@ from longstraw.parallel.ranks import Ranks, posting_failures
 from longstraw.runtime.call_state import (
     BranchTurn, CallState, Group, GroupCall, KeptChunk, ReadLengths, RngState, branches_named, rows_of,
 )
+from longstraw.runtime.kernels.weight_grads import accumulating_into
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
@@ -258,7 +259,8 @@ class BackwardPass(abc.ABC):
     def _accumulate(leaves: list[torch.Tensor], outputs: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None]) -> None:
         pairs = [(o, s) for o, s in zip(outputs, seeds) if s is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if pairs and leaves:
-            torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs], inputs=leaves)
+            with accumulating_into(leaves):
+                torch.autograd.backward([o for o, _ in pairs], [s for _, s in pairs], inputs=leaves)
 
 
 class RankParts:
