@@ -110,7 +110,9 @@ def _runner(p: Planning) -> Planning:
     runner = GroupRunner(p.program, p.sized, state_room=room.states, graph_room=room.graphs,
                          graph_chunk_bytes=room.graph_chunk, step_bytes=room.step, branch_room=room.spare,
                          kept_bytes=p.kept_bytes)
-    runner.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in p.args])
+    if p.sized.prompt_grad == "exact":
+        runner.batch.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in p.args],
+                                            runner.prefix.externals)
     return dataclasses.replace(p, runner=runner)
 
 

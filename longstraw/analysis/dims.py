@@ -117,6 +117,26 @@ class DimAnalysis:
     def has_class(self, node: fx.Node, cls: int) -> bool:
         return self.dim_index(node, cls) is not None
 
+    def carries_class(self, node: fx.Node, cls: int) -> bool:
+        """Whether a dimension of `node`, or of any piece of a tuple value, contains class `cls`."""
+        dims = self.dims.get(node)
+        if not dims:
+            return False
+        if isinstance(dims[0], list):
+            return any(cls in self.classes(d) for piece in dims for d in piece)
+        return any(cls in self.classes(d) for d in dims)
+
+    def restriction(self, node: fx.Node, cls: int) -> Restriction | None:
+        """How `node` restricts its first argument's dimension of class `cls` (a slice of it), if it does."""
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node):
+            return None
+        dims = self.dims_of(src)
+        for r in self.restricts.get(node, []):
+            if cls in self.classes(dims[r.in_dim]):
+                return r
+        return None
+
     # the walk -----------------------------------------------------------
 
     def fresh_dims(self, shape: Sequence[int]) -> list[Dim]:

@@ -28,21 +28,17 @@ from longstraw.passes import DEFAULT_PASSES, ArchitecturePass, SiteState
 from longstraw.analysis.boundary import choose_state
 from longstraw.analysis.dims import DimAnalysis
 from longstraw.analysis.dim_types import Restriction
-from longstraw.errors import (
-    NO_FIX,
-    InputError,
-    UnsupportedGraphError,
-    architecture_hint,
-    binding_hint,
-    describe_node,
-    experts_hint,
-    module_classes,
-    positions_hint,
-    random_hint,
-    sdpa_advice,
-)
+from longstraw.errors import InputError, UnsupportedGraphError, describe_node
 from longstraw.trace.functionalize import is_updated
 from longstraw.analysis.mask_bands import key_padding_of
+from longstraw.analysis.refusals import (
+    check_position_tables,
+    check_sequence_ops,
+    nothing_claimed,
+    padded_to_a_window,
+    position_length,
+    unsupported,
+)
 from longstraw.nodes import ancestors, is_call, is_side_effect, op_name, tensor_inputs, tensor_of
 from longstraw.analysis.slots import StateSlot
 from longstraw.pass_registry import claiming_pass
@@ -103,45 +99,6 @@ class Partition:
         return self.dims.dim_index(node, self.token)
 
 
-def _check_position_tables(graph: fx.Graph, end: int) -> None:
-    """A learned position table (an embedding looked up with indices built
-    from `arange` alone) must have a row for every position the group runs."""
-    for node in graph.nodes:
-        if op_name(node) != "embedding" or len(node.args) < 2:
-            continue
-        index, weight = node.args[0], node.args[1]
-        if not isinstance(index, fx.Node) or tensor_of(weight) is None:
-            continue
-        found = ancestors([index])
-        if any(n.op == "placeholder" for n in found) or not any(op_name(n) == "arange" for n in found):
-            continue
-        rows = tensor_of(weight).shape[0]
-        if rows < end:
-            raise InputError(
-                f"{describe_node(node)} looks up a learned position table of {rows} rows, but the group runs "
-                f"{end} positions (prompt plus response): the sequences are longer than the model's positions. "
-                "Shorten the prompt or the responses."
-            )
-
-
-def _unsupported(node: fx.Node, why: str, advice: str = "") -> UnsupportedGraphError:
-    """The refusal of `node`: `why`, then `advice`, else what the hints find
-    for this node (a binding, HF's experts implementation, position ids, a
-    sampling router), else that LongStraw has no fix."""
-    if advice:
-        said = f"{why}: {advice.rstrip('.')}."
-    else:
-        hints = (f"{binding_hint(node)}{experts_hint(node)}{positions_hint(node)}{random_hint(node)}"
-                 f"{architecture_hint(node)}")
-        said = f"{why}.{hints or f' {NO_FIX}.'}"
-    return UnsupportedGraphError(
-        f"{describe_node(node)} {said} LongStraw needs every operator that mixes sequence positions to be claimed by "
-        "an architecture pass (see longstraw.passes; a pass of your own goes in options={'passes': [...]} or "
-        "longstraw.register_pass). Pass options={'on_unsupported': 'eager'} to run this graph unchanged instead.",
-        node,
-    )
-
-
 def classify(
     gm: fx.GraphModule, params: set[fx.Node], passes: tuple[ArchitecturePass, ...] = DEFAULT_PASSES
 ) -> Partition:
@@ -152,18 +109,18 @@ def classify(
     claims = {n: p for n in graph.nodes if is_call(n) and (p := claiming_pass(n, passes)) is not None}
     an = DimAnalysis(graph, lambda rules, n: claims[n].dim_rule(rules, n) if n in claims else None)
     if not claims:
-        raise _nothing_claimed(graph, an)
+        raise nothing_claimed(graph, an)
     for node, p in claims.items():
         reason = p.unsupported_reason(node)
         if reason:
-            raise _unsupported(node, f"cannot be replayed incrementally: {reason}")
+            raise unsupported(node, f"cannot be replayed incrementally: {reason}")
 
     token, batch = _seed_axes(claims, an)
     key_padding = _key_padding(claims)
     padding_only = _used_only_by(graph, set(key_padding))
-    sequence = {n for n in graph.nodes if _has_class(an, n, token)} - padding_only
+    sequence = {n for n in graph.nodes if an.carries_class(n, token)} - padding_only
     positional = _positional(graph, claims, sequence) - padding_only
-    _check_sequence_ops(graph, an, token, batch, sequence, claims, positional | padding_only)
+    check_sequence_ops(graph, an, token, batch, sequence, claims, positional | padding_only)
     exits = _find_exits(graph, an, token, sequence, positional)
     roots = _find_roots(an, token, batch, sequence - positional, params)
     seq_len = an.factor_size(token)
@@ -178,11 +135,11 @@ def classify(
     for node in sequence - positional:
         for arg in node.all_input_nodes:
             if arg in post:
-                raise _unsupported(node, "combines a restricted range of positions with the full sequence (a shift)")
+                raise unsupported(node, "combines a restricted range of positions with the full sequence (a shift)")
     for node in graph.find_nodes(op="output"):
         for arg in node.all_input_nodes:
             if arg in sequence:
-                raise _unsupported(arg, "is returned from the loss with its full sequence axis (prompt positions included)")
+                raise unsupported(arg, "is returned from the loss with its full sequence axis (prompt positions included)")
     branch, tail = _split_branch_tail(graph, an, batch, post, {e.node for e in exits})
     branch_outputs = [
         n for n in graph.nodes if n in branch and any(u in tail or u.op == "output" for u in n.users)
@@ -216,7 +173,7 @@ def classify(
         end=max(e.restriction.stop for e in exits),
         key_padding=key_padding,
     )
-    _check_position_tables(graph, part.end)
+    check_position_tables(graph, part.end)
     log.debug(
         "partition: %d sequence, %d branch, %d tail nodes; first consumed position %d",
         len(sequence), len(branch), len(tail), first_consumed,
@@ -230,82 +187,6 @@ def with_state(part: Partition) -> Partition:
     slots, sites = choose_state(part.claims, part.dims, part.token, part.batch)
     log.debug("state: %d slots", len(slots))
     return dataclasses.replace(part, slots=slots, sites=sites)
-
-
-def _has_class(an: DimAnalysis, node: fx.Node, cls: int) -> bool:
-    dims = an.dims.get(node)
-    if not dims:
-        return False
-    if isinstance(dims[0], list):
-        return any(cls in an.classes(d) for piece in dims for d in piece)
-    return any(cls in an.classes(d) for d in dims)
-
-
-_MATMULS = {"matmul", "bmm", "einsum", "baddbmm", "mm"}
-
-
-def _nothing_claimed(graph: fx.Graph, an: DimAnalysis) -> UnsupportedGraphError:
-    """No pass claims any operator: say what mixes positions instead."""
-    for node in graph.nodes:
-        if op_name(node) == "flex_attention":
-            return _unsupported(node, "is flex attention, which no pass claims", sdpa_advice(module_classes(node)))
-    for node in graph.nodes:
-        if op_name(node) == "softmax" and _near(node, _MATMULS, "up") and _near(node, _MATMULS, "down"):
-            return _unsupported(
-                node, "computes attention with explicit matmul and softmax (HF's attn_implementation='eager'), and "
-                "LongStraw claims attention only as `scaled_dot_product_attention`", sdpa_advice(module_classes(node))
-            )
-    lookups = [n for n in graph.nodes if op_name(n) == "embedding" and tensor_of(n.args[0]) is not None
-               and tensor_of(n.args[0]).dim() >= 2]
-    if lookups:
-        token = an.classes(an.dims_of(lookups[0].args[0])[-1])[0]
-        for node in graph.nodes:
-            if not is_call(node):
-                continue
-            if not any(_has_class(an, n, token) for n in (node, *node.all_input_nodes)):
-                continue
-            if node in an.unknown:
-                return _unsupported(
-                    node, "touches the sequence axis and has no dimension rule, so LongStraw cannot tell which "
-                    "positions it reads (no operator in this graph is claimed by a pass)"
-                )
-            if any(token in an.classes(d) for d in an.mixes.get(node, [])):
-                return _unsupported(node, "mixes sequence positions, and no attention or other operator a pass claims was found")
-    return UnsupportedGraphError(
-        "no attention (or other position-mixing operator claimed by a pass) found in the loss graph: there is no "
-        "prompt state to share between the group's responses"
-    )
-
-
-def _near(node: fx.Node, names: set[str], direction: str, hops: int = 8) -> bool:
-    """Whether an operator in `names` is within `hops` edges of `node`."""
-    frontier = {node}
-    for _ in range(hops):
-        frontier = {m for n in frontier for m in (n.all_input_nodes if direction == "up" else n.users)}
-        if any(op_name(n) in names for n in frontier):
-            return True
-    return False
-
-
-def _position_length(position: tuple[fx.Node, int]) -> int | None:
-    """The traced length of a claimed operator's position axis (None where not a concrete size)."""
-    seq_node, seq_dim = position
-    value = tensor_of(seq_node)
-    size = None if value is None else value.shape[seq_dim]
-    return size if isinstance(size, int) else None
-
-
-def _padded_to_a_window(*positions: tuple[fx.Node, int]) -> bool:
-    """Whether one claimed operator's position axis is a `pad` of a tensor
-    as long as the other's: one sequence, which HF's cache pads to a causal
-    convolution's kernel where it is shorter."""
-    for (node, dim), other in (positions, positions[::-1]):
-        source = node.args[0] if node.op == "call_function" and op_name(node) == "pad" and node.args else None
-        value, padded = tensor_of(source) if isinstance(source, fx.Node) else None, tensor_of(node)
-        if value is not None and padded is not None and value.dim() == padded.dim() \
-                and value.shape[dim] == _position_length(other):
-            return True
-    return False
 
 
 def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tuple[int, int]:
@@ -323,8 +204,8 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
         tokens.setdefault(tuple(c for c in classes if an.factor_size(c) != 1 or c in group), node)
     if len(tokens) != 1:
         first, second = list(tokens.values())[:2]
-        if _padded_to_a_window(positions[first][0], positions[second][0]):
-            lengths = [_position_length(positions[node][0]) for node in (first, second)]
+        if padded_to_a_window(positions[first][0], positions[second][0]):
+            lengths = [position_length(positions[node][0]) for node in (first, second)]
             raise UnsupportedGraphError(
                 f"{describe_node(first)} runs over {lengths[0]} positions and {describe_node(second)} over "
                 f"{lengths[1]}. If the loss runs one sequence, the model treats a sequence this short differently "
@@ -337,7 +218,7 @@ def _seed_axes(claims: dict[fx.Node, ArchitecturePass], an: DimAnalysis) -> tupl
             "every model the loss runs (or compute one sequence from the other)."
         )
     if len(next(iter(tokens))) != 1:
-        raise _unsupported(next(iter(tokens.values())), "runs over positions that are a product of several axes")
+        raise unsupported(next(iter(tokens.values())), "runs over positions that are a product of several axes")
     batch_list = list(batches)
     for b in batch_list[1:]:
         an.unify(batch_list[0], b)
@@ -390,42 +271,6 @@ def _used_outside(user: fx.Node, node: fx.Node, positional_inputs: set[fx.Node])
     return uses.count(node) > (1 if node in positional_inputs else 0)
 
 
-def _check_sequence_ops(
-    graph: fx.Graph, an: DimAnalysis, token: int, batch: int, sequence: set[fx.Node], claims: dict,
-    positional: set[fx.Node],
-) -> None:
-    for node in graph.nodes:
-        if not is_call(node) or is_side_effect(node) or node in claims or node in positional:
-            continue
-        seq_inputs = [a for a in node.all_input_nodes if a in sequence]
-        for dim in an.splits.get(node, []):
-            if token in an.classes(dim):
-                raise _unsupported(node, "splits the sequence axis (e.g. into fixed-size chunks)")
-        if not seq_inputs and node not in sequence:
-            continue
-        if is_updated(node) and _restricts_token(an, node, token):
-            raise _unsupported(node, "writes a range of sequence positions in place")
-        if is_updated(node) and node in sequence and _restricts_token(an, node, batch):
-            raise _unsupported(node, "writes into some rows of the group in place inside the per-position computation")
-        if node in an.unknown:
-            raise _unsupported(node, "touches the sequence axis and has no dimension rule")
-        if any(token in an.classes(d) for d in an.mixes.get(node, [])):
-            raise _unsupported(node, "mixes values across sequence positions")
-        if node not in sequence and not _restricts_token(an, node, token):
-            raise _unsupported(node, "reduces or drops the sequence axis")
-
-
-def _restricts_token(an: DimAnalysis, node: fx.Node, token: int) -> Restriction | None:
-    src = node.args[0] if node.args else None
-    if not isinstance(src, fx.Node):
-        return None
-    dims = an.dims_of(src)
-    for r in an.restricts.get(node, []):
-        if token in an.classes(dims[r.in_dim]):
-            return r
-    return None
-
-
 def _find_exits(
     graph: fx.Graph, an: DimAnalysis, token: int, sequence: set[fx.Node], positional: set[fx.Node]
 ) -> list[Exit]:
@@ -433,10 +278,10 @@ def _find_exits(
     for node in graph.nodes:
         if node in sequence or node in positional or not is_call(node):
             continue
-        r = _restricts_token(an, node, token)
+        r = an.restriction(node, token)
         if r is not None and node.args[0] in sequence and not is_updated(node):
             if r.step != 1:
-                raise _unsupported(node, "reads every k-th position of the sequence")
+                raise unsupported(node, "reads every k-th position of the sequence")
             exits.append(Exit(node, r))
     if not exits:
         raise UnsupportedGraphError(

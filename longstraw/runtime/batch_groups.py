@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from longstraw.analysis.partition import Partition, Root
-from longstraw.errors import InputError, argument_name, describe_node
+from longstraw.errors import InputError, UnsupportedGraphError, argument_name, describe_node
 from longstraw.nodes import ancestors
 from longstraw.runtime.call_state import Group
 from longstraw.runtime.mask_block import HOST_COPY
@@ -46,6 +46,28 @@ class BatchGroups:
                     )
             prefix_len = min(prefix_len, shared)
         return prefix_len
+
+    def check_prompt_gradients(self, requires_grad: Sequence[bool], prompt_inputs: Sequence[fx.Node]) -> None:
+        """Exact mode cannot give per-row gradients to per-row inputs of the
+        prompt's computation (`prompt_inputs`: what the prompt step reads):
+        the prompt runs once, from row 0, and the gradient of each row's
+        prompt positions is their sum. Eager keeps them apart, so such
+        inputs are refused (inputs broadcast from one prompt inside the
+        loss, `prompt.expand(G, ...)`, are fine: their gradient is that sum)."""
+        part = self.part
+        position = {p: i for i, p in enumerate(part.placeholders)}
+        per_row = [r.node for r in part.roots if r.structural_prefix is None and r.node in prompt_inputs]
+        for node in per_row + list(self.shared_values):
+            if part.batch_dim(node) is None:
+                continue
+            for source in ancestors([node]):
+                if source.op == "placeholder" and source not in part.params and requires_grad[position[source]]:
+                    raise UnsupportedGraphError(
+                        f"`{argument_name(source)}` requires grad and gives each row of the group its own copy of the prompt "
+                        f"(through `{node.name}`): exact mode computes the prompt once and cannot tell the rows' "
+                        "gradients apart. Pass the prompt once and expand it inside the loss "
+                        "(`torch.cat([prompt.expand(G, -1, ...), responses], 1)`), or use prompt_grad='detached'."
+                    )
 
     def groups(self, values: dict) -> list[Group]:
         """The batch's groups: rows equal in every per-row input over the

@@ -14,7 +14,7 @@ import torch
 
 from longstraw.errors import LongStrawError
 from longstraw.runtime.mask_block import HOST_COPY
-from longstraw.runtime.prompt_state import ChunkRound, PromptState
+from longstraw.runtime.prompt_state import ChunkRound, PromptState, has_values
 
 
 @dataclasses.dataclass
@@ -150,6 +150,19 @@ class ReadLengths:
 
     needed: tuple[int, ...]
     reads: int
+
+    @classmethod
+    def of(cls, masks: Sequence[torch.Tensor]) -> ReadLengths | None:
+        """From the scorer's masks `[rows, reads]` on a call's inputs (a row
+        reads a position any of them marks; one host copy); None without values."""
+        read = None
+        for mask in masks:
+            read = mask != 0 if read is None else read | (mask != 0)
+        if not has_values(read):
+            return None
+        reads = read.shape[1]
+        last = (read * torch.arange(1, reads + 1, device=read.device)).amax(1)  # one past each row's last True
+        return cls(tuple(last.tolist()), reads)
 
     def steps(self, rows: Sequence[int], per_step: int) -> list[tuple[int, ...]]:
         """`rows` longest read first, dealt into steps of `per_step`, so a step's rows end near each other."""

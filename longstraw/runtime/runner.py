@@ -31,7 +31,7 @@ from longstraw.codegen.program import StepProgram
 from longstraw.codegen.recompute import LayerwiseStep
 from longstraw.codegen.stepgraph import build_step
 from longstraw.codegen.stages import Stage
-from longstraw.errors import LongStrawError, UnsupportedGraphError, argument_name
+from longstraw.errors import LongStrawError, argument_name
 from longstraw.nodes import ancestors
 from longstraw.options import Options
 from longstraw.parallel.agreement import check_replicated, graph_fingerprint
@@ -178,28 +178,6 @@ class GroupRunner(BackwardPass):
     def keeps_branch_graphs(self) -> bool:
         return self.keeps_graphs and branch_graphs_keepable(self.program)
 
-    def check_prompt_gradients(self, requires_grad: Sequence[bool]) -> None:
-        """Exact mode cannot give per-row gradients to per-row inputs of the
-        prompt's computation: the prompt runs once, from row 0, and the
-        gradient of each row's prompt positions is their sum. Eager keeps
-        them apart, so such inputs are refused (inputs broadcast from one
-        prompt inside the loss, `prompt.expand(G, ...)`, are fine: their
-        gradient is that sum)."""
-        if self.options.prompt_grad != "exact":
-            return
-        per_row = [r.node for r in self.part.roots if r.structural_prefix is None and r.node in self.prefix.externals]
-        for node in per_row + list(self.batch.shared_values):
-            if self.part.batch_dim(node) is None:
-                continue
-            for source in ancestors([node]):
-                if source.op == "placeholder" and source not in self.part.params and requires_grad[self.position[source]]:
-                    raise UnsupportedGraphError(
-                        f"`{argument_name(source)}` requires grad and gives each row of the group its own copy of the prompt "
-                        f"(through `{node.name}`): exact mode computes the prompt once and cannot tell the rows' "
-                        "gradients apart. Pass the prompt once and expand it inside the loss "
-                        "(`torch.cat([prompt.expand(G, -1, ...), responses], 1)`), or use prompt_grad='detached'."
-                    )
-
     # inputs of the steps ------------------------------------------------
 
     def _step_inputs(
@@ -289,14 +267,7 @@ class GroupRunner(BackwardPass):
         masks = self.program.read_masks
         if masks is None or self.sampled or self.ranks is not None:
             return None
-        read = None
-        for mask in masks.module(*inputs):
-            read = mask != 0 if read is None else read | (mask != 0)
-        if not has_values(read):
-            return None
-        reads = read.shape[1]
-        last = (read * torch.arange(1, reads + 1, device=read.device)).amax(1)  # one past each row's last True
-        return ReadLengths(tuple(last.tolist()), reads)
+        return ReadLengths.of(masks.module(*inputs))
 
     def _graph_leaves(self, inputs: Sequence[Any], values: dict) -> dict[int, torch.Tensor] | None:
         """Aliases of the inputs that need gradients, for steps run under

@@ -14,10 +14,13 @@ import longstraw
 
 from conftest import raises_longstraw
 from helpers.batches import batch_loss, detached_batch_reference, make_batch
+from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.families import FAMILIES
-from helpers.harness import assert_parity, compiled_loss_and_grads, count_live_states
+from helpers.harness import assert_parity, compile_loss, compiled_loss_and_grads, count_live_states
+from helpers.losses import pg_tail
 from helpers.parity import deterministic_algorithms
-from helpers.reference import grads_of
+from helpers.reference import eager_loss_and_grads, grads_of
+from helpers.tiny_models import make_group, make_model
 
 TOL = 1e-6
 
@@ -132,3 +135,41 @@ def test_groups_are_reported_per_call():
 def test_keep_group_states_is_validated(value):
     with pytest.raises(longstraw.LongStrawError, match="keep_group_states must be a bool or None"):
         longstraw.Backend(keep_group_states=value)
+
+
+def offset_loss(model, prompt, responses, advantages, mask, offset):
+    """A per-row offset [G, 1, H] added to every position's input embedding
+    (a per-response steering vector), so it feeds the prompt's computation."""
+    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
+    embeds = model.get_input_embeddings()(ids) + offset
+    logits = model(inputs_embeds=embeds).logits[:, prompt.shape[0] - 1 : -1]
+    return pg_tail(logits, responses, advantages, mask)
+
+
+def test_exact_mode_refuses_per_row_prompt_inputs_that_require_grad():
+    """Exact mode runs the prompt once, so it cannot give each row of a
+    per-row input its own gradient: refused when the plan is made
+    (`BatchGroups.check_prompt_gradients`). Without
+    requires_grad the input is checked at run time: rows that differ would
+    give the rows different prompts (refused), equal rows are exact."""
+    model = make_model("qwen3")
+    prompt, responses, advantages, mask = make_group(3, 13, 5)
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    offset = (0.1 * torch.randn(1, 1, hidden, dtype=torch.float64, generator=gen)).expand(3, 1, hidden).clone()
+    step = compile_loss(offset_loss, longstraw.Backend(prefix_chunk_size=4))
+    before = grads_of(model)
+    with raises_longstraw(
+        r"^`offset` requires grad and gives each row of the group its own copy of the prompt \(through `\w+`\): "
+        r"exact mode computes the prompt once.*prompt_grad='detached'"
+    ):
+        step(model, prompt, responses, advantages, mask, offset.clone().requires_grad_(True)).backward()
+    differing = offset + 0.1 * torch.randn(3, 1, hidden, dtype=torch.float64, generator=gen)
+    with raises_longstraw(r"^`offset` differs between the rows of the group but feeds the prompt's computation"):
+        step(model, prompt, responses, advantages, mask, differing).backward()
+    assert grads_equal(grads_of(model), before)
+    args = (prompt, responses, advantages, mask, offset)
+    got = compiled_loss_and_grads(step, model, *args)
+    want = eager_loss_and_grads(offset_loss, model, *args)
+    assert_close(got[0], want[0], 1e-6, "loss")
+    assert_grads_close(got[1], want[1], 1e-6)

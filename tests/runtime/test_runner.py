@@ -15,7 +15,7 @@ from longstraw.runtime.runner import GroupRunner
 from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.harness import compile_loss, compiled_loss_and_grads
-from helpers.losses import TAILS, grpo_loss_f64, grpo_tail, logits_of, pg_tail
+from helpers.losses import TAILS, grpo_loss_f64, grpo_tail, logits_of
 from helpers.plain_transformer import make_plain
 from helpers.reference import (
     detached_logits,
@@ -293,43 +293,6 @@ def test_per_row_inputs_that_require_grad(kind, mode):
         loss = step(model, *args)
     assert not loss.requires_grad
     assert_close(loss, eager[0], tol, "loss under no_grad")
-
-
-def offset_loss(model, prompt, responses, advantages, mask, offset):
-    """A per-row offset [G, 1, H] added to every position's input embedding
-    (a per-response steering vector), so it feeds the prompt's computation."""
-    ids = torch.cat([prompt.expand(responses.shape[0], -1), responses], dim=1)
-    embeds = model.get_input_embeddings()(ids) + offset
-    logits = model(inputs_embeds=embeds).logits[:, prompt.shape[0] - 1 : -1]
-    return pg_tail(logits, responses, advantages, mask)
-
-
-def test_exact_mode_refuses_per_row_prompt_inputs_that_require_grad():
-    """Exact mode runs the prompt once, so it cannot give each row of a
-    per-row input its own gradient: refused before anything runs. Without
-    requires_grad the input is checked at run time: rows that differ would
-    give the rows different prompts (refused), equal rows are exact."""
-    model = make_model("qwen3")
-    prompt, responses, advantages, mask = make_group(3, 13, 5)
-    hidden = model.config.hidden_size
-    gen = torch.Generator().manual_seed(1)
-    offset = (0.1 * torch.randn(1, 1, hidden, dtype=torch.float64, generator=gen)).expand(3, 1, hidden).clone()
-    step = compile_loss(offset_loss, longstraw.Backend(prefix_chunk_size=4))
-    before = seed_grads(model)
-    with raises_longstraw(
-        r"^`offset` requires grad and gives each row of the group its own copy of the prompt \(through `\w+`\): "
-        r"exact mode computes the prompt once.*prompt_grad='detached'"
-    ):
-        step(model, prompt, responses, advantages, mask, offset.clone().requires_grad_(True)).backward()
-    differing = offset + 0.1 * torch.randn(3, 1, hidden, dtype=torch.float64, generator=gen)
-    with raises_longstraw(r"^`offset` differs between the rows of the group but feeds the prompt's computation"):
-        step(model, prompt, responses, advantages, mask, differing).backward()
-    assert grads_equal(grads_of(model), before)
-    args = (prompt, responses, advantages, mask, offset)
-    got = compiled_loss_and_grads(step, model, *args)
-    want = eager_loss_and_grads(offset_loss, model, *args)
-    assert_close(got[0], want[0], 1e-6, "loss")
-    assert_grads_close(got[1], want[1], 1e-6)
 
 
 # --- backward twice, autograd.grad, create_graph --------------------------------------
