@@ -51,6 +51,8 @@ def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
     wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 1e6
+    # the host waiting on the device (the step's own syncs and the one after it)
+    syncs = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and "Synchronize" in e.name)
     averages = prof.key_averages()
     text = averages.table(sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=top)
     by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=top)
@@ -58,7 +60,8 @@ def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
         by_shape = prof.key_averages(group_by_input_shape=True).table(
             sort_by="self_cuda_time_total" if kernels else "self_cpu_time_total", row_limit=2 * top)
         by_cpu += "\n" + by_shape
-    return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels)}, text + "\n" + by_cpu
+    return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels), "host_syncs": syncs}, \
+        text + "\n" + by_cpu
 
 
 def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
@@ -176,11 +179,11 @@ def _split(call: dict) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| model | mode | P | first s (Dynamo, plan, run) | warm s | kernel s | launches | peak GB | phases s | new length: first s, warm s, first's phases s; next (Dynamo, plan, run) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = ["| model | mode | P | first s (Dynamo, plan, run) | warm s | kernel s | launches | syncs | peak GB | phases s | new length: first s, warm s, first's phases s; next (Dynamo, plan, run) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in runs:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | | | |")
             continue
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
         new = r.get("new_length")
@@ -189,7 +192,8 @@ def table(runs: list[dict]) -> str:
                                       + f"; {_split(new['next'])}")
         first = f"{r['first_s']:.2f}" + (f" ({_split(r['first'])})" if "first" in r else "")
         lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {first} | {r['warm_s']:.3f} | "
-                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r['peak_gb']:.1f} | {phases} | {new} |")
+                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r.get('host_syncs', '')} | {r['peak_gb']:.1f} | "
+                     f"{phases} | {new} |")
     return "\n".join(lines)
 
 

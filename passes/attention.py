@@ -264,7 +264,9 @@ def attention_step(
     elif mask is not None and (left := mask.padding_end()) is not None:
         return _attention_after_padding(ctx, q, k, v, k_slot, v_slot, scale, left, sinks)
     elif mask is not None and ctx.offset >= ctx.state.prefix_len and (span := mask.key_span()) is not None:
-        return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span, sinks)
+        if not _unread(ctx, 0, span[1]):
+            return _attention_over_span(ctx, q, k, v, k_slot, v_slot, scale, *span, sinks)
+        mask, first = None, span[0]  # its padded queries reach nothing the loss reads: causal over [first, row]
     return AttentionOverState.apply(ctx, q, k, v, mask, k_slot, v_slot, scale, first, sinks)
 
 
@@ -278,7 +280,7 @@ def _row_by_row(
     completion; `_row_spans`) and there are no sinks: `RowsOverState`, the
     rows at once, then each padded completion's padded queries again over
     its keys (`AttentionOverSpan`; what the fused call gave them gets no
-    gradient). Otherwise each row's own keys and values go to the state's
+    gradient), unless the loss reads none of them (`_unread`). Otherwise each row's own keys and values go to the state's
     scratch room and its attention runs as a one-row step's, with its own
     row of the mask, so every form above holds per row. The layer's other
     operators ran on all rows at once. The backward of a row reads the
@@ -301,7 +303,7 @@ def _row_by_row(
         rows = list(out.split(1))
         for j, last in enumerate(lasts):
             real = last - ctx.offset
-            if real == ctx.length:
+            if real == ctx.length or _unread(ctx, j, last):
                 continue
             # a right-padded completion: its padded queries see the keys [first, last) (eager's causal & key
             # mask), not their causal own keys; the queries before `last` are causal, as computed
@@ -379,6 +381,14 @@ def _attention_after_padding(
     out = AttentionOverState.apply(real_rows, q.narrow(-2, pad, real), k.narrow(-2, pad, real),
                                     v.narrow(-2, pad, real), None, k_slot, v_slot, scale, first, sinks)
     return torch.cat([zeros, out], dim=-2)
+
+
+def _unread(ctx: StepContext, row: int, last: int) -> bool:
+    """Whether the loss reads nothing of `row` from its padded queries on
+    (`last`: its key mask's end; `StepContext.unread_from`): what they
+    attend to then changes nothing read, and eager's form of them (every
+    key of the span) need not run again."""
+    return ctx.unread_from is not None and ctx.unread_from[row] <= last
 
 
 def _row_spans(ctx: StepContext, mask: MaskBlock | None) -> tuple[int, list[int]] | None:

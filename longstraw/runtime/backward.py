@@ -123,7 +123,8 @@ class BackwardPass(abc.ABC):
             where = f"replaying {named} over [{prefix_len}, {call.end})"
             length = branch_len if turn.cut is None else turn.cut.length
             with self._replaying(group_call, ("branch", row), where):
-                ctx = StepContext(state, prefix_len, length, grad_enabled=True, round=turn.round, rows=len(rows))
+                ctx = StepContext(state, prefix_len, length, grad_enabled=True, round=turn.round, rows=len(rows),
+                                  unread_from=turn.unread_from)
                 step = self.branch if len(rows) == 1 else self.branch_step(len(rows))
                 step_inputs = self._step_inputs(
                     step, inputs, values, rows if turn.rows else row, prefix_len, length, group_call.handed[row])

@@ -91,6 +91,7 @@ class BranchTurn:
     round: ChunkRound | None = None
     rows: tuple[int, ...] = ()  # the rows one batched step runs, `row` first; empty: `row` alone
     cut: StepCut | None = None  # the step stops at its rows' last read position; None: it runs them all
+    unread_from: tuple[int, ...] | None = None  # per step row, the position its loss reads nothing from (`read_cut.py`)
 
     @property
     def step_rows(self) -> tuple[int, ...]:
@@ -182,6 +183,16 @@ class ReadLengths:
     def _length(self, rows: Sequence[int], positions: int) -> int:
         cut = self.cut(rows, positions)
         return positions if cut is None else cut.length
+
+    def unread_from(self, rows: Sequence[int], start: int, positions: int) -> tuple[int, ...] | None:
+        """Per row of `rows`, the first position (of a branch run over
+        `positions` from `start`) from which its loss reads nothing: the
+        read positions lie at the branch's end or before it, so a row's last
+        read is at most `reads - needed` positions before that end. None
+        where the branch is shorter than its read positions."""
+        if positions < self.reads:
+            return None
+        return tuple(start + positions - self.reads + self.needed[r] for r in rows)
 
     def cut(self, rows: Sequence[int], positions: int) -> StepCut | None:
         """The cut of a step of `rows` over `positions` (of which the last

@@ -225,6 +225,11 @@ class StepContext:
     """The branch rows the step holds (`Options.branch_rows`): each reads the
     prompt's state, and the claimed operators store their own positions
     row by row (`ArchitecturePass.branches_batched`)."""
+    unread_from: tuple[int, ...] | None = None
+    """Per row of a branch step, the position from which the loss provably
+    reads nothing (`analysis/read_cut.py`); None where nothing is proved.
+    An operator may compute those positions in any finite way: no output
+    the loss reads depends on them, and their gradient is zero."""
 
     # sequence slots
 

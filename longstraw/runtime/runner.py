@@ -347,7 +347,7 @@ class GroupRunner(BackwardPass):
                     with noting(where), torch.set_grad_enabled(keep), \
                             self.graph_bytes.measuring(keep, "branch", len(rows) * length, device):
                         ctx = StepContext(state, group.prefix_len, length, grad_enabled=False, round=turn.round,
-                                          rows=len(rows))
+                                          rows=len(rows), unread_from=turn.unread_from)
                         inputs_of_row = self._step_inputs(
                             step, inputs, values, rows if turn.rows else row, group.prefix_len, length, handed[row])
                         outs = step.module(ctx, *inputs_of_row)
@@ -476,7 +476,8 @@ class GroupRunner(BackwardPass):
         elsewhere every rank runs every row."""
         shard = state.shard
         if reads is not None:
-            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else (), cut=reads.cut(rows, branch_len))
+            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else (), cut=reads.cut(rows, branch_len),
+                               unread_from=reads.unread_from(rows, group.prefix_len, branch_len))
                     for rows in reads.steps(group.rows, per_step)]
         if per_step > 1:
             steps = [group.rows[i:i + per_step] for i in range(0, len(group.rows), per_step)]

@@ -81,6 +81,17 @@ def scored_from_the_front(model, *batch):
     return _scored(model, *batch, lambda out, R: out[:, 1:-1])[0]
 
 
+def reads_the_padding_too(model, prompt_ids, prompt_mask, completion_ids, completion_mask, advantages):
+    """The scorer's operator over every completion position, padding
+    included (its mask from the ids alone): the padded queries are read."""
+    R = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=R + 1).logits[:, :-1]
+    logps, entropy = logprobs_and_entropy(logits, completion_ids, completion_ids >= 0, 0.7)
+    return (-torch.exp(logps - logps.detach()) * advantages[:, None].to(logps.dtype) - 0.01 * entropy).mean()
+
+
 SCHEDULES = [
     {},
     {"branch_rows": 2},
@@ -158,6 +169,49 @@ def test_detached_mode_is_unchanged_by_the_cut():
     assert ran == padded
     assert_close(cut_loss, want_loss, 1e-12, "loss")
     assert_grads_close(cut, want, 1e-12)
+
+
+@pytest.mark.parametrize("loss_fn, recomputed", [(scored_from_the_front, 0), (reads_the_padding_too, 10)],
+                         ids=["reads-the-real-tokens", "reads-the-padding-too"])
+def test_padded_queries_run_as_eagers_only_where_the_loss_reads_them(monkeypatch, loss_fn, recomputed):
+    """Steps of a group's three rows (5, 2, 3 and 1, 4, 2 real tokens): a
+    padded completion's queries see every key of its span in eager, and
+    LongStraw computes them so again (`attention._padded_queries`) only
+    where the loss reads them; where it reads only the real tokens they
+    stay causal, and loss and gradients are eager's either way (exact mode:
+    the five padded rows, forward and replayed, 10 runs a layer)."""
+    from longstraw.passes import attention
+
+    calls = []
+    original = attention._padded_queries
+    monkeypatch.setattr(attention, "_padded_queries", lambda *a: calls.append(1) or original(*a))
+    model = MODELS["qwen3"](seed=0)
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, branch_rows=3, keep_graphs=False)
+    assert_parity(loss_fn, backend, None, model, *batch()[:5], tol=TOL)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == recomputed * layers
+
+
+@pytest.mark.parametrize("loss_fn, over_span", [(scored_from_the_front, 0), (reads_the_padding_too, 8)],
+                         ids=["reads-the-real-tokens", "reads-the-padding-too"])
+def test_a_one_row_step_rounded_past_its_row_attends_causally_where_unread(monkeypatch, loss_fn, over_span):
+    """One row a step, 40-token completions of 33, 16 and 40 and 20, 40 and
+    9 real tokens: a cut step is rounded up to a multiple of 41 // 16 = 2
+    positions, so the rows of 16 and 20 tokens run one padded query. Eager's
+    form of a padded row's queries (`attention._attention_over_span`) runs
+    only where the loss reads them: where it reads the padding too, every
+    row short of 40 runs whole, forward and replayed (8 a layer)."""
+    from longstraw.passes import attention
+
+    calls = []
+    original = attention._attention_over_span
+    monkeypatch.setattr(attention, "_attention_over_span", lambda *a: calls.append(1) or original(*a))
+    groups = [padded_group(3, 6, 40, 1, [33, 16, 40], seed=1), padded_group(3, 6, 40, 0, [20, 40, 9], seed=2)]
+    args = tuple(torch.cat(parts) for parts in zip(*groups))[:5]
+    model = MODELS["qwen3"](seed=0)
+    backend = longstraw.Backend(prompt_grad="exact", verify_state=True, branch_rows=1, keep_graphs=False)
+    assert_parity(loss_fn, backend, None, model, *args, tol=TOL)
+    assert len(calls) == over_span * model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("loss_fn, why", [

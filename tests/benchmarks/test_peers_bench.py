@@ -104,6 +104,7 @@ def test_step_profile_runs_on_the_cpu(tmp_path, monkeypatch):
     assert exact["plan"]["keeps_graphs"] and {"differentiating the kept prompt", "differentiating the kept branch"} <= set(exact["phases_s"])
     assert "replaying branch" not in exact["phases_s"] and "in the reverse pass" not in exact["phases_s"]
     assert "host profile" in (tmp_path / "profile.txt").read_text()
+    assert exact["host_syncs"] == 0  # counted from the profile's runtime calls: the CPU has no device to wait on
     # the warm step's steps by kind: one capture per prompt, every branch kept and differentiated
     steps = exact["steps"]
     assert steps["capturing prompt chunk"] >= 1 and steps["differentiating the kept prompt chunk"] >= 1
