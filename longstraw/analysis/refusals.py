@@ -135,6 +135,10 @@ def check_sequence_ops(
     graph: fx.Graph, an: DimAnalysis, token: int, batch: int, sequence: set[fx.Node], claims: dict,
     positional: set[fx.Node],
 ) -> None:
+    """Every unclaimed operator that reads the sequence keeps its positions
+    apart: it does not split the sequence axis, write a range of positions
+    or of the group's rows in place, mix or drop positions, or lack a
+    dimension rule; the first that does is refused."""
     for node in graph.nodes:
         if not is_call(node) or is_side_effect(node) or node in claims or node in positional:
             continue
