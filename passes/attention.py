@@ -280,8 +280,9 @@ def _row_by_row(
     completion; `_row_spans`) and there are no sinks: `RowsOverState`, the
     rows at once, then each padded completion's padded queries again over
     its keys (`AttentionOverSpan`; what the fused call gave them gets no
-    gradient), unless the loss reads none of them (`_unread`). Otherwise each row's own keys and values go to the state's
-    scratch room and its attention runs as a one-row step's, with its own
+    gradient), unless the loss reads none of them (`_unread`). Otherwise
+    each row's own keys and values go to the state's scratch room and its
+    attention runs as a one-row step's, with its own
     row of the mask, so every form above holds per row. The layer's other
     operators ran on all rows at once. The backward of a row reads the
     state before the step only, so the next row may overwrite the scratch

@@ -121,17 +121,13 @@ class BackwardPass(abc.ABC):
                     self._accumulate(leaves, kept, slices)
                 continue
             where = f"replaying {named} over [{prefix_len}, {call.end})"
-            length = branch_len if turn.cut is None else turn.cut.length
             with self._replaying(group_call, ("branch", row), where):
-                ctx = StepContext(state, prefix_len, length, grad_enabled=True, round=turn.round, rows=len(rows),
-                                  unread_from=turn.unread_from)
+                ctx = turn.context(state, prefix_len, branch_len, grad_enabled=True)
                 step = self.branch if len(rows) == 1 else self.branch_step(len(rows))
                 step_inputs = self._step_inputs(
-                    step, inputs, values, rows if turn.rows else row, prefix_len, length, group_call.handed[row])
+                    step, inputs, values, rows if turn.rows else row, prefix_len, ctx.length, group_call.handed[row])
                 outs = self.replay_module("branch", len(rows))(ctx, *step_inputs)
-                if turn.cut is not None:
-                    outs = turn.cut.padded(outs, where)
-                self._accumulate(leaves, outs, slices)
+                self._accumulate(leaves, turn.padded(outs, where), slices)
         if exact and turns[0].round is not None:
             summed_carry_grads(state, prefix_len)
         if exact and group_call.graph is not None:

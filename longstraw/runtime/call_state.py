@@ -14,7 +14,7 @@ import torch
 
 from longstraw.errors import LongStrawError
 from longstraw.runtime.mask_block import HOST_COPY
-from longstraw.runtime.prompt_state import ChunkRound, PromptState, has_values
+from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
 
 
 @dataclasses.dataclass
@@ -97,6 +97,16 @@ class BranchTurn:
     def step_rows(self) -> tuple[int, ...]:
         """The rows the step holds."""
         return self.rows or (self.row,)
+
+    def context(self, state: PromptState, start: int, positions: int, grad_enabled: bool) -> StepContext:
+        """The step's context over the branch's `positions` from `start`, or the first of them its cut keeps."""
+        length = positions if self.cut is None else self.cut.length
+        return StepContext(state, start, length, grad_enabled=grad_enabled, round=self.round, rows=len(self.step_rows),
+                           unread_from=self.unread_from)
+
+    def padded(self, outputs: Sequence[torch.Tensor], where: str) -> Sequence[torch.Tensor]:
+        """The step's outputs over every read position (`StepCut.padded` where it is cut)."""
+        return outputs if self.cut is None else self.cut.padded(outputs, where)
 
     @property
     def shadow(self) -> bool:

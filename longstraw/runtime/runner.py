@@ -337,7 +337,7 @@ class GroupRunner(BackwardPass):
                 dims = [part.batch_dim(part.branch_outputs[o]) for o in stage.outputs]
                 for turn in self._branch_turns(state, group, branch_len, per_step, reads):
                     row, rows = turn.row, turn.step_rows
-                    length = branch_len if turn.cut is None else turn.cut.length
+                    ctx = turn.context(state, group.prefix_len, branch_len, grad_enabled=False)
                     step = stage.branch if len(rows) == 1 else self.branch_step(len(rows))
                     if self.random:
                         rng["branch", row] = RngState.capture(device)
@@ -345,15 +345,11 @@ class GroupRunner(BackwardPass):
                             and spending.take(self.graph_bytes.branch(len(rows), branch_len)))
                     where = f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"
                     with noting(where), torch.set_grad_enabled(keep), \
-                            self.graph_bytes.measuring(keep, "branch", len(rows) * length, device):
-                        ctx = StepContext(state, group.prefix_len, length, grad_enabled=False, round=turn.round,
-                                          rows=len(rows), unread_from=turn.unread_from)
+                            self.graph_bytes.measuring(keep, "branch", len(rows) * ctx.length, device):
                         inputs_of_row = self._step_inputs(
-                            step, inputs, values, rows if turn.rows else row, group.prefix_len, length, handed[row])
-                        outs = step.module(ctx, *inputs_of_row)
-                        if turn.cut is not None:
-                            outs = turn.cut.padded(outs, where)
-                    ran, padded = ran + len(rows) * length, padded + len(rows) * branch_len
+                            step, inputs, values, rows if turn.rows else row, group.prefix_len, ctx.length, handed[row])
+                        outs = turn.padded(step.module(ctx, *inputs_of_row), where)
+                    ran, padded = ran + len(rows) * ctx.length, padded + len(rows) * branch_len
                     if keep:
                         branches[row] = outs[:len(stage.outputs)]
                         outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]

@@ -259,6 +259,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         return to_host(self, tensors)
 
     from longstraw.runtime import backward as runtime_backward
+    from longstraw.runtime import call_state
     from longstraw.runtime import runner as runtime
 
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
@@ -283,7 +284,8 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
             branch_steps.append(ctx.grad_enabled)
         return ctx
 
-    runtime.StepContext = runtime_backward.StepContext = recording_steps  # the forward's steps, the backward's
+    # the prompt's steps (forward, backward) and the branches' (`BranchTurn.context`)
+    runtime.StepContext = runtime_backward.StepContext = call_state.StepContext = recording_steps
     sums = []  # one per `summed_over_ranks` a backward opened (`RankParts`)
     summed_over_ranks = runtime_backward.summed_over_ranks
 

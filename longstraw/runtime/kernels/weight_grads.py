@@ -110,10 +110,11 @@ class _EmbeddingWeightGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None, None]:
         (ids,) = ctx.saved_tensors
         weight, padding_idx = ctx.weight, ctx.padding_idx
-        held = weight.grad if _owned(weight) else None
+        owned = _owned(weight)
+        held = weight.grad if owned else None
         if held is None:
             dense = torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], padding_idx, False)
-            if not _owned(weight):
+            if not owned:
                 return grad, None, dense, None
             weight.grad = dense.to(weight.dtype)
             return grad, None, None, None
