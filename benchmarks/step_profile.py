@@ -6,7 +6,9 @@ Same micro-batch and modes as peers_bench (TRL's `compute_loss`, 2 prompts
 x G completions, R = 1024). Per model and P and mode: the first call,
 split into Dynamo's compiles, LongStraw's planning and the run, the median of three warm steps, then
 one warm step under `torch.profiler` (sum of kernel time: when it is far
-under the wall time, the step waits on the host) and, for LongStraw, one
+under the wall time, the step waits on the host), the seconds until a warm
+step returns to the host, with `--sync-sites` where it waits on the device,
+and, for LongStraw, one
 under `phase_seconds` (device-synchronised per runtime phase) and one under
 cProfile. With `--new-length`, also LongStraw's first call at a prompt
 length not seen before (what each step of a real loop pays), under
@@ -18,6 +20,7 @@ length not seen before (what each step of a real loop pays), under
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -25,6 +28,8 @@ import os
 import pstats
 import statistics
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -62,6 +67,46 @@ def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
         by_cpu += "\n" + by_shape
     return {"profiled_wall_s": wall, "kernel_s": busy, "kernel_launches": len(kernels), "host_syncs": syncs}, \
         text + "\n" + by_cpu
+
+
+def host_seconds(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
+    """Seconds until one step returns to the host, the device synchronised
+    before but not after: near the wall time when the host (its launches or
+    its waits on the device) paces the step, far under it when the device does."""
+    sync()
+    start = time.perf_counter()
+    runner.step(batch)
+    seconds = time.perf_counter() - start
+    sync()
+    return seconds
+
+
+def sync_sites(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> dict[str, int]:
+    """Where one step makes the host wait on the device: each synchronising
+    call (`torch.cuda.set_sync_debug_mode`), counted by its innermost frames
+    in LongStraw, TRL and transformers, most frequent first."""
+    if not torch.cuda.is_available():
+        return {}
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in _OWN_FRAMES)]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames[-3:]))] += 1
+
+    sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync()
+    return dict(sites.most_common(top))
+
+
+_OWN_FRAMES = ("longstraw", "trl", "transformers")
 
 
 def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
@@ -131,6 +176,11 @@ def profile_mode(model, kind: str, mode: str, P: int, args, report: list[str]) -
         release(model)
         summary, text = device_profile(runner, batch, args.top, args.shapes)
         out.update(summary)
+        out["host_s"] = host_seconds(runner, batch)
+        if args.sync_sites:
+            out["sync_sites"] = sync_sites(runner, batch, args.top)
+            report.append(f"===== {kind} {mode} P={P}: host syncs by site\n"
+                          + "\n".join(f"{n:5d} {site}" for site, n in out["sync_sites"].items()))
         report.append(f"===== {kind} {mode} P={P}: operators (by device time, then host time)\n{text}")
         release(model)
         if mode.startswith("longstraw"):
@@ -179,11 +229,11 @@ def _split(call: dict) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| model | mode | P | first s (Dynamo, plan, run) | warm s | kernel s | launches | syncs | peak GB | phases s | new length: first s, warm s, first's phases s; next (Dynamo, plan, run) |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = ["| model | mode | P | first s (Dynamo, plan, run) | warm s | host s | kernel s | launches | syncs | peak GB | phases s | new length: first s, warm s, first's phases s; next (Dynamo, plan, run) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in runs:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {r.get('error', '')[:60]} | | | | | | | | |")
             continue
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r.get("phases_s", {}).items())
         new = r.get("new_length")
@@ -192,7 +242,7 @@ def table(runs: list[dict]) -> str:
                                       + f"; {_split(new['next'])}")
         first = f"{r['first_s']:.2f}" + (f" ({_split(r['first'])})" if "first" in r else "")
         lines.append(f"| {r['model']} | {r['mode']} | {r['P']:,} | {first} | {r['warm_s']:.3f} | "
-                     f"{r['kernel_s']:.3f} | {r['kernel_launches']} | {r.get('host_syncs', '')} | {r['peak_gb']:.1f} | "
+                     f"{r.get('host_s', float('nan')):.3f} | {r['kernel_s']:.3f} | {r['kernel_launches']} | {r.get('host_syncs', '')} | {r['peak_gb']:.1f} | "
                      f"{phases} | {new} |")
     return "\n".join(lines)
 
@@ -209,6 +259,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-host-profile", dest="host_profile", action="store_false",
                         help="skip the cProfile of LongStraw's step")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="also count where one step makes the host wait on the device, by source line")
     parser.add_argument("--shapes", action="store_true", help="also list the heaviest operators by input shape")
     parser.add_argument("--new-length", action="store_true",
                         help="also profile LongStraw's first call at new prompt lengths")
