@@ -20,7 +20,7 @@ shares merged by log-sum-exp, the queries travelling in backward; carried
 operators run over the whole round on every rank, so carries stay
 replicated), and the rounds' parameter gradients, each rank's part, are
 summed over the group once (`summed_over_ranks`). The branches run in
-rounds too, each rank one row of W (`GroupRunner._branch_turns`: the same
+rounds too, each rank one row of W (`runtime/branch_turns.branch_turns`: the same
 `round_attention`, no branch reading another's keys). The chunks outside
 rounds run on every rank on the same inputs (`sharded_causal_attention`
 merges the partials over the shards of the positions before the step

@@ -17,9 +17,8 @@ from longstraw.errors import LongStrawError
 from longstraw.options import Options
 from longstraw.parallel.collectives import replicate_from_first, summed_carry_grads, summed_over_ranks
 from longstraw.parallel.ranks import Ranks, posting_failures
-from longstraw.runtime.call_state import (
-    BranchTurn, CallState, Group, GroupCall, KeptChunk, ReadLengths, RngState, branches_named, rows_of,
-)
+from longstraw.runtime.branch_turns import branch_turns
+from longstraw.runtime.call_state import CallState, Group, GroupCall, KeptChunk, RngState, branches_named, rows_of
 from longstraw.runtime.kernels.weight_grads import accumulating_into
 from longstraw.runtime.phases import noting
 from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext
@@ -46,6 +45,7 @@ class BackwardPass(abc.ABC):
     import_ancestors: set[int]
     state_ancestors: set[int]
     ranks: Ranks | None
+    runs_rounds: bool
 
     def backward(
         self, call: CallState, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None]
@@ -102,7 +102,7 @@ class BackwardPass(abc.ABC):
         if exact:
             state.allocate_grads()
         branch_len = call.end - prefix_len
-        turns = self._branch_turns(state, group, branch_len, group_call.rows_per_step, group_call.reads)
+        turns = branch_turns(state, group, branch_len, group_call.rows_per_step, group_call.reads, self.runs_rounds)
         parts = RankParts(leaves, None if state.shard is None else state.shard.ranks)
         if turns[0].round is not None:
             parts.divided()
@@ -241,12 +241,6 @@ class BackwardPass(abc.ABC):
         again: bool = False, graph: list[KeptChunk] | None = None,
     ) -> PromptState:
         """The group's prompt state, captured chunk by chunk (`again`: in backward, for a group not kept)."""
-
-    @abc.abstractmethod
-    def _branch_turns(
-        self, state: PromptState, group: Group, branch_len: int, per_step: int = 1, reads: ReadLengths | None = None,
-    ) -> list[BranchTurn]:
-        """The group's branch steps this rank runs, `per_step` rows each (cut where `reads` says)."""
 
     @abc.abstractmethod
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:

@@ -35,20 +35,19 @@ from longstraw.errors import LongStrawError, argument_name
 from longstraw.nodes import ancestors
 from longstraw.options import Options
 from longstraw.parallel.agreement import check_replicated, graph_fingerprint
-from longstraw.parallel.collectives import all_gathered, raise_together
+from longstraw.parallel.collectives import raise_together
 from longstraw.parallel.ranks import Ranks, posting_failures
 from longstraw.parallel.shards import PromptShard
 from longstraw.runtime.backward import BackwardPass
 from longstraw.runtime.batch_groups import BatchGroups
+from longstraw.runtime.branch_turns import ReadLengths, branch_turns, seated
 from longstraw.runtime.call_state import (
-    BranchTurn,
     CallRecord,
     CallState,
     GraphSpending,
     Group,
     GroupCall,
     KeptChunk,
-    ReadLengths,
     RngState,
     branches_named,
     rows_of,
@@ -335,7 +334,7 @@ class GroupRunner(BackwardPass):
             for stage in self.stages:
                 state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
                 dims = [part.batch_dim(part.branch_outputs[o]) for o in stage.outputs]
-                for turn in self._branch_turns(state, group, branch_len, per_step, reads):
+                for turn in branch_turns(state, group, branch_len, per_step, reads, self.runs_rounds):
                     row, rows = turn.row, turn.step_rows
                     ctx = turn.context(state, group.prefix_len, branch_len, grad_enabled=False)
                     step = stage.branch if len(rows) == 1 else self.branch_step(len(rows))
@@ -353,7 +352,7 @@ class GroupRunner(BackwardPass):
                     if keep:
                         branches[row] = outs[:len(stage.outputs)]
                         outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
-                    for seat, got in _seated(turn, outs[:len(stage.outputs)], dims, state):
+                    for seat, got in seated(turn, outs[:len(stage.outputs)], dims, state):
                         per_row.setdefault(seat, {}).update(zip(stage.outputs, got))
                     handed[row].update(zip(stage.hands, outs[len(stage.outputs):]))
                 replayed = stage is self.stages[-1]
@@ -457,37 +456,6 @@ class GroupRunner(BackwardPass):
             rounds.append(ChunkRound(block, owners, owners.index(self.ranks.rank)))
         return rounds, rest
 
-    def _branch_turns(
-        self, state: PromptState, group: Group, branch_len: int, per_step: int = 1, reads: ReadLengths | None = None,
-    ) -> list[BranchTurn]:
-        """The group's branch steps this rank runs, `per_step` rows each
-        (the last step takes what is left); with `reads`, the rows longest
-        read first, so a step's rows end near each other, and each step cut
-        after its rows' last read position. Under context parallelism
-        (where rounds apply) the rows are dealt in rounds of W, one per rank,
-        each rank running its own (`StepContext.round`, `branches`: its
-        queries travel to the ranks holding the prompt's keys and back, as
-        in a prompt round, and nothing else is exchanged, since a branch
-        reads no other branch), so the branches' per-position work divides;
-        elsewhere every rank runs every row."""
-        shard = state.shard
-        if reads is not None:
-            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else (), cut=reads.cut(rows, branch_len),
-                               unread_from=reads.unread_from(rows, group.prefix_len, branch_len))
-                    for rows in reads.steps(group.rows, per_step)]
-        if per_step > 1:
-            steps = [group.rows[i:i + per_step] for i in range(0, len(group.rows), per_step)]
-            return [BranchTurn(rows[0], rows, rows=rows if len(rows) > 1 else ()) for rows in steps]
-        if shard is None or not self.runs_rounds:
-            return [BranchTurn(row, (row,)) for row in group.rows]
-        world, span = len(shard.chunks), (group.prefix_len, branch_len)
-        turns = []
-        for first in range(0, len(group.rows), world):
-            seats = group.rows[first:first + world]
-            round_ = ChunkRound((span,) * world, tuple(range(world)), shard.rank, branches=True)
-            turns.append(BranchTurn(seats[shard.rank] if shard.rank < len(seats) else seats[0], seats, round_))
-        return turns
-
     def _raise(self, failure: LongStrawError | None, device: torch.device) -> None:
         """Raise a check's failure; under context parallelism on every rank
         at once, since the checks read the rank's own share."""
@@ -495,20 +463,4 @@ class GroupRunner(BackwardPass):
             raise_together(failure, self.ranks, device)
         elif failure is not None:
             raise failure
-
-    # backward -----------------------------------------------------------
-
-
-def _seated(
-    turn: BranchTurn, outs: Sequence[torch.Tensor], dims: Sequence[int], state: PromptState
-) -> list[tuple[int, Sequence[torch.Tensor]]]:
-    """(row, outputs) of the branch step just run (`dims`: each output's
-    group dimension): this rank's row, each row of a batched step, or in a
-    branch round every seat's, gathered (a shadow's are dropped)."""
-    if turn.round is not None:
-        return list(zip(turn.seats, all_gathered(outs, state.shard.ranks)))
-    if not turn.rows:
-        return [(turn.row, outs)]
-    return [(row, [o.narrow(d, j, 1) for o, d in zip(outs, dims)]) for j, row in enumerate(turn.rows)]
-
 

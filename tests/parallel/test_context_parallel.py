@@ -259,7 +259,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         return to_host(self, tensors)
 
     from longstraw.runtime import backward as runtime_backward
-    from longstraw.runtime import call_state
+    from longstraw.runtime import branch_turns
     from longstraw.runtime import runner as runtime
 
     rounds = []  # per capture and reverse pass: (rounds, chunks every rank ran after them)
@@ -285,7 +285,7 @@ def _step_worker(rank: int, world: int, port: int, out: str) -> None:
         return ctx
 
     # the prompt's steps (forward, backward) and the branches' (`BranchTurn.context`)
-    runtime.StepContext = runtime_backward.StepContext = call_state.StepContext = recording_steps
+    runtime.StepContext = runtime_backward.StepContext = branch_turns.StepContext = recording_steps
     sums = []  # one per `summed_over_ranks` a backward opened (`RankParts`)
     summed_over_ranks = runtime_backward.summed_over_ranks
 
