@@ -31,8 +31,9 @@ class Options:
     least four chunks."""
 
     check_finite: bool = True
-    """Check the captured prompt state for NaN/Inf after the capture (one
-    reduction over the state, one device sync) and name the layer."""
+    """Check the captured prompt state for NaN/Inf and name the layer: one
+    reduction over each group's state after its capture, read once a call,
+    after the last group's branches (one device sync)."""
 
     plan_cache_size: int = 8
     """Plans kept per compiled graph, least recently used dropped first. A

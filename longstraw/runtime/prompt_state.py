@@ -32,6 +32,33 @@ if TYPE_CHECKING:
 from longstraw.analysis.slots import SlotKind
 
 
+@dataclasses.dataclass(frozen=True)
+class FiniteCheck:
+    """Whether each of a captured state's tensors (of `slots`) is finite, on
+    the device: launched after a capture, read by `nonfinite` once for every
+    capture of a forward, so that a call waits on the device once for them."""
+
+    slots: tuple[StateSlot, ...]
+    finite: torch.Tensor  # [len(slots)] bool
+
+
+def nonfinite(checks: list[FiniteCheck]) -> InputError | None:
+    """NaN or Inf in a captured state would poison every branch: the error
+    naming the first such slot's layer, or None. One device sync for all `checks`."""
+    if not checks:
+        return None
+    finite = torch.cat([check.finite for check in checks])
+    if bool(finite.all()):
+        return None
+    first = int((~finite).nonzero()[0, 0])
+    slot = [slot for check in checks for slot in check.slots][first]
+    return InputError(
+        f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
+        "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
+        "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
+    )
+
+
 class PromptState:
     """Buffers and carries for all slots of one call, and (exact mode) their gradients."""
 
@@ -142,24 +169,16 @@ class PromptState:
                     return slot
         return None
 
-    def nonfinite(self) -> InputError | None:
-        """NaN or Inf in the captured state (the prompt part of the buffers,
-        the carries at the prompt's end that branches read) would poison
-        every branch: the error naming the first such slot's layer, or None."""
+    def finite_check(self) -> FiniteCheck | None:
+        """`Options.check_finite`, launched: whether the captured state (the
+        prompt part of the buffers, the carries at the prompt's end that
+        branches read) is finite, read later (`nonfinite`); None without values."""
         tensors = [(slot, self.prompt_part(slot)) for slot in self.slots if slot.index in self.buffers]
         # the carries branches read (a non-finite earlier boundary reaches the state after it)
         tensors += [(slot, self.carries[slot.index][self.prefix_len]) for slot in self.slots if slot.index in self.carries]
         if not tensors or not has_values(tensors[0][1]):
             return None
-        finite = torch.stack([t.isfinite().all() for _, t in tensors])
-        if bool(finite.all()):
-            return None
-        slot, _ = tensors[int((~finite).nonzero()[0, 0])]
-        return InputError(
-            f"the captured prompt state {slot.index} ({slot.reason}) in `{module_path(slot.node) or slot.node.name}` "
-            "holds NaN or Inf: the prompt's forward overflowed or the weights are not finite. Every branch would "
-            "read it; check the inputs and weights (or set options={'check_finite': False} to skip this check)."
-        )
+        return FiniteCheck(tuple(slot for slot, _ in tensors), torch.stack([t.isfinite().all() for _, t in tensors]))
 
     def device_bytes(self) -> int:
         """Bytes of the buffers and carries held on the state's device (not

@@ -65,7 +65,7 @@ from longstraw.runtime.kept_graphs import (
 )
 from longstraw.runtime.mask_block import attach_host_copy
 from longstraw.runtime.phases import noting, walked
-from longstraw.runtime.prompt_state import ChunkRound, PromptState, StepContext, has_values
+from longstraw.runtime.prompt_state import ChunkRound, FiniteCheck, PromptState, StepContext, has_values, nonfinite
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
 
 log = logging.getLogger("longstraw.runtime.runner")
@@ -307,6 +307,7 @@ class GroupRunner(BackwardPass):
         ran = padded = 0  # branch positions run, and those of the padded rows
         planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
         rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
+        checks: list[FiniteCheck] = []  # the captures' `check_finite`, read once after the last group's branches
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
             handed: dict[int, dict[Any, torch.Tensor]] = {row: {} for row in group.rows}
@@ -332,7 +333,8 @@ class GroupRunner(BackwardPass):
             graph = [] if prompt_graph else None
             branches: dict[int, Sequence[torch.Tensor]] = {}
             for stage in self.stages:
-                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph)
+                state = self._capture(inputs, values, group, end, backward, rng, device, real, stage, graph=graph,
+                                      checks=checks)
                 dims = [part.batch_dim(part.branch_outputs[o]) for o in stage.outputs]
                 for turn in branch_turns(state, group, branch_len, per_step, reads, self.runs_rounds):
                     row, rows = turn.row, turn.step_rows
@@ -365,6 +367,7 @@ class GroupRunner(BackwardPass):
                     state.release()
                     state = None
             calls.append(GroupCall(group, state, rng, handed, graph, branches, per_step, reads))
+        self._raise(nonfinite(checks), device)
         rows = sorted(per_row)
         outputs = [
             torch.cat([per_row[row][i] for row in rows], dim=part.batch_dim(node))
@@ -394,14 +397,17 @@ class GroupRunner(BackwardPass):
     def _capture(
         self, inputs: Sequence[Any], values: dict, group: Group, end: int, backward: bool,
         rng: dict[tuple[str, int], RngState], device: torch.device, real: bool, stage: Stage | None = None,
-        again: bool = False, graph: list[KeptChunk] | None = None,
+        again: bool = False, graph: list[KeptChunk] | None = None, checks: list[FiniteCheck] | None = None,
     ) -> PromptState:
         """The group's prompt state for `stage`'s slots (default: the
         replayed stage), captured chunk by chunk from its first row. `again`
         (in backward) restores each chunk's RNG state from `rng` instead of
         recording it, so the state is the forward's. `device` and `real`:
         the outer values', as `run` found them (see `CallState`). `graph`:
-        run each chunk under autograd and append it there (`KeptChunk`)."""
+        run each chunk under autograd and append it there (`KeptChunk`).
+        `checks`: where `check_finite` appends its check for the caller to
+        read (`prompt_state.nonfinite`) instead of reading it here. A state
+        captured `again` is the one the forward checked: not checked twice."""
         part = self.part
         stage = self.stages[-1] if stage is None else stage
         backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
@@ -437,8 +443,11 @@ class GroupRunner(BackwardPass):
         failure = state.failure
         if failure is None and verify and (slot := state.unwritten()) is not None:
             failure = LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
-        if failure is None and self.options.check_finite:
-            failure = state.nonfinite()
+        check = state.finite_check() if self.options.check_finite and not again else None
+        if checks is not None and check is not None:
+            checks.append(check)
+        elif failure is None and check is not None:
+            failure = nonfinite([check])
         self._raise(failure, device)
         return state
 

@@ -13,6 +13,7 @@ from longstraw.runtime.prompt_state import StepContext
 from longstraw.runtime.runner import GroupRunner
 
 from conftest import raises_longstraw
+from helpers.batches import batch_loss, make_batch
 from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import TAILS, grpo_loss_f64, grpo_tail, logits_of
@@ -25,7 +26,7 @@ from helpers.reference import (
     trainable,
     with_fresh_grads,
 )
-from helpers.tiny_models import make_group, make_model, parity_tol
+from helpers.tiny_models import make_group, make_model, make_qwen3, parity_tol
 
 
 def seed_grads(model):
@@ -154,6 +155,33 @@ def test_non_finite_state_is_reported_with_its_layer():
     before = seed_grads(model)
     with raises_longstraw(r"blocks\.1\.attn.*NaN or Inf.*check_finite"):
         compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=8))(model, *make_group(2, 20, 4)).backward()
+    assert grads_equal(grads_of(model), before)
+
+
+def test_finite_checks_are_read_once_a_call_and_name_the_prompt_that_failed(monkeypatch):
+    """`check_finite` launches a check after each group's capture and reads
+    them together (one device sync) after the last group's branches. Two
+    prompts: one read of both checks; then a token only the second prompt
+    holds, its embedding row set to Inf, is reported with the layer, and
+    `.grad` is untouched."""
+    from longstraw.runtime import runner as runner_module
+
+    reads = []
+    read = runner_module.nonfinite
+    monkeypatch.setattr(runner_module, "nonfinite", lambda checks: reads.append(len(checks)) or read(checks))
+    model = make_qwen3().double()
+    ids, advantages, mask = make_batch([2, 3], P=13, R=3, vocab=model.config.vocab_size)
+    compile_loss(batch_loss, longstraw.Backend(prefix_chunk_size=4))(model, ids, advantages, mask).backward()
+    assert reads == [2]
+    prompts = ids[:, :13]
+    second = prompts[(prompts != prompts[:1]).any(1)][0]
+    token = next(t for t in second.tolist() if t not in prompts[0].tolist())
+    with torch.no_grad():
+        model.model.embed_tokens.weight[token] = float("inf")
+    before = seed_grads(model)
+    torch._dynamo.reset()
+    with raises_longstraw(r"layers\.0\.self_attn.*NaN or Inf.*check_finite"):
+        compile_loss(batch_loss, longstraw.Backend(prefix_chunk_size=4))(model, ids, advantages, mask).backward()
     assert grads_equal(grads_of(model), before)
 
 
