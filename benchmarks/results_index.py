@@ -111,8 +111,11 @@ SUPERSEDED: dict[str, Supersession] = {
         "step_profile_peers_cut4_h100", "the cut as it stands (steps dealt at 256 positions, one host copy of the "
         "key mask a call), beside every peer"),
     "step_profile_peers_cut4_h100": Supersession(
-        "step_profile_wg_h100", "LongStraw at 2K and exact at 4K again with weight gradients added in place, "
-        "prefix-grouper beside; its 8K steps stand", partly=True),
+        "step_profile_long_h100", "prefix-grouper and LongStraw from 8K to 32K at fe0cf21 (its 2K and 4K LongStraw "
+        "steps: step_profile_wg_h100, then step_profile_syncs_h100); its TRL steps stand", partly=True),
+    "step_profile_wg_h100": Supersession(
+        "step_profile_syncs_h100", "prefix-grouper and LongStraw at 2K and 4K at fe0cf21 (padded queries left causal "
+        "where unread), with the host's time and syncs; its before/after pair stands", partly=True),
     "step_profile_rows_h100": Supersession(
         "step_profile_planned_h100", "the exact and prefix-grouper steps again, with the rows' fused attention, "
         "kept graphs at their measured bytes and the rows giving way to kept graphs", partly=True),
@@ -642,7 +645,8 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
         # the later run's exact step at 32K planned for what an out-of-memory peer left held (its note)
         "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
                                                        "step_profile_exact32k_h100", "step_profile_peers_cut4_h100",
-                                                       "step_profile_wg_h100"],
+                                                       "step_profile_wg_h100", "step_profile_long_h100",
+                                                       "step_profile_syncs_h100"],
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
         "length-loop": "\n".join(length_loop(runs, ["length_loop20_b_h100", "length_loop20_128k_h100",
                                                           "length_loop_templates_h100"])),
