@@ -113,6 +113,9 @@ SUPERSEDED: dict[str, Supersession] = {
     "step_profile_peers_cut4_h100": Supersession(
         "step_profile_long_h100", "prefix-grouper and LongStraw from 8K to 32K at fe0cf21 (its 2K and 4K LongStraw "
         "steps: step_profile_wg_h100, then step_profile_syncs_h100); its TRL steps stand", partly=True),
+    "step_profile_syncs_h100": Supersession(
+        "step_profile_finite_h100", "prefix-grouper at 2K and 4K and the exact step at 2K again with check_finite "
+        "read once a call; its 4K LongStraw steps and the sync sites stand", partly=True),
     "step_profile_wg_h100": Supersession(
         "step_profile_syncs_h100", "prefix-grouper and LongStraw at 2K and 4K at fe0cf21 (padded queries left causal "
         "where unread), with the host's time and syncs; its before/after pair stands", partly=True),
@@ -646,8 +649,10 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
         "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
                                                        "step_profile_exact32k_h100", "step_profile_peers_cut4_h100",
                                                        "step_profile_wg_h100", "step_profile_long_h100",
-                                                       "step_profile_syncs_h100"],
-                                                {("step_profile_peers_rows_h100", "longstraw_exact", 32768)})),
+                                                       "step_profile_syncs_h100", "step_profile_finite_h100"],
+                                                # a row's cells from one run: the 4K exact step did not run there
+                                                {("step_profile_peers_rows_h100", "longstraw_exact", 32768),
+                                                 ("step_profile_finite_h100", "prefix_grouper", 4096)})),
         "length-loop": "\n".join(length_loop(runs, ["length_loop20_b_h100", "length_loop20_128k_h100",
                                                           "length_loop_templates_h100"])),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),

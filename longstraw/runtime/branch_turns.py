@@ -79,14 +79,15 @@ class BranchTurn:
         return self.round is not None and self.round.index >= len(self.seats)
 
 
-# What one more branch step costs beside its positions, counted in positions.
-# Measured on an H100 (dense slice, TRL's batch, `step_profile_cut_h100`):
-# 12 to 14 more steps (sorted steps of 2 or 3 rows against one of 8) cost
-# from 28 to 260 positions each in wall time beyond the kernel time they
-# saved (each step's mask block was one more device sync then; the key mask
-# is now copied to the host once a call); at 256 the peers' batch runs steps
-# of 4 rows, 14% fewer positions.
-STEP_POSITIONS = 256
+# What one more branch step costs beside its positions, counted in positions:
+# its launches, which pace a step at short prompts. Measured on an H100
+# (dense slice, TRL's batch, each group's completions from 512 to 1,024):
+# at 4K, steps of 4 rows (two a group, 14,088 positions) ran the exact step
+# in 0.411 s, one of 8 (16,400) in 0.554 s, and the 2- and 3-row steps that
+# 256 chose (13,318) in 0.481 s (`step_profile_rows4_finite_h100`,
+# `step_profile_rows8_finite_h100`, `step_profile_syncs_h100`); at 2K the
+# three came within 7% (0.353 to 0.379 s). At 640 the batch runs steps of 4.
+STEP_POSITIONS = 640
 
 # A cut step's length is rounded up to one of this many lengths: each new
 # shape is a new CUDA graph of a carried operator's span (`carry.SpanGraphs`),

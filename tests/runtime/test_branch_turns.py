@@ -28,10 +28,10 @@ def test_rows_per_step_runs_the_fewest_positions():
     """A group of 8 completions of R = 1024 (one full, the rest shorter),
     lengths rounded up to multiples of 64: one step of 8 runs 8 x 1,025
     positions, sorted steps of 4 run 6,916, of 2 6,530, one row per step
-    6,273. At 256 positions a step, steps of 4; at 128, of 2."""
+    6,273. At 640 positions a step (and at 256), steps of 4; at 128, of 2."""
     reads = ReadLengths(needed=(1024, 520, 600, 700, 800, 900, 950, 560), reads=1024)
     rows = tuple(range(8))
-    assert branch_turns.STEP_POSITIONS == 256
+    assert branch_turns.STEP_POSITIONS == 640
     assert reads.rows_per_step(rows, 1025, 8) == 4
     assert reads.steps(rows, 4) == [(0, 6, 5, 4), (3, 2, 7, 1)]
     assert reads.rows_per_step(rows, 1025, 3) == 3  # never more rows than memory allows
