@@ -186,27 +186,41 @@ def _backward_over_blocks(
     """dQ, dK, dV of the step's own keys `k`, `v`, from key `blocks` (counted
     from `first`) that never straddle the step's offset: with the output and
     log-sum-exp of the whole row each block's gradients are exact, so dQ is
-    their sum; the earlier blocks' dK/dV go to d(state) (exact mode)."""
+    their sum; the earlier blocks' dK/dV go to d(state) (exact mode). One
+    block's dQ, and dK/dV of one block over all the step's own keys, are
+    returned as the kernel gave them (no buffer to add or copy them into:
+    a few launches per layer and step, where the host paces short steps)."""
     k_slot, v_slot = slots
     o = step.offset - first
     keys, values = _visible_from(step, k_slot, first), _visible_from(step, v_slot, first)
     grad_out = grad_out.contiguous()
-    grad_q = torch.zeros(q.shape, dtype=compute_dtype(q), device=q.device)
-    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    whole = [(start, length) for start, length in blocks if start >= o] == [(o, k.shape[-2])]
+    grad_q = grad_k = grad_v = None
     for start, length in blocks:
         own = start >= o
         kb = k.narrow(-2, start - o, length) if own else keys.narrow(-2, start, length)
         vb = v.narrow(-2, start - o, length) if own else values.narrow(-2, start, length)
         cols = None if mask is None else mask.columns(start, length)
         gq, gk, gv = kernel.backward(grad_out, q, kb, vb, out, lse, cols, scale, q_start, start)
-        grad_q += gq
-        if own:
+        if grad_q is None:
+            grad_q = gq if len(blocks) == 1 else gq.to(compute_dtype(q), copy=True)
+        else:
+            grad_q += gq
+        if own and whole:
+            grad_k, grad_v = gk.to(k.dtype), gv.to(v.dtype)
+        elif own:
+            grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+            grad_v = torch.zeros_like(v) if grad_v is None else grad_v
             grad_k.narrow(-2, start - o, length).copy_(gk)
             grad_v.narrow(-2, start - o, length).copy_(gv)
         else:
             # when k and v are one slot, both land in the same d(state) and sum there
             step.accumulate_grad(k_slot, gk, start + first)
             step.accumulate_grad(v_slot, gv, start + first)
+    if grad_q is None:  # no key block: no gradient
+        grad_q = torch.zeros_like(q)
+    grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+    grad_v = torch.zeros_like(v) if grad_v is None else grad_v
     return grad_q.to(q.dtype), grad_k, grad_v
 
 
