@@ -156,7 +156,7 @@ class ReadLengths:
 
 
 def branch_turns(state: PromptState, group: Group, branch_len: int, per_step: int, reads: ReadLengths | None,
-             rounds: bool) -> list[BranchTurn]:
+                 rounds: bool) -> list[BranchTurn]:
     """The group's branch steps this rank runs, `per_step` rows each
     (the last step takes what is left); with `reads`, the rows longest
     read first, so a step's rows end near each other, and each step cut
@@ -198,5 +198,3 @@ def seated(
     if not turn.rows:
         return [(turn.row, outs)]
     return [(row, [o.narrow(d, j, 1) for o, d in zip(outs, dims)]) for j, row in enumerate(turn.rows)]
-
-
