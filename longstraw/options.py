@@ -173,7 +173,7 @@ class Options:
             raise LongStrawError(f"plan_cache_size must be a positive int, got {self.plan_cache_size!r}")
         if not isinstance(self.verify_state, bool):
             raise LongStrawError(f"verify_state must be a bool, got {self.verify_state!r}")
-        if self.recompute_layers not in (None, True, False):
+        if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
             raise LongStrawError(f"recompute_layers must be a bool or None, got {self.recompute_layers!r}")
         if self.keep_group_states is not None and not isinstance(self.keep_group_states, bool):
             raise LongStrawError(f"keep_group_states must be a bool or None, got {self.keep_group_states!r}")
@@ -189,7 +189,7 @@ class Options:
             raise LongStrawError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         if not isinstance(self.check_finite, bool):
             raise LongStrawError(f"check_finite must be a bool, got {self.check_finite!r}")
-        if self.progress not in (None, True, False):
+        if self.progress is not None and not isinstance(self.progress, bool):
             raise LongStrawError(f"progress must be None, True or False, got {self.progress!r}")
         if self.context_parallel is not None:
             import torch.distributed as dist
