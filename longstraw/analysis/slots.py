@@ -16,15 +16,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from longstraw.errors import module_path
-
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from longstraw.parallel.ranks import Ranks, raised_on_every_rank
 from longstraw.runtime.prompt_state import PromptState
-
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -5,22 +5,15 @@ and with a step's own keys; exact mode's attention outputs kept for the reverse 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from longstraw.errors import LongStrawError
 from longstraw.parallel.ranks import Ranks
+from longstraw.parallel.shards import ShardKeys, own_parts
 from longstraw.runtime.kernels.attention import AttentionKernel, compute_dtype
 from longstraw.runtime.prompt_state import StepContext
-
-if TYPE_CHECKING:
-    pass
-
-if TYPE_CHECKING:
-    from longstraw.parallel.shards import ShardKeys
-from longstraw.parallel.shards import own_parts
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, ranks: Ranks) -> tuple[torch.Tensor, torch.Tensor]:

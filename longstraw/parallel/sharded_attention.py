@@ -31,20 +31,10 @@ counted once. In exact mode d(state) is sharded like the state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from longstraw.parallel.ranks import Ranks
-from longstraw.runtime.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
-from longstraw.runtime.prompt_state import StepContext
-
-if TYPE_CHECKING:
-    pass
-
-if TYPE_CHECKING:
-    from longstraw.parallel.shards import ShardKeys
 from longstraw.parallel.partials import (
     kept_in_round,
     kept_or_merged,
@@ -55,7 +45,10 @@ from longstraw.parallel.partials import (
     own_partial,
     partial_over_share,
 )
-from longstraw.parallel.shards import by_rank, gather_round, gathered_rows, padded_to, shard_range
+from longstraw.parallel.ranks import Ranks
+from longstraw.parallel.shards import ShardKeys, by_rank, gather_round, gathered_rows, padded_to, shard_range
+from longstraw.runtime.kernels.attention import MATH, AttentionKernel, compute_dtype, kernel_for
+from longstraw.runtime.prompt_state import StepContext
 
 
 def sharded_attention(

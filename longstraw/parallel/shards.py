@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from longstraw.parallel.ranks import Ranks
 from longstraw.runtime.prompt_state import ChunkRound, StepContext
-
-if TYPE_CHECKING:
-    pass
 
 
 
