@@ -23,7 +23,6 @@ import torch.fx as fx
 from longstraw.errors import module_path
 
 
-
 class SlotKind(enum.StrEnum):
     """How a slot's state grows: per prompt position, or a fixed-size carry."""
 

@@ -14,7 +14,6 @@ from longstraw.parallel.ranks import Ranks, raised_on_every_rank
 from longstraw.runtime.prompt_state import PromptState
 
 
-
 def raise_together(error: Exception | None, ranks: Ranks, device: torch.device) -> None:
     """Raise the error of the lowest rank that has one, on every rank.
 

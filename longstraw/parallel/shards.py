@@ -12,7 +12,6 @@ from longstraw.parallel.ranks import Ranks
 from longstraw.runtime.prompt_state import ChunkRound, StepContext
 
 
-
 def by_rank(per_chunk: Sequence[torch.Tensor], round_: ChunkRound) -> torch.Tensor:
     """A round's per-chunk tensors (position order) stacked in the order of
     their chunks' ranks, for `merge_scattered` and a reduce-scatter."""
