@@ -30,6 +30,14 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.detach().clone() for n, p in trainable(model).items()}
 
 
+def seed_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every other parameter gets a `.grad`, the rest keep None; returns
+    `grads_of(model)`, for checking that a refused call left `.grad` alone."""
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, 0.25 * (i + 1)) if i % 2 == 0 else None
+    return grads_of(model)
+
+
 def with_fresh_grads(model: nn.Module, run: Callable[[], torch.Tensor]):
     """Run `run()` (which calls backward) from empty .grad, return (loss,
     grads) and put the model's previous .grad back."""

@@ -1,7 +1,8 @@
 """Runtime behaviour visible to users (longstraw/runtime/runner.py): progress bars,
 replay determinism and RNG replay, failures in backward, state checks,
 inputs, isolation, compiles over changing shapes, per-row inputs that
-require grad, repeated and higher-order backward, and verify_state."""
+require grad, and verify_state (repeated and higher-order backward:
+test_autograd_boundary.py)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,10 @@ from helpers.reference import (
     detached_reference,
     eager_loss_and_grads,
     grads_of,
-    trainable,
+    seed_grads,
     with_fresh_grads,
 )
 from helpers.tiny_models import make_group, make_model, make_qwen3, parity_tol
-
-
-def seed_grads(model):
-    """Every other parameter gets a .grad, the rest keep None."""
-    for i, p in enumerate(model.parameters()):
-        p.grad = torch.full_like(p, 0.25 * (i + 1)) if i % 2 == 0 else None
-    return grads_of(model)
 
 
 @pytest.mark.parametrize("mode", ["exact", "detached"])
@@ -321,64 +315,6 @@ def test_per_row_inputs_that_require_grad(kind, mode):
         loss = step(model, *args)
     assert not loss.requires_grad
     assert_close(loss, eager[0], tol, "loss under no_grad")
-
-
-# --- backward twice, autograd.grad, create_graph --------------------------------------
-
-
-def test_second_backward_with_retained_graph_is_refused():
-    """The first backward frees the prompt state, so a second one through
-    the same loss raises (eager would add the gradients again); the first
-    backward's gradients stay as they were."""
-    model = make_model("plain")
-    args = make_group(3, 13, 5)
-    want = eager_loss_and_grads(grpo_loss_f64, model, *args)
-    loss = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=4))(model, *args)
-    loss.backward(retain_graph=True)
-    once = grads_of(model)
-    assert_grads_close(once, want[1], 1e-9)
-    with raises_longstraw(r"^backward through a LongStraw loss a second time \(retain_graph=True\).*Call the compiled loss again"):
-        loss.backward()
-    assert grads_equal(grads_of(model), once)
-
-
-@pytest.mark.parametrize("mode", ["exact", "detached"])
-def test_autograd_grad_matches_eager_and_leaves_grad_alone(mode):
-    model = make_model("plain")
-    prompt, responses, advantages, mask = args = make_group(3, 13, 5)
-    names, params = zip(*trainable(model).items())
-    before = seed_grads(model)
-    if mode == "exact":
-        reference = grpo_loss_f64(model, *args)
-    else:
-        reference = grpo_tail(detached_logits(model, prompt, responses), responses, advantages, mask)
-    want = torch.autograd.grad(reference, params)
-    step = compile_loss(grpo_loss_f64, longstraw.Backend(prompt_grad=mode, prefix_chunk_size=4))
-    got = torch.autograd.grad(step(model, *args), params)
-    assert_grads_close(dict(zip(names, got)), dict(zip(names, want)), 1e-9)
-    assert grads_equal(grads_of(model), before)
-
-
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
-def test_create_graph_is_refused_and_the_loss_stays_usable():
-    """A gradient of the gradient is refused, through autograd.grad and
-    through backward, before any .grad changes; the loss's plain backward
-    still works afterwards (create_graph retains the graph)."""
-    model = make_model("plain")
-    args = make_group(3, 13, 5)
-    params = list(trainable(model).values())
-    step = compile_loss(grpo_loss_f64, longstraw.Backend(prefix_chunk_size=4))
-    before = seed_grads(model)
-    loss = step(model, *args)
-    message = r"^backward with create_graph=True \(a gradient of the gradient\) is not supported"
-    with raises_longstraw(message):
-        torch.autograd.grad(loss, params, create_graph=True)
-    with raises_longstraw(message):
-        loss.backward(create_graph=True)
-    assert grads_equal(grads_of(model), before)
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    assert_grads_close(grads_of(model), eager_loss_and_grads(grpo_loss_f64, model, *args)[1], 1e-9)
 
 
 # --- verify_state ------------------------------------------------------------------

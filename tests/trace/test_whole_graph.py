@@ -22,15 +22,8 @@ from conftest import raises_longstraw
 from helpers.compare import assert_close, assert_grads_close, grads_equal
 from helpers.harness import compile_loss, compiled_loss_and_grads
 from helpers.losses import grpo_loss_f64, logits_of, pg_tail
-from helpers.reference import eager_loss_and_grads, grads_of
+from helpers.reference import eager_loss_and_grads, grads_of, seed_grads
 from helpers.tiny_models import _HF_SHAPES, VOCAB, make_group, make_model
-
-
-def seed_grads(model):
-    """Half the parameters get a .grad, the other half keep None."""
-    for i, p in enumerate(model.parameters()):
-        p.grad = torch.full_like(p, 0.25 * (i + 1)) if i % 2 == 0 else None
-    return grads_of(model)
 
 
 def line_of(fn, text: str) -> int:
