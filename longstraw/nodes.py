@@ -67,7 +67,7 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 def size_args(node: fx.Node) -> list[Any]:
     """The size list of view/reshape/expand-like calls, which Dynamo records
     either as varargs `x.view(3, 17, -1)` or as one tuple `x.view((3, 17, -1))`."""
-    rest = node.args[1:] if node.op == "call_method" else node.args[1:]
+    rest = node.args[1:]  # the tensor first, as the method's self or the function's input
     if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
         return list(rest[0])
     if not rest and "size" in node.kwargs:
