@@ -81,6 +81,10 @@ def host_seconds(runner: PeerRunner, batch: dict[str, torch.Tensor]) -> float:
     return seconds
 
 
+_OWN_FRAMES = ("longstraw", "trl", "transformers")
+"""The frames `sync_sites` names a synchronising call by."""
+
+
 def sync_sites(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> dict[str, int]:
     """Where one step makes the host wait on the device: each synchronising
     call (`torch.cuda.set_sync_debug_mode`), counted by its innermost frames
@@ -105,8 +109,6 @@ def sync_sites(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int) -> 
     sync()
     return dict(sites.most_common(top))
 
-
-_OWN_FRAMES = ("longstraw", "trl", "transformers")
 
 
 def host_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int,
