@@ -405,9 +405,9 @@ class GroupRunner(BackwardPass):
         recording it, so the state is the forward's. `device` and `real`:
         the outer values', as `run` found them (see `CallState`). `graph`:
         run each chunk under autograd and append it there (`KeptChunk`).
-        `checks`: where `check_finite` appends its check for the caller to
-        read (`prompt_state.nonfinite`) instead of reading it here. A state
-        captured `again` is the one the forward checked: not checked twice."""
+        `checks`: where `check_finite` appends its check, for the forward to
+        read once for every group (`prompt_state.nonfinite`); None in the
+        backward, whose capture `again` is the state the forward checked."""
         part = self.part
         stage = self.stages[-1] if stage is None else stage
         backward = backward and stage is self.stages[-1]  # a frozen stage has no reverse pass
@@ -443,11 +443,8 @@ class GroupRunner(BackwardPass):
         failure = state.failure
         if failure is None and verify and (slot := state.unwritten()) is not None:
             failure = LongStrawError(f"verify_state: the prompt capture left positions of {slot.label()} unwritten")
-        check = state.finite_check() if self.options.check_finite and not again else None
-        if checks is not None and check is not None:
+        if checks is not None and self.options.check_finite and (check := state.finite_check()) is not None:
             checks.append(check)
-        elif failure is None and check is not None:
-            failure = nonfinite([check])
         self._raise(failure, device)
         return state
 
