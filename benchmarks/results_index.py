@@ -116,6 +116,15 @@ SUPERSEDED: dict[str, Supersession] = {
     "step_profile_syncs_h100": Supersession(
         "step_profile_finite_h100", "prefix-grouper at 2K and 4K and the exact step at 2K again with check_finite "
         "read once a call; its 4K LongStraw steps and the sync sites stand", partly=True),
+    "step_profile_finite_h100": Supersession(
+        "step_profile_now_h100", "prefix-grouper and the exact step at 2K and 4K again with the default branch steps "
+        "(STEP_POSITIONS 640, decision 0041)"),
+    "step_profile_long_h100": Supersession(
+        "step_profile_now_h100", "prefix-grouper and the exact step at 8K again with the default branch steps; "
+        "its 16K and 32K steps and its detached steps stand", partly=True),
+    "length_loop20_b_h100": Supersession(
+        "length_loop_now_h100", "the exact loop and prefix-grouper's at 8K again with the default branch steps; "
+        "its 2K and 32K loops stand", partly=True),
     "step_profile_wg_h100": Supersession(
         "step_profile_syncs_h100", "prefix-grouper and LongStraw at 2K and 4K at fe0cf21 (padded queries left causal "
         "where unread), with the host's time and syncs; its before/after pair stands", partly=True),
@@ -649,11 +658,12 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
         "every-length": "\n".join(every_length(runs, ["step_profile_peers_dense_h100", "step_profile_peers_rows_h100",
                                                        "step_profile_exact32k_h100", "step_profile_peers_cut4_h100",
                                                        "step_profile_wg_h100", "step_profile_long_h100",
-                                                       "step_profile_syncs_h100", "step_profile_finite_h100"],
+                                                       "step_profile_syncs_h100", "step_profile_finite_h100",
+                                                       "step_profile_now_h100"],
                                                 # a row's cells from one run: the 4K exact step did not run there
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768),
                                                  ("step_profile_finite_h100", "prefix_grouper", 4096)})),
-        "length-loop": "\n".join(length_loop(runs, ["length_loop20_b_h100", "length_loop20_128k_h100",
+        "length-loop": "\n".join(length_loop(runs, ["length_loop_now_h100", "length_loop20_b_h100", "length_loop20_128k_h100",
                                                           "length_loop_templates_h100"])),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
         "grpo-glm5": "\n".join(grpo_glm5(runs, glm5, 3072)),
