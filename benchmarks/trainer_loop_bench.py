@@ -2,7 +2,8 @@
 LongStraw, per step split into generation, scoring and the loss.
 
 Per P and mode: `GRPOTrainer.train()` (TRL with gradient checkpointing, its
-default) or `LongStrawGRPOTrainer.train()` (exact) for `--steps` steps on
+default) or `LongStrawGRPOTrainer.train()` (exact; `longstraw_exact_unshared`:
+with `share_prefill=False`, HF's generate prefilling every row) for `--steps` steps on
 `--prompts` random prompts per step of about P tokens (words of a
 word-level tokenizer over the model's vocabulary; one length per step,
 drawn from [7P/8, P], the dataset in order), G generations each of up to
@@ -45,7 +46,8 @@ from grpo.measure import Clock, recorded_failure, sync, synced
 from longstraw.integrations.trl import LongStrawGRPOTrainer
 from peers.gated_delta import hopper_safe_gated_delta
 
-MODES = ("trl_ckpt", "longstraw_exact")
+MODES = ("trl_ckpt", "longstraw_exact", "longstraw_exact_unshared")
+DEFAULT_MODES = MODES[:2]
 PARTS = ("generation", "scoring", "loss", "backward", "other")
 
 
@@ -129,7 +131,8 @@ def run_mode(model, mode: str, P: int, args) -> dict:
         dataset = Dataset.from_dict({"prompt": prompts(args.steps, args.prompts, P, vocab, P)})
         trainer_cls, extra = trl.GRPOTrainer, {}
         if mode.startswith("longstraw"):
-            trainer_cls, extra = LongStrawGRPOTrainer, {"longstraw_options": {"prompt_grad": "exact"}}
+            trainer_cls, extra = LongStrawGRPOTrainer, {"longstraw_options": {"prompt_grad": "exact"},
+                                                        "share_prefill": mode != "longstraw_exact_unshared"}
         trainer = trainer_cls(model=model, reward_funcs=constant_reward, args=config, train_dataset=dataset,
                               processing_class=word_tokenizer(vocab), callbacks=[clock], **extra)
         trainer._generate = clock.timing(trainer._generate, "generation")
@@ -173,7 +176,7 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_loop_arguments(parser, modes=MODES, P="16384,65536", G=4, R=256, steps=4, name="trainer_loop_bench")
+    add_loop_arguments(parser, modes=DEFAULT_MODES, P="16384,65536", G=4, R=256, steps=4, name="trainer_loop_bench")
     args = parser.parse_args()
     clock = Clock(args.budget_s)
     model, modes, result, stem = loop_start(args, MODES, use_cache=True)

@@ -11,6 +11,11 @@ eagerly on them, so every loss type, clipping and KL option of TRL keeps its
 meaning and its backward flows into LongStraw's. The old policy's and the
 reference model's scoring (under `no_grad`) go through the same function.
 
+Generation: with HF's `generate` (no vLLM, no continuous batching), each
+distinct prompt of the batch is prefilled once for its whole group and its
+K/V handed to `generate` (`shared_prefill`; `share_prefill=False` turns it
+off); models whose cache it cannot lay out generate as in TRL.
+
 Groups: LongStraw refuses a micro-batch in which a prompt has a single
 completion. TRL shuffles the generation batch row by row before splitting it
 into `steps_per_generation` micro-batches; this trainer shuffles whole prompt
@@ -29,6 +34,7 @@ from trl.trainer.utils import split_tensor_dict
 from longstraw.backend import Backend
 from longstraw.errors import InputError, LongStrawError
 from longstraw.integrations.scoring import completion_logps_and_entropies
+from longstraw.integrations.shared_prefill import shared_prefill
 from longstraw.options import Options
 
 __all__ = ["LongStrawGRPOTrainer", "completion_logps_and_entropies", "shuffle_groups"]
@@ -73,14 +79,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose model calls run through `backend="longstraw"`.
 
     `longstraw_options`: the backend's options (`longstraw.Options` or a
-    dict), e.g. `{"prompt_grad": "detached"}`. Refused at construction, with
+    dict), e.g. `{"prompt_grad": "detached"}`. `share_prefill`: prefill each
+    distinct prompt once when generating with HF's `generate`
+    (`shared_prefill`). Refused at construction, with
     the setting to change: `gradient_checkpointing` (on by default in
     `GRPOConfig`), `use_liger_kernel`, `cast_lm_head_to_fp32`, an MoE
     router auxiliary loss, and `per_device_train_batch_size` not a multiple
     of `num_generations`; vision inputs are refused at the first call."""
 
-    def __init__(self, *args: Any, longstraw_options: Options | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, longstraw_options: Options | Mapping[str, Any] | None = None,
+                 share_prefill: bool = True, **kwargs: Any) -> None:
         self.longstraw_backend = Backend(longstraw_options)
+        self.share_prefill = share_prefill
         super().__init__(*args, **kwargs)
         _check_settings(self)
         # dynamic sizes from the first call: every generation brings new prompt and completion lengths,
@@ -99,6 +109,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             generation_batch = shuffle_groups(generation_batch, self.num_generations)
             self._buffered_inputs = split_tensor_dict(generation_batch, steps)
         return self._buffered_inputs[self._step % steps]
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's, with HF's `generate` prefilling each distinct prompt once."""
+        if not self.share_prefill or self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(*args, **kwargs)
+        with shared_prefill(self.accelerator.unwrap_model(self.model_wrapped)):
+            return super()._generate_single_turn(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(
         self,

@@ -208,3 +208,24 @@ def test_example_runs(example, tmp_path):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 3
     assert len(trainer.longstraw_backend.plans) == 3
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer.state.log_history if "loss" in r)
+
+
+def test_generation_prefills_each_prompt_once_and_samples_what_trl_does(example, tmp_path):
+    """The trainer's HF generation (`shared_prefill`): one prefill forward of
+    one row per distinct prompt, then the same completions as TRL's own
+    `generate` over the repeated rows, under the same seed."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]  # the second one token shorter: left-padded
+    rows = [p for p in prompts for _ in range(G)]
+    completions = {}
+    for share in (True, False):
+        trainer = make(example, tmp_path, LongStrawGRPOTrainer, share_prefill=share)
+        # the example turns HF's cache off: nothing to share without one
+        trainer.model.config.use_cache = trainer.model.generation_config.use_cache = True
+        shapes = []
+        trainer.model.model.register_forward_pre_hook(
+            lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        torch.manual_seed(3)
+        completions[share], _ = trainer._generate_single_turn(rows, None, {}, G)
+        prefills = [s for s in shapes if s[1] > 1]
+        assert prefills == ([(1, 2), (1, 3)] if share else [(2 * G, 4)])
+    assert completions[True] == completions[False]

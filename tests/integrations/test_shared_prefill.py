@@ -1,0 +1,114 @@
+"""HF `generate` with each distinct prompt prefilled once
+(`integrations/shared_prefill.py`): the same scores and tokens as HF's own
+`generate` over the repeated, left-padded batch (float64), one prefill per
+distinct prompt, and HF's own path wherever the cache cannot be laid out."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from longstraw.integrations.shared_prefill import generate_with_shared_prefill, shared_prefill
+
+from helpers.tiny_models import VOCAB, make_mistral, make_qwen3, make_qwen3_5
+
+PAD = 0
+LOGGER = "longstraw.integrations.shared_prefill"
+
+
+def repeated_prompts(G: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded by 3, each repeated G times, the rows interleaved as a shuffle could leave them."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=gen)  # [2, P]
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = PAD, 0
+    order = torch.tensor([0, 1] * G)
+    return ids[order], mask[order]
+
+
+def config(sample: bool) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=6, do_sample=sample, pad_token_id=PAD, eos_token_id=None,
+                            output_scores=True, return_dict_in_generate=True)
+
+
+def prefills(model: torch.nn.Module) -> list[int]:
+    """The input lengths of every forward `generate` is not running (hooked on the decoder)."""
+    seen: list[int] = []
+    model.model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_shared_prefill_generates_what_generate_does(sample):
+    model = make_qwen3().eval()
+    ids, mask = repeated_prompts()
+    torch.manual_seed(5)
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(sample))
+    shapes = prefills(model)
+    torch.manual_seed(5)
+    got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(sample))
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    # one prefill per distinct prompt, without its padding and its last token, then generate's steps of one token
+    assert sorted(s for s in shapes if s[0] == 1) == [torch.Size([1, 5]), torch.Size([1, 8])]
+    assert [tuple(s) for s in shapes if s[0] != 1] == [(6, 1)] * 6
+
+
+def test_a_batch_without_repeats_runs_generate_unchanged(caplog):
+    model = make_qwen3().eval()
+    ids, mask = repeated_prompts(G=1)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert "no prompt repeats" in caplog.text
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("make, cause", [
+    (make_qwen3_5, "LinearAttentionLayer"),
+    (lambda: make_mistral(window=4), "DynamicSlidingWindowLayer"),
+], ids=["recurrent_state", "sliding_window"])
+def test_caches_it_cannot_lay_out_run_generate_unchanged(make, cause, caplog):
+    model = make().eval()
+    ids, mask = repeated_prompts()
+    shapes = prefills(model)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert cause in caplog.text
+    assert tuple(shapes[0]) == tuple(ids.shape)  # HF's prefill of every row
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_right_padded_prompts_run_generate_unchanged(caplog):
+    model = make_qwen3().eval()
+    ids, mask = repeated_prompts()
+    ids, mask = ids.flip(1), mask.flip(1)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert "not left-padded" in caplog.text
+
+
+def test_shared_prefill_patches_generate_only_within():
+    model = make_qwen3().eval()
+    ids, mask = repeated_prompts()
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    shapes = prefills(model)
+    with shared_prefill(model):
+        got = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    assert "generate" not in vars(model)
+    assert torch.equal(got.sequences, want.sequences)
+    assert sum(s[0] == 1 for s in shapes) == 2
+
+
+def test_a_model_that_generates_without_a_cache_runs_generate_unchanged(caplog):
+    model = make_qwen3().eval()
+    model.generation_config.use_cache = False
+    ids, mask = repeated_prompts()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert "use_cache=False" in caplog.text
