@@ -125,6 +125,12 @@ SUPERSEDED: dict[str, Supersession] = {
     "length_loop20_b_h100": Supersession(
         "length_loop_now_h100", "the exact loop and prefix-grouper's at 8K again with the default branch steps; "
         "its 2K and 32K loops stand", partly=True),
+    "trainer_loop_h100": Supersession(
+        "trainer_loop_shared_h100", "both trainers at about 16K again, LongStraw's generation prefilling each prompt "
+        "once, with expandable segments; its TRL run (generation without HF's cache) stands", partly=True),
+    "trainer_loop64k_h100": Supersession(
+        "trainer_loop64k_shared_h100", "the same loop with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ran "
+        "its three steps"),
     "step_profile_wg_h100": Supersession(
         "step_profile_syncs_h100", "prefix-grouper and LongStraw at 2K and 4K at fe0cf21 (padded queries left causal "
         "where unread), with the host's time and syncs; its before/after pair stands", partly=True),
