@@ -65,15 +65,15 @@ def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
 
 
 def size_args(node: fx.Node) -> list[Any]:
-    """The size list of view/reshape/expand-like calls, which Dynamo records
-    either as varargs `x.view(3, 17, -1)` or as one tuple `x.view((3, 17, -1))`."""
+    """The size list of view/reshape/expand-like calls (and `permute`'s
+    order), which Dynamo records as varargs `x.view(3, 17, -1)`, one tuple
+    `x.view((3, 17, -1))` or a keyword `x.permute(dims=(2, 0, 1))`."""
     rest = node.args[1:]  # the tensor first, as the method's self or the function's input
     if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
         return list(rest[0])
-    if not rest and "size" in node.kwargs:
-        return list(node.kwargs["size"])
-    if not rest and "shape" in node.kwargs:
-        return list(node.kwargs["shape"])
+    named = next((node.kwargs[k] for k in ("size", "shape", "dims") if k in node.kwargs), None)  # permute: dims
+    if not rest and named is not None:
+        return list(named)
     return list(rest)
 
 

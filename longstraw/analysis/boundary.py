@@ -16,6 +16,7 @@ import torch.fx as fx
 from longstraw.passes.base import ArchitecturePass, Candidate, SiteState
 
 from longstraw.analysis.dims import DimAnalysis
+from longstraw.errors import UnsupportedGraphError, describe_node
 from longstraw.nodes import tensor_of
 from longstraw.analysis.slots import SlotKind, StateSlot
 
@@ -59,6 +60,12 @@ def choose_state(
         resolved = []
         for state_input in pass_.state_inputs(node):
             candidates = [c for c in pass_.candidates(node, state_input) if bytes_per_position(c.node, an, token, batch)]
+            if not candidates:
+                raise UnsupportedGraphError(
+                    f"{describe_node(node)} ({pass_.name}) reads its state from {describe_node(state_input)}, "
+                    "and no tensor on the way there holds one value per prompt position, so there is no state "
+                    "to capture; pass options={'on_unsupported': 'eager'} to run this graph unchanged."
+                )
             costs = [bytes_per_position(c.node, an, token, batch) for c in candidates]
             chosen = _min_cut(candidates, costs)
             if chosen.node not in slots:

@@ -77,8 +77,9 @@ def _reduce(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
     if not isinstance(src, fx.Node) or tensor_of(src) is None:
         return None
     dims, shape = an.dims_and_shape(src)
-    which = arg(node, 1, "dim")
-    keepdim = arg(node, 2, "keepdim", False)
+    first = 2 if op_name(node) == "norm" else 1  # `norm(input, p, dim, keepdim)`
+    which = arg(node, first, "dim")
+    keepdim = arg(node, first + 1, "keepdim", False)
     if op_name(node) in ("std", "var") and "correction" in node.kwargs:
         keepdim = node.kwargs.get("keepdim", False)
     reduced = normalize_dims(which, len(shape))

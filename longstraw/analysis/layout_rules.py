@@ -68,7 +68,9 @@ def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     if op_name(node) == "t":
         a, b = 0, rank - 1
     else:
-        a, b = arg(node, 1, "dim0") % rank, arg(node, 2, "dim1") % rank
+        # transpose and swapdims name them dim0/dim1, swapaxes axis0/axis1
+        a, b = (next(x for x in (arg(node, i, f"dim{i - 1}"), node.kwargs.get(f"axis{i - 1}")) if x is not None) % rank
+                for i in (1, 2))
     out = list(dims)
     out[a], out[b] = out[b], out[a]
     return out
@@ -237,7 +239,7 @@ def _updated(an: DimAnalysis, node: fx.Node) -> list[Dim] | None:
         index, value = rest
         mask = index[0] if isinstance(index, tuple) and len(index) == 1 else index
         if isinstance(mask, fx.Node) and tensor_of(mask) is not None and tensor_of(mask).dtype == torch.bool:
-            if tensor_of(value) is not None and tensor_of(value).numel() != 1:
+            if isinstance(value, fx.Node) and tensor_of(value) is not None and tensor_of(value).numel() != 1:
                 return None  # x[mask] = values: one value per selected element
             mask_dims, _ = an.dims_and_shape(mask)
             for a, b in zip(dims, mask_dims):

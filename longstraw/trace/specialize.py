@@ -93,6 +93,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     copy = _LazyGraphModule(gm, graph)  # its code is generated only if something reads or runs it
     _inline_regions(copy)
     _refuse_transforms(copy.graph)
+    _positional_operator_calls(copy.graph)
     return copy
 
 
@@ -206,6 +207,24 @@ def _refuse_transforms(graph: fx.Graph) -> None:
         "which LongStraw cannot analyse: write it with batched tensor operations, or pass "
         "options={'on_unsupported': 'eager'} to run this graph unchanged."
     )
+
+
+def _positional_operator_calls(graph: fx.Graph) -> None:
+    """Calls of LongStraw's own operators with every argument that can be
+    positional made so: Dynamo records keywords as the caller wrote them, and
+    the passes read an operator's arguments by position."""
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.kwargs \
+                or target.namespace != "longstraw":
+            continue
+        kwargs = dict(node.kwargs)
+        args = list(node.args)
+        for a in target._schema.arguments[len(args):]:
+            if a.kwarg_only:
+                break
+            args.append(kwargs.pop(a.name) if a.name in kwargs else a.default_value)
+        node.args, node.kwargs = tuple(args), kwargs
 
 
 # 2. values -------------------------------------------------------------------

@@ -280,6 +280,10 @@ causal_attention_forward.register_fake(_causal_forward)
 
 @register_flop_formula(torch.ops.longstraw.causal_attention_forward)
 def _causal_forward_flops(q_shape, keys_shape, values_shape, scale, q_start, *, out_shape=None) -> int:
-    """Scores and weighted values of the causal pairs: queries `[q_start, q_start + n)` over keys up to theirs."""
+    """Scores and weighted values of the causal pairs: queries `[q_start, q_start + n)` over keys up to theirs,
+    of the `m` keys there are (queries after them all, as `RowsOverState`'s over the prompt, see all `m`)."""
     *batch, heads, n, dim = q_shape
-    return 2 * math.prod(batch) * heads * (dim + values_shape[-1]) * (n * q_start + n * (n + 1) // 2)
+    m = keys_shape[-2]
+    short = max(0, min(n, m - q_start - 1))  # the queries that see fewer than all m keys
+    pairs = short * q_start + short * (short + 1) // 2 + (n - short) * m
+    return 2 * math.prod(batch) * heads * (dim + values_shape[-1]) * pairs
