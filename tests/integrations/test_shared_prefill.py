@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from longstraw.integrations.shared_prefill import generate_with_shared_prefill, shared_prefill
 
-from helpers.tiny_models import VOCAB, make_mistral, make_qwen3, make_qwen3_5
+from helpers.tiny_models import VOCAB, make_lora_qwen3, make_mistral, make_qwen3, make_qwen3_5
 
 PAD = 0
 LOGGER = "longstraw.integrations.shared_prefill"
@@ -37,13 +37,15 @@ def config(sample: bool) -> GenerationConfig:
 def prefills(model: torch.nn.Module) -> list[int]:
     """The input lengths of every forward `generate` is not running (hooked on the decoder)."""
     seen: list[int] = []
-    model.model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True)
+    decoder = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    decoder.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True)
     return seen
 
 
+@pytest.mark.parametrize("make", [make_qwen3, make_lora_qwen3], ids=["qwen3", "lora"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
-def test_shared_prefill_generates_what_generate_does(sample):
-    model = make_qwen3().eval()
+def test_shared_prefill_generates_what_generate_does(sample, make):
+    model = make().eval()
     ids, mask = repeated_prompts()
     torch.manual_seed(5)
     want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(sample))
