@@ -131,9 +131,10 @@ def build_tail(part: Partition) -> StepGraph:
     needed = needed_for([output], set(env))
     grad_mode = GradModeReplay(graph)
     for node in part.graph.nodes:
-        if grad_mode.track(node) or node in env or node not in needed:
+        if grad_mode.track(node) or node in env or node not in needed or node is output:
             continue
         grad_mode.sync()
         env[node] = graph.node_copy(node, lambda a: env[a])
-    grad_mode.restore()
+    grad_mode.restore()  # the caller's mode on return, where a region was left open at the output
+    graph.node_copy(output, lambda a: env[a])
     return StepGraph(generated_module(graph, "LongStrawTail"), list(part.placeholders) + part.branch_outputs)

@@ -265,7 +265,11 @@ def _requires_grad(value: Any) -> Any:
 
 
 def _record(gm: fx.GraphModule, fake_mode: FakeTensorMode, fake_args: list, args: Sequence[Any]) -> None:
-    with fake_mode, torch.no_grad():
+    """Propagate every node in the call's own grad mode, in which Dynamo
+    traced the graph: `requires_grad` of a value before the graph's first
+    grad-mode switch is then the eager run's (`codegen/stages.py` splits a
+    frozen reference off by it)."""
+    with fake_mode:
         _Recorder(gm, args).run(*fake_args)
 
 
@@ -280,7 +284,7 @@ def _record_rewritten(gm: fx.GraphModule, before: dict[fx.Node, tuple], owners_b
     recorder = _Recorder(gm, args)
     owners = StorageOwners()
     changed: set[fx.Node] = set()
-    with fake_mode, torch.no_grad():
+    with fake_mode:
         for node in gm.graph.nodes:
             old = node.meta.get("longstraw_value")
             if node.op != "placeholder":
