@@ -12,11 +12,14 @@ prompt token and the sampling as before. The tokens are the same up to
 rounding: every position's keys, values and rotary positions are those of
 the padded batch.
 
-Caches this cannot lay out (linear-attention or convolution state, sliding
-windows, static or quantized caches), inputs other than token ids and an
-attention mask, and batches with no repeated prompt run HF's `generate`
-unchanged; the reason is logged at INFO on
-`longstraw.integrations.shared_prefill`.
+Linear-attention layers (Qwen3.5's Gated DeltaNet: a convolution window and
+a recurrent matrix) hold a state with no positions: the prompt's, copied to
+each row of its group, is the padded batch's too, since HF zeroes the hidden
+states at padding, which leaves both the window and the matrix as they
+start. Caches this cannot lay out (sliding windows, static or quantized
+caches), inputs other than token ids and an attention mask, and batches
+with no repeated prompt run HF's `generate` unchanged; the reason is logged
+at INFO on `longstraw.integrations.shared_prefill`.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, cache_utils
 from transformers.cache_utils import DynamicLayer
 
 log = logging.getLogger("longstraw.integrations.shared_prefill")
+
+LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", None)  # transformers >= 5.2x
+LAID_OUT = tuple(t for t in (DynamicLayer, LinearAttentionLayer) if t is not None)
 
 
 def generate_with_shared_prefill(
@@ -88,9 +94,9 @@ def _not_shared(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     if "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return f"{type(base).__name__}.forward takes no logits_to_keep"
     layers = DynamicCache(config=model.config).layers
-    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) not in LAID_OUT})
     if kinds:
-        return f"the model's cache holds {kinds} layers (only full-attention K/V is laid out)"
+        return f"the model's cache holds {kinds} layers (full-attention K/V and linear-attention state are laid out)"
     return None
 
 
@@ -107,12 +113,28 @@ def _prefill(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> D
 def _batched(model: torch.nn.Module, caches: list[DynamicCache], width: int, rows_of: torch.Tensor) -> DynamicCache:
     """One cache over the batch's rows: row b holds its prompt's K/V at its
     real positions and zeros at its padding (masked in every step), over the
-    first `width - 1` positions, the part `generate` then does not run."""
+    first `width - 1` positions, the part `generate` then does not run, and
+    its prompt's linear-attention state."""
     cache = DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
-        keys, values = (torch.cat([_left_padded(getattr(c.layers[index], name), width - 1) for c in caches])[rows_of]
-                        for name in ("keys", "values"))  # [B, heads, width - 1, head_dim]
-        layer.update(keys, values)
+        if type(layer) is DynamicLayer:
+            keys, values = (torch.cat([_left_padded(getattr(c.layers[index], name), width - 1) for c in caches])[rows_of]
+                            for name in ("keys", "values"))  # [B, heads, width - 1, head_dim]
+            layer.update(keys, values)
+            continue
+        for i in range(layer.number_of_states):
+            prefilled = [c.layers[index] for c in caches]
+            conv = torch.cat([p.conv_states[i] for p in prefilled])[rows_of] \
+                if prefilled[0].is_conv_states_initialized[i] else None  # [B, channels, kernel]
+            recurrent = torch.cat([p.recurrent_states[i] for p in prefilled])[rows_of] \
+                if prefilled[0].is_recurrent_states_initialized[i] else None  # [B, heads, d_k, d_v]
+            layer.lazy_initialization(conv_states=conv, recurrent_states=recurrent, state_idx=i,
+                                      conv_kernel_size=None if conv is None else conv.shape[-1])
+            if conv is not None:
+                layer.conv_states[i].copy_(conv)
+            if recurrent is not None:
+                layer.recurrent_states[i].copy_(recurrent)
+            layer.has_previous_state[i] = prefilled[0].has_previous_state[i]
     return cache
 
 

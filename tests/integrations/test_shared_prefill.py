@@ -19,12 +19,12 @@ PAD = 0
 LOGGER = "longstraw.integrations.shared_prefill"
 
 
-def repeated_prompts(G: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts, the second left-padded by 3, each repeated G times, the rows interleaved as a shuffle could leave them."""
+def repeated_prompts(G: int = 3, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded by `pad`, each repeated G times, the rows interleaved as a shuffle could leave them."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, VOCAB, (2, 9), generator=gen)  # [2, P]
     mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = PAD, 0
+    ids[1, :pad], mask[1, :pad] = PAD, 0
     order = torch.tensor([0, 1] * G)
     return ids[order], mask[order]
 
@@ -42,9 +42,12 @@ def prefills(model: torch.nn.Module) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("make", [make_qwen3, make_lora_qwen3], ids=["qwen3", "lora"])
+# Qwen3.5's HF layers run the gated delta rule in float32 over 64-position chunks, whose boundaries fall
+# elsewhere in an unpadded prompt: rounding of 1e-6; a state 10% off moves the scores by 5e-2
+@pytest.mark.parametrize("make, tol", [(make_qwen3, 1e-9), (make_lora_qwen3, 1e-9), (make_qwen3_5, 1e-5)],
+                         ids=["qwen3", "lora", "qwen3_5"])
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
-def test_shared_prefill_generates_what_generate_does(sample, make):
+def test_shared_prefill_generates_what_generate_does(sample, make, tol):
     model = make().eval()
     ids, mask = repeated_prompts()
     torch.manual_seed(5)
@@ -54,10 +57,22 @@ def test_shared_prefill_generates_what_generate_does(sample, make):
     got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(sample))
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     # one prefill per distinct prompt, without its padding and its last token, then generate's steps of one token
     assert sorted(s for s in shapes if s[0] == 1) == [torch.Size([1, 5]), torch.Size([1, 8])]
     assert [tuple(s) for s in shapes if s[0] != 1] == [(6, 1)] * 6
+
+
+def test_a_hybrid_prompt_shorter_than_the_convolution_window():
+    """3 real tokens: the prefill of 2 is padded to Qwen3.5's kernel of 4 as
+    the padded batch's zeroed padding is."""
+    model = make_qwen3_5().eval()
+    ids, mask = repeated_prompts(G=2, pad=6)
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_batch_without_repeats_runs_generate_unchanged(caplog):
@@ -70,17 +85,13 @@ def test_a_batch_without_repeats_runs_generate_unchanged(caplog):
     assert torch.equal(got.sequences, want.sequences)
 
 
-@pytest.mark.parametrize("make, cause", [
-    (make_qwen3_5, "LinearAttentionLayer"),
-    (lambda: make_mistral(window=4), "DynamicSlidingWindowLayer"),
-], ids=["recurrent_state", "sliding_window"])
-def test_caches_it_cannot_lay_out_run_generate_unchanged(make, cause, caplog):
-    model = make().eval()
+def test_a_cache_it_cannot_lay_out_runs_generate_unchanged(caplog):
+    model = make_mistral(window=4).eval()
     ids, mask = repeated_prompts()
     shapes = prefills(model)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
-    assert cause in caplog.text
+    assert "DynamicSlidingWindowLayer" in caplog.text
     assert tuple(shapes[0]) == tuple(ids.shape)  # HF's prefill of every row
     want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
     assert torch.equal(got.sequences, want.sequences)
