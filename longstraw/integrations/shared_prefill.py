@@ -37,7 +37,7 @@ from transformers.cache_utils import DynamicLayer
 
 log = logging.getLogger("longstraw.integrations.shared_prefill")
 
-LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", None)  # transformers >= 5.2x
+LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", None)  # absent from older transformers
 LAID_OUT = tuple(t for t in (DynamicLayer, LinearAttentionLayer) if t is not None)
 
 
@@ -48,10 +48,12 @@ def generate_with_shared_prefill(
     """`generate(input_ids=..., attention_mask=..., **kwargs)`, with the
     prompt's K/V prefilled once per distinct prompt row (module docstring)."""
     reason = _not_shared(model, input_ids, attention_mask, kwargs)
+    if reason is None:
+        prompts, rows_of = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
+        reason = "no prompt repeats in the batch" if prompts.shape[0] == input_ids.shape[0] else None
     if reason is not None:
         log.info("generating without a shared prefill: %s", reason)
         return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    prompts, rows_of = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
     width = input_ids.shape[1]
     caches = [_prefill(model, p[:width], p[width:]) for p in prompts]  # one per distinct prompt
     cache = _batched(model, caches, width, rows_of)
@@ -71,7 +73,7 @@ def shared_prefill(model: torch.nn.Module) -> Iterator[None]:
 
 def _not_shared(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 kwargs: dict[str, Any]) -> str | None:
-    """Why this call cannot share its prefill, or None."""
+    """Why this call cannot share its prefill (besides having no repeated prompt), or None."""
     extra = sorted(k for k, v in kwargs.items() if v is not None and k not in ("generation_config",))
     if extra:
         return f"inputs besides input_ids and attention_mask: {extra}"
@@ -88,8 +90,6 @@ def _not_shared(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     real = attention_mask.bool()
     if not bool((real[:, 1:] >= real[:, :-1]).all()) or not bool(real[:, -2:].all()):
         return "prompts are not left-padded with two real tokens or more"
-    if torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0).shape[0] == input_ids.shape[0]:
-        return "no prompt repeats in the batch"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes keywords through
     if "logits_to_keep" not in inspect.signature(base.forward).parameters:
         return f"{type(base).__name__}.forward takes no logits_to_keep"
