@@ -20,7 +20,8 @@ device synchronised at every boundary, into:
   other       the rest of the step (optimizer, logging)
 
 The first step (planning, compiling) is reported apart from the mean of
-the others; the peak is the loop's allocated peak.
+the others; the peak is the loop's allocated peak. One untimed generation
+at each P's shapes runs before its first mode (`warm_generation`).
 
     python benchmarks/trainer_loop_bench.py --P 16384,65536 --out-dir $OUT --name trainer_loop_h200
 """
@@ -159,6 +160,27 @@ def run_mode(model, mode: str, P: int, args) -> dict:
     return out
 
 
+def warm_generation(model, P: int, args) -> float | str:
+    """Seconds of one untimed `generate` at the loop's shapes (rows of P
+    random tokens, R new ones), before the first mode at P: in one process
+    the first mode generated about 4x slower for 3-4 steps with expandable
+    segments on (`trainer_loop_shared_h100`, `trainer_loop_shared_b_h100`),
+    whichever mode it was. Cached device memory is kept for the modes;
+    "OOM" where the warm-up itself ran out of it."""
+    rows = args.prompts * args.G
+    ids = torch.randint(2, model.config.vocab_size, (rows, P), device=model.device)
+    sync()
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.R,
+                           min_new_tokens=args.R, do_sample=True, pad_token_id=0)
+    except torch.OutOfMemoryError:
+        return "OOM"
+    sync()
+    return time.perf_counter() - start
+
+
 def table(result: dict) -> str:
     lines = ["| mode | P | first step s | step s | generation | scoring | loss | backward | other | peak GB |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -180,7 +202,14 @@ def main() -> None:
     args = parser.parse_args()
     clock = Clock(args.budget_s)
     model, modes, result, stem = loop_start(args, MODES, use_cache=True)
-    run_loops(args, modes, result, stem, clock, lambda P, mode: run_mode(model, mode, P, args), table)
+    result["warm_generation_s"] = {}
+
+    def run(P: int, mode: str) -> dict:
+        if P not in result["warm_generation_s"]:
+            result["warm_generation_s"][P] = warm_generation(model, P, args)
+        return run_mode(model, mode, P, args)
+
+    run_loops(args, modes, result, stem, clock, run, table)
 
 if __name__ == "__main__":
     main()
