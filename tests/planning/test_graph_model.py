@@ -13,7 +13,7 @@ import torch.fx as fx
 from longstraw.analysis.slots import SlotKind, StateSlot
 from longstraw.planning.graph_model import COLORS, REGION_TITLES, REGIONS, CapturedTensor, describe_slot, graph_model
 
-TRACE = 'File "/work/model.py", line 12, in forward\n    k = self.k_proj(x)\n'
+TRACE = 'File "/src/model.py", line 12, in forward\n    k = self.k_proj(x)\n'
 
 
 def _node(graph: fx.Graph, op: str, target, args: tuple, value: torch.Tensor | None = None,
@@ -68,7 +68,7 @@ def test_a_node_carries_its_operator_layer_value_source_and_claim():
     part, nodes = _plan()
     g = graph_model(types.SimpleNamespace(partition=part))
     assert g.nodes[nodes["k"].name] == dict(region="prefix", op="view", layer="model.layers.3", shape=[16],
-                                            dtype="float32", source="/work/model.py:12 (forward)", detail="")
+                                            dtype="float32", source="/src/model.py:12 (forward)", detail="")
     assert g.nodes[nodes["attn"].name]["detail"] == "claimed by causal_attention"
     assert g.nodes[nodes["loss"].name]["layer"] == "model.lm_head"  # no numbered component: the whole path
     assert g.nodes[nodes["ids"].name] == dict(region="input", op="placeholder", layer=None, shape=[1, 7],
@@ -91,7 +91,7 @@ def test_a_state_node_tells_its_size_and_reason():
     g = graph_model(types.SimpleNamespace(partition=part))
     sequence, carry = g.nodes["state[0]"], g.nodes["state[1]"]
     assert sequence == dict(region="state", op="sequence state", layer="model.layers.3", shape=[1, 2, 7, 4],
-                            dtype="float32", source="/work/model.py:12 (forward)",
+                            dtype="float32", source="/src/model.py:12 (forward)",
                             detail="32 B/position; for causal_attention:attn")  # 1 * 2 * 4 float32 per position
     assert carry["op"] == "carry state" and carry["detail"] == "120 B fixed; for causal_conv:conv"  # 15 float64
     assert g.nodes["state[2]"]["detail"] == "6 B/position; for my_pass:block"  # 3 bfloat16 per position
@@ -101,7 +101,7 @@ def test_a_slot_is_described_by_the_operator_that_reads_it_else_by_what_it_captu
     part, nodes = _plan()
     assert describe_slot(part, part.slots[0]) == CapturedTensor(
         index=0, name=nodes["k"].name, kind="sequence", layer="model.layers.3.self_attn", operator="sin",
-        source="/work/model.py:12 (forward)", dtype=torch.float32, shape=(1, 2, 7, 4), bytes_per_position=32,
+        source="/src/model.py:12 (forward)", dtype=torch.float32, shape=(1, 2, 7, 4), bytes_per_position=32,
         fixed_bytes=0, reason="causal_attention:attn")
     carry = describe_slot(part, part.slots[1])
     assert (carry.kind, carry.layer, carry.operator, carry.bytes_per_position, carry.fixed_bytes) == (
