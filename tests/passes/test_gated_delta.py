@@ -16,6 +16,8 @@ from longstraw.analysis.dims import DimAnalysis
 from longstraw.passes.gated_delta import FLA_SPAN, GatedDeltaPass, gated_delta_rule
 from longstraw.trace.specialize import specialize
 
+from helpers.delta_rule import delta_rule_recurrence
+
 OP = torch.ops.longstraw.gated_delta_rule.default
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -29,23 +31,6 @@ def rule_inputs(length: int = 6, batch: int = 1, heads_k: int = 1, heads_v: int 
     g = -torch.rand(batch, length, heads_v, generator=gen, dtype=torch.float64)
     beta = torch.rand(batch, length, heads_v, generator=gen, dtype=torch.float64)
     return [t.to(dtype) for t in (q, k, v, g, beta)]
-
-
-def recurrence(q, k, v, g, beta, state, use_qk_l2norm: bool):
-    """Position by position, per value head: S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T,
-    o_t = S_t^T q_t / sqrt(Dk), a_t = exp(g_t); key heads shared by Hv // Hk value heads."""
-    repeat = v.shape[2] // k.shape[2]
-    q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
-    if use_qk_l2norm:
-        q, k = (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    q = q * q.shape[-1] ** -0.5
-    outs = []
-    for t in range(q.shape[1]):
-        state = g[:, t].exp()[..., None, None] * state  # [B, Hv, Dk, Dv]
-        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(outs, 1), state
 
 
 def rule_node(inputs: list[torch.Tensor], initial_state: torch.Tensor | None = None,
@@ -72,7 +57,7 @@ def test_the_operators_gradients_are_the_recurrences(use_qk_l2norm):
     initial = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)
     weights = torch.randn(1, 6, 2, 2, dtype=torch.float64)
     out, state = gated_delta_rule(*leaves, initial, use_qk_l2norm)
-    want_out, want_state = recurrence(*leaves, initial, use_qk_l2norm)
+    want_out, want_state = delta_rule_recurrence(*leaves, initial, use_qk_l2norm)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(state, want_state, rtol=1e-12, atol=1e-12)
     got = torch.autograd.grad((out * weights).sum() + state.square().sum(), [*leaves, initial])
@@ -174,6 +159,6 @@ def test_the_kernel_run_from_its_carry_is_the_rule_over_all_positions(cut, use_q
     assert kernel.grads is None and kernel.span == FLA_SPAN
     first, carry = kernel.forward(torch.zeros(1, 2, 3, 2, dtype=torch.float64), *(x[:, :cut] for x in inputs))
     rest, final = kernel.forward(carry, *(x[:, cut:] for x in inputs))
-    want, want_state = recurrence(*inputs, torch.zeros(1, 2, 3, 2, dtype=torch.float64), use_qk_l2norm)
+    want, want_state = delta_rule_recurrence(*inputs, torch.zeros(1, 2, 3, 2, dtype=torch.float64), use_qk_l2norm)
     torch.testing.assert_close(torch.cat([first, rest], 1), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(final, want_state, rtol=1e-12, atol=1e-12)

@@ -12,6 +12,8 @@ import torch
 from longstraw.runtime.kernels import gated_delta
 from longstraw.runtime.kernels.gated_delta import CHUNK, _ChunkScan, gated_delta_rule_reference
 
+from helpers.delta_rule import delta_rule_recurrence
+
 
 def _inputs(length: int, heads_k: int = 1, heads_v: int = 2, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     """q, k [1, L, Hk, 4]; v [1, L, Hv, 3]; g [1, L, Hv] (log-decays, at most 0);
@@ -24,31 +26,12 @@ def _inputs(length: int, heads_k: int = 1, heads_v: int = 2, dtype: torch.dtype 
     return [t.to(dtype) for t in (q, k, v, g, beta, rand(1, heads_v, 4, 3))]
 
 
-def _recurrence(q, k, v, g, beta, state, use_qk_l2norm=True):
-    """S_t = a_t S_{t-1} + k_t (beta_t (v_t - a_t S_{t-1}^T k_t))^T, o_t = S_t^T q_t per value
-    head, value head j reading key head j // (Hv / Hk); q scaled by Dk^-1/2 after the norm."""
-    group = v.shape[2] // k.shape[2]
-    q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
-    if use_qk_l2norm:
-        q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt()
-        k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
-    q = q * q.shape[-1] ** -0.5
-    outs = []
-    for t in range(q.shape[1]):
-        decayed = state * g[:, t].exp()[..., None, None]  # [B, H, Dk, Dv]
-        predicted = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
-        update = beta[:, t, :, None] * (v[:, t] - predicted)
-        state = decayed + k[:, t, :, :, None] * update[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(outs, 1), state
-
-
 @pytest.mark.parametrize("length", [1, CHUNK, CHUNK + 6])
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
-def test_the_chunked_rule_is_the_recurrence(length, use_qk_l2norm):
+def test_the_chunked_rule_is_thedelta_rule_recurrence(length, use_qk_l2norm):
     q, k, v, g, beta, state = _inputs(length)
     out, final = gated_delta_rule_reference(q, k, v, g, beta, state, use_qk_l2norm)
-    want_out, want_final = _recurrence(q, k, v, g, beta, state, use_qk_l2norm)
+    want_out, want_final = delta_rule_recurrence(q, k, v, g, beta, state, use_qk_l2norm)
     torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-12)
 
@@ -56,7 +39,7 @@ def test_the_chunked_rule_is_the_recurrence(length, use_qk_l2norm):
 def test_no_initial_state_starts_from_zeros():
     q, k, v, g, beta, state = _inputs(5, heads_k=2, heads_v=2)
     out, final = gated_delta_rule_reference(q, k, v, g, beta, None)
-    want_out, want_final = _recurrence(q, k, v, g, beta, torch.zeros_like(state))
+    want_out, want_final = delta_rule_recurrence(q, k, v, g, beta, torch.zeros_like(state))
     torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-12)
 
@@ -70,7 +53,7 @@ def test_gradients_are_the_recurrences(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in (out, final)]
     got = torch.autograd.grad((out, final), inputs, cotangents)
-    want = torch.autograd.grad(_recurrence(*inputs), inputs, cotangents)
+    want = torch.autograd.grad(delta_rule_recurrence(*inputs), inputs, cotangents)
     for name, a, b in zip(["q", "k", "v", "g", "beta", "state"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"d{name}")
 
@@ -91,7 +74,7 @@ def test_low_precision_inputs_compute_in_float32():
     inputs = _inputs(CHUNK + 3, heads_k=1, heads_v=2, dtype=torch.bfloat16)
     out, final = gated_delta_rule_reference(*inputs)
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
-    want_out, want_final = _recurrence(*(t.double() for t in inputs))
+    want_out, want_final = delta_rule_recurrence(*(t.double() for t in inputs))
     torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(final.double(), want_final, rtol=1e-5, atol=1e-5)
 

@@ -11,6 +11,8 @@ import torch
 from longstraw.runtime.kernels import kimi_delta
 from longstraw.runtime.kernels.kimi_delta import CHUNK, kimi_delta_rule_reference
 
+from helpers.delta_rule import delta_rule_recurrence
+
 
 def _inputs(length: int, dtype: torch.dtype = torch.float64, decay: float = 1.0) -> list[torch.Tensor]:
     """q, k, g [1, L, 2, 4] (g: per-channel log-decays in [-decay, 0]); v [1, L, 2, 3];
@@ -23,29 +25,12 @@ def _inputs(length: int, dtype: torch.dtype = torch.float64, decay: float = 1.0)
     return [t.to(dtype) for t in (q, k, v, g, beta, rand(1, 2, 4, 3))]
 
 
-def _recurrence(q, k, v, g, beta, state, use_qk_l2norm=True):
-    """S_t = diag(a_t) S_{t-1} + k_t (beta_t (v_t - (diag(a_t) S_{t-1})^T k_t))^T, o_t = S_t^T q_t,
-    a_t = exp(g_t) per key channel; q scaled by Dk^-1/2 after the norm."""
-    if use_qk_l2norm:
-        q = q / (q.square().sum(-1, keepdim=True) + 1e-6).sqrt()
-        k = k / (k.square().sum(-1, keepdim=True) + 1e-6).sqrt()
-    q = q * q.shape[-1] ** -0.5
-    outs = []
-    for t in range(q.shape[1]):
-        decayed = state * g[:, t].exp()[..., None]  # [B, H, Dk, Dv]
-        predicted = torch.einsum("bhkv,bhk->bhv", decayed, k[:, t])
-        update = beta[:, t, :, None] * (v[:, t] - predicted)
-        state = decayed + k[:, t, :, :, None] * update[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(outs, 1), state
-
-
 @pytest.mark.parametrize("length", [1, CHUNK, CHUNK + 6])
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
-def test_the_chunked_rule_is_the_recurrence(length, use_qk_l2norm):
+def test_the_chunked_rule_is_thedelta_rule_recurrence(length, use_qk_l2norm):
     q, k, v, g, beta, state = _inputs(length)
     out, final = kimi_delta_rule_reference(q, k, v, g, beta, state, use_qk_l2norm)
-    want_out, want_final = _recurrence(q, k, v, g, beta, state, use_qk_l2norm)
+    want_out, want_final = delta_rule_recurrence(q, k, v, g, beta, state, use_qk_l2norm)
     torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-12)
 
@@ -53,7 +38,7 @@ def test_the_chunked_rule_is_the_recurrence(length, use_qk_l2norm):
 def test_no_initial_state_starts_from_zeros():
     q, k, v, g, beta, state = _inputs(5)
     out, final = kimi_delta_rule_reference(q, k, v, g, beta, None)
-    want_out, want_final = _recurrence(q, k, v, g, beta, torch.zeros_like(state))
+    want_out, want_final = delta_rule_recurrence(q, k, v, g, beta, torch.zeros_like(state))
     torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-12)
 
@@ -67,7 +52,7 @@ def test_gradients_are_the_recurrences(monkeypatch):
     gen = torch.Generator().manual_seed(1)
     cotangents = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in (out, final)]
     got = torch.autograd.grad((out, final), inputs, cotangents)
-    want = torch.autograd.grad(_recurrence(*inputs), inputs, cotangents)
+    want = torch.autograd.grad(delta_rule_recurrence(*inputs), inputs, cotangents)
     for name, a, b in zip(["q", "k", "v", "g", "beta", "state"], got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=f"d{name}")
 
@@ -88,7 +73,7 @@ def test_strong_decays_stay_finite():
     inputs = _inputs(CHUNK, torch.float32, decay=40.0)
     out, final = kimi_delta_rule_reference(*inputs)
     assert out.isfinite().all() and final.isfinite().all()
-    want_out, want_final = _recurrence(*(t.double() for t in inputs))
+    want_out, want_final = delta_rule_recurrence(*(t.double() for t in inputs))
     torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(final.double(), want_final, rtol=1e-4, atol=1e-5)
 
@@ -105,6 +90,6 @@ def test_low_precision_inputs_compute_in_float32():
     inputs = _inputs(CHUNK + 3, torch.bfloat16)
     out, final = kimi_delta_rule_reference(*inputs)
     assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
-    want_out, want_final = _recurrence(*(t.double() for t in inputs))
+    want_out, want_final = delta_rule_recurrence(*(t.double() for t in inputs))
     torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(final.double(), want_final, rtol=1e-5, atol=1e-5)
