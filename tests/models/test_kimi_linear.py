@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.kimi_linear import modeling_kimi_linear as hf
 
 import longstraw  # noqa: F401 - installs the trace bindings
 from longstraw.models.kimi_linear import chunk_kimi_delta_attention
 
 from helpers.compare import assert_close
+from helpers.traced_ops import EagerOps, traced_targets
 
 HF_FLOAT32 = 2e-6  # transformers computes the rule in float32 whatever the inputs
 RULE, CONV = "longstraw.kimi_delta_rule.default", "longstraw.causal_conv1d.default"
@@ -31,30 +31,6 @@ def rule_inputs(length: int = 20) -> list[torch.Tensor]:
     g = -torch.rand(1, length, 2, 4, generator=gen, dtype=torch.float64)
     beta = torch.rand(1, length, 2, generator=gen, dtype=torch.float64)
     return [q, k, v, g, beta, torch.randn(1, 2, 4, 3, generator=gen, dtype=torch.float64)]
-
-
-def traced_targets(fn, *args) -> list[str]:
-    """The call targets of Dynamo's graph of `fn(*args)`."""
-    targets: list[str] = []
-
-    def backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return targets
-
-
-class EagerOps(TorchDispatchMode):
-    """The operators an eager call dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("use_qk_l2norm", [True, False])
@@ -85,8 +61,8 @@ def test_traces_record_the_operators_and_eager_calls_keep_hfs_functions():
     x, weight = torch.randn(1, 6, 5, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     rule = lambda *a: hf.chunk_kimi_delta_attention(*a, initial_state=initial, output_final_state=True)  # noqa: E731
     conv = lambda x, w: hf.causal_conv1d_fn(x, weight=w, bias=None, activation="silu")  # noqa: E731
-    assert traced_targets(rule, *qkvgb).count(RULE) == 1
-    assert traced_targets(conv, x, weight) == [CONV]
+    assert traced_targets(rule, *qkvgb)[0].count(RULE) == 1
+    assert traced_targets(conv, x, weight)[0] == [CONV]
     with EagerOps() as ops:
         rule(*qkvgb)
         conv(x, weight)

@@ -9,37 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.lfm2 import modeling_lfm2
 from transformers.models.lfm2_moe import modeling_lfm2_moe
 
 import longstraw  # noqa: F401 - installs the trace bindings
 
+from helpers.traced_ops import EagerOps, traced_targets
+
 CONV = "longstraw.causal_conv1d.default"
 MODULES = [modeling_lfm2, modeling_lfm2_moe]
-
-
-def traced_targets(fn, *args) -> tuple[list[str], torch.Tensor]:
-    """The call targets of Dynamo's graph of `fn(*args)`, and what the compiled graph returns."""
-    targets: list[str] = []
-
-    def backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    return targets, torch.compile(fn, backend=backend, fullgraph=True)(*args)
-
-
-class EagerOps(TorchDispatchMode):
-    """The operators an eager call dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def conv_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,12 +11,13 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash
 
 import longstraw  # noqa: F401 - installs the trace bindings
 from longstraw.models.sinks import eager_attention_forward
+
+from helpers.traced_ops import EagerOps, traced_targets
 
 SINK = "longstraw.sink_attention.default"
 SCALING = 0.3  # not 1 / sqrt(d): the drop-in must pass HF's own
@@ -37,30 +38,6 @@ def attention_inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
 def hf_module(heads: int, kv_heads: int, sinks: torch.Tensor | None) -> types.SimpleNamespace:
     """What HF's eager attention reads of its attention module."""
     return types.SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False, sinks=sinks)
-
-
-def traced_targets(fn, *args) -> list[str]:
-    """The call targets of Dynamo's graph of `fn(*args)`."""
-    targets: list[str] = []
-
-    def backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return targets
-
-
-class EagerOps(TorchDispatchMode):
-    """The operators an eager call dispatches."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
@@ -90,7 +67,7 @@ def test_traces_record_the_operator_and_eager_calls_keep_hfs_attention(modeling)
     q, k, v, mask, sinks = attention_inputs(6, 2)
     module = hf_module(6, 2, sinks)
     attend = lambda q, k, v, mask: modeling.eager_attention_forward(module, q, k, v, mask, SCALING)[0]  # noqa: E731
-    assert traced_targets(attend, q, k, v, mask).count(SINK) == 1
+    assert traced_targets(attend, q, k, v, mask)[0].count(SINK) == 1
     with EagerOps() as ops:
         attend(q, k, v, mask)
     assert SINK not in ops.seen and "aten.cat.default" in ops.seen  # HF's sink column
