@@ -68,9 +68,10 @@ def _transpose(an: DimAnalysis, node: fx.Node) -> list[Dim]:
     if op_name(node) == "t":
         a, b = 0, rank - 1
     else:
-        # transpose and swapdims name them dim0/dim1, swapaxes axis0/axis1
-        a, b = (next(x for x in (arg(node, i, f"dim{i - 1}"), node.kwargs.get(f"axis{i - 1}")) if x is not None) % rank
-                for i in (1, 2))
+        a, b = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+        a = node.kwargs.get("axis0") if a is None else a  # swapaxes names them axis0, axis1
+        b = node.kwargs.get("axis1") if b is None else b
+        a, b = a % rank, b % rank
     out = list(dims)
     out[a], out[b] = out[b], out[a]
     return out
