@@ -249,6 +249,39 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Warm step seconds and peak GB against P, one line per model and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (seconds, memory) = plt.subplots(1, 2, figsize=(14, 5))
+    lines = sorted({(r["model"], r["mode"]) for r in result["runs"]})
+    for i, (kind, mode) in enumerate(lines):
+        ok = sorted((r for r in result["runs"] if r.get("ok") and (r["model"], r["mode"]) == (kind, mode)),
+                    key=lambda r: r["P"])
+        if ok:
+            label = f"{kind}: {mode}" if len({k for k, _ in lines}) > 1 else mode
+            seconds.plot([r["P"] for r in ok], [r["warm_s"] for r in ok], marker="o", label=label, color=f"C{i}")
+            memory.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=label, color=f"C{i}")
+        for r in result["runs"]:
+            if (r["model"], r["mode"]) == (kind, mode) and r.get("oom"):
+                seconds.axvline(r["P"], color=f"C{i}", linestyle=":", alpha=0.6)
+    for ax, label in ((seconds, "warm step seconds"), (memory, "peak allocated GB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens P (longer prompt)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"one TRL GRPO micro-batch: {result['n_prompts']} prompts x G={result['G']}, R={result['R']}, "
+                 f"{result['dtype'].removeprefix('torch.')}, {result.get('device') or 'unknown device'} "
+                 "(dotted: out of memory)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="dense", help="comma-separated: dense, hybrid")
@@ -274,7 +307,12 @@ def main() -> None:
                         help="run every model, P and mode in this process (by default each runs in its own, so "
                              "what a run that ran out of memory leaves on the device does not shrink the next "
                              "run's plan)")
+    parser.add_argument("--plot", metavar="JSON", help="only draw FILE.png from a result FILE.json of this script")
     args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot.removesuffix(".json") + ".png")
+        return
     clock = Clock(args.budget_s)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -309,6 +347,10 @@ def main() -> None:
         release()
     with open(stem + ".txt", "w") as f:
         f.write("\n\n".join(report))
+    try:
+        plot(result, stem + ".png")
+    except ImportError:
+        print("no plot: matplotlib is not installed", flush=True)
     print(table(result["runs"]))
 
 
