@@ -111,20 +111,27 @@ SUPERSEDED: dict[str, Supersession] = {
         "step_profile_peers_cut4_h100", "the cut as it stands (steps dealt at 256 positions, one host copy of the "
         "key mask a call), beside every peer"),
     "step_profile_peers_cut4_h100": Supersession(
-        "step_profile_long_h100", "prefix-grouper and LongStraw from 8K to 32K at fe0cf21 (its 2K and 4K LongStraw "
-        "steps: step_profile_wg_h100, then step_profile_syncs_h100); its TRL steps stand", partly=True),
+        "step_profile_peers_now_h100", "TRL + checkpointing, prefix-grouper and the exact step from 2K to 32K again "
+        "at 69afc9f, each in a process of its own, on one machine"),
     "step_profile_syncs_h100": Supersession(
         "step_profile_finite_h100", "prefix-grouper at 2K and 4K and the exact step at 2K again with check_finite "
         "read once a call; its 4K LongStraw steps and the sync sites stand", partly=True),
     "step_profile_finite_h100": Supersession(
         "step_profile_now_h100", "prefix-grouper and the exact step at 2K and 4K again with the default branch steps "
         "(STEP_POSITIONS 640, decision 0041)"),
+    "step_profile_now_h100": Supersession(
+        "step_profile_peers_now_h100", "prefix-grouper and the exact step from 2K to 8K again at 69afc9f, beside "
+        "TRL + checkpointing and up to 32K"),
     "step_profile_long_h100": Supersession(
-        "step_profile_now_h100", "prefix-grouper and the exact step at 8K again with the default branch steps; "
-        "its 16K and 32K steps and its detached steps stand", partly=True),
+        "step_profile_peers_now_h100", "prefix-grouper and the exact step from 8K to 32K again at 69afc9f; "
+        "its detached steps stand", partly=True),
     "length_loop20_b_h100": Supersession(
-        "length_loop_now_h100", "the exact loop and prefix-grouper's at 8K again with the default branch steps; "
-        "its 2K and 32K loops stand", partly=True),
+        "length_loop_now3_h100", "the exact loop at 8K and 32K again at 69afc9f (prefix-grouper's at 8K: "
+        "length_loop_now_h100); its 2K loops and the detached 32K loop stand", partly=True),
+    "length_loop_now_h100": Supersession(
+        "length_loop_now3_h100", "the exact loop at 8K again at 69afc9f; its prefix-grouper loop stands", partly=True),
+    "length_loop20_128k_h100": Supersession(
+        "length_loop_now3_h100", "the exact loop at 128K again at 69afc9f; its detached loop stands", partly=True),
     "trainer_loop_h100": Supersession(
         "trainer_loop_shared_h100", "both trainers at about 16K again, LongStraw's generation prefilling each prompt "
         "once, with expandable segments; its TRL run (generation without HF's cache) stands", partly=True),
@@ -665,11 +672,12 @@ def tables(runs: dict[str, Result]) -> dict[str, str]:
                                                        "step_profile_exact32k_h100", "step_profile_peers_cut4_h100",
                                                        "step_profile_wg_h100", "step_profile_long_h100",
                                                        "step_profile_syncs_h100", "step_profile_finite_h100",
-                                                       "step_profile_now_h100"],
+                                                       "step_profile_now_h100", "step_profile_peers_now_h100"],
                                                 # a row's cells from one run: the 4K exact step did not run there
                                                 {("step_profile_peers_rows_h100", "longstraw_exact", 32768),
                                                  ("step_profile_finite_h100", "prefix_grouper", 4096)})),
-        "length-loop": "\n".join(length_loop(runs, ["length_loop_now_h100", "length_loop20_b_h100", "length_loop20_128k_h100",
+        "length-loop": "\n".join(length_loop(runs, ["length_loop_now3_h100", "length_loop_now3_pg_h100",
+                                                    "length_loop_now_h100", "length_loop20_b_h100", "length_loop20_128k_h100",
                                                           "length_loop_templates_h100"])),
         "depth": "\n".join(depth(runs, ["depth_bench_k_h200", "depth_bench_x_h200", "depth_bench_s_h200"])),
         "grpo-glm5": "\n".join(grpo_glm5(runs, glm5, 3072)),
