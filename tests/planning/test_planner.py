@@ -4,6 +4,9 @@ predicted peaks are checked against the H200 in `tests/planning/test_report.py`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 import transformers
@@ -39,11 +42,20 @@ def explain(kind: str, **options) -> longstraw.ExplainReport:
         return longstraw.explain(grpo_loss_f64, MODELS[kind](), *make_group(2, P, R), options=options or None)
 
 
-def test_a_budget_chooses_the_chunk_and_recomputation():
+@pytest.fixture(scope="module")
+def explained() -> Callable[[str], longstraw.ExplainReport]:
+    """`explain(kind)`, traced once per module: the tests only read a
+    report and plan from it, and the simulations its plans keep are
+    functions of the traced step (one test's plans may reuse another's,
+    as one graph's plans do in the backend)."""
+    return functools.cache(explain)
+
+
+def test_a_budget_chooses_the_chunk_and_recomputation(explained):
     """The fastest choice that fits: the largest chunk without
     recomputation; with less memory recomputation or a smaller chunk; and
     the backend runs what `explain(...).plan(P, budget_gb=...)` reports."""
-    report = explain("qwen3_5")
+    report = explained("qwen3_5")
     roomy = report.plan(P=P, budget_gb=100.0)
     assert (roomy.prefix_chunk_size, roomy.recompute_layers) == (P - 1, False)
     tight_budget = (roomy.peak - 4096) / 1e9
@@ -64,8 +76,8 @@ def test_a_budget_chooses_the_chunk_and_recomputation():
         assert_close(grads[name], want[name], 1e-10)
 
 
-def test_nothing_fits_takes_the_smallest_peak_and_warns(caplog):
-    report = explain("qwen3")
+def test_nothing_fits_takes_the_smallest_peak_and_warns(explained, caplog):
+    report = explained("qwen3")
     with caplog.at_level("WARNING", logger="longstraw.planning.planner"):
         plan = report.plan(P=P, budget_gb=1e-6)
     assert not plan.fits
@@ -88,13 +100,13 @@ def test_off_cuda_without_a_budget_the_defaults_run_and_nothing_is_simulated(mon
     assert (options.prefix_chunk_size, options.recompute_layers) == (8192, False)
 
 
-def test_without_a_budget_the_device_default_is_planned_for(monkeypatch):
+def test_without_a_budget_the_device_default_is_planned_for(explained, monkeypatch):
     """No `memory_budget_gb`: the backend plans for `default_budget(device)`
     (on CUDA the device's free memory; `test_default_budget_on_cuda`), and
     chooses what `explain(...).plan()` chooses for that budget."""
     from longstraw.planning import sizing
 
-    report = explain("qwen3")  # the dense model: test_a_budget_chooses_the_chunk_and_recomputation runs the hybrid
+    report = explained("qwen3")  # the dense model: test_a_budget_chooses_the_chunk_and_recomputation runs the hybrid
     roomy = report.plan(P=P, budget_gb=100.0)
     budget = roomy.peak - 4096  # the largest chunk without recomputation just misses
     expected = report.plan(P=P, budget_gb=budget / 1e9)
@@ -155,7 +167,9 @@ def test_a_training_loop_reuses_the_simulation_of_a_longer_prompt(monkeypatch):
     assert ran == [(120, R), (150, R), (150, R + 2)]
     assert len(caches) == len(lengths) and all(cache is caches[0] for cache in caches)
     cpu = torch.device("cpu")
-    fresh = {p: memory_model(plan).activations("exact", 32, False, cpu, None) for (p, _), plan in zip(lengths, backend.plans)}
+    # simulated afresh, each plan with a cache of its own: the four prompt lengths the assertions compare
+    plans = {p: plan for (p, _), plan in zip(lengths, backend.plans)}
+    fresh = {p: memory_model(plans[p]).activations("exact", 32, False, cpu, None) for p in (55, 100, 120, 150)}
     assert fresh[55].held < fresh[100].held < fresh[120].held < fresh[150].held  # what a reuse must cover: they grow with P
     for shorter in (1, 2):  # 100 and 55: 120's activations
         assert memory_model(backend.plans[shorter], caches[0]).activations("exact", 32, False, cpu, None) == fresh[120]
@@ -192,7 +206,7 @@ def test_budget_is_validated(budget):
     pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow),
     pytest.param("qwen3_5", "detached", False, marks=pytest.mark.slow), ("qwen3", "exact", True),
 ])
-def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute, monkeypatch):
+def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute, explained, monkeypatch):
     """The simulation runs the first prompt chunk and the last two
     (`ChunkSchedule.sampled`); over a prompt of eight chunks and a
     shorter ninth it predicts what running all of them does: the same
@@ -200,7 +214,7 @@ def test_simulating_three_chunks_predicts_the_whole_prompt(kind, mode, recompute
     its exact mode runs with `-m slow`."""
     from longstraw.runtime.schedule import ChunkSchedule
 
-    report = explain(kind)
+    report = explained(kind)
     device = torch.device("cpu")
     assert len(ChunkSchedule(P - 1, 30).sampled(in_rounds=False)) == 3
     sampled = memory_model(report.group_plan).activations(mode, 30, recompute, device, None)
@@ -253,7 +267,7 @@ def test_deep_steps_are_simulated_at_two_periods_and_extrapolated(kind, mode, re
     pytest.param("qwen3_5", "exact", True, marks=pytest.mark.slow),
     pytest.param("qwen3_5", "detached", False, marks=pytest.mark.slow), ("qwen3", "exact", True),
 ])
-def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, monkeypatch):
+def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, explained, monkeypatch):
     """Over two ranks the simulation runs one rank's steps with their
     rounds (`SimulatedRanks`: the gathers allocate, nothing is exchanged)
     and of the rounds the first and the last two (`ChunkSchedule.sampled`); over
@@ -261,7 +275,7 @@ def test_simulating_three_rounds_predicts_every_round(kind, mode, recompute, mon
     does: the same bytes."""
     from longstraw.runtime.schedule import ChunkSchedule
 
-    report = explain(kind)
+    report = explained(kind)
     device = torch.device("cpu")
     schedule = ChunkSchedule(P - 1, 30, 2)
     chunks = schedule.chunks
@@ -301,7 +315,7 @@ def test_a_rank_is_simulated_with_its_rounds_collectives(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["exact", pytest.param("detached", marks=pytest.mark.slow)])
-def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
+def test_carried_spans_of_one_signature_are_simulated_once(mode, explained, monkeypatch):
     """The simulation runs one span's backward per signature of a carried
     operator (Gated DeltaNet, the causal convolution) and accounts for the
     rest without running them: the same bytes as running every span."""
@@ -309,7 +323,7 @@ def test_carried_spans_of_one_signature_are_simulated_once(mode, monkeypatch):
 
     from longstraw.planning import simulation
 
-    report = explain("qwen3_5")
+    report = explained("qwen3_5")
     cpu = torch.device("cpu")
     plan = report.group_plan
     once = simulation.simulate_step(plan.program, plan.options, mode, 32, True, cpu, None)
