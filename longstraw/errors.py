@@ -232,21 +232,6 @@ _NEEDS_BINDING = {
     "OlmoHybridGatedDeltaNet": "longstraw.models.qwen3_5",
 }
 
-# HF layers that mix positions in a way no pass runs incrementally yet (class name -> what they are).
-_NO_PASS = {
-    "MiniMaxLightningAttention": "MiniMax's lightning attention, a linear attention written as block matrix "
-                                 "products with a decay per head, which no pass runs from a carried state",
-}
-
-
-def architecture_hint(node: fx.Node) -> str:
-    """The layer `node` sits in, where it is one LongStraw knows it has no pass for, else ''."""
-    for cls in module_classes(node):
-        name = class_name(cls)
-        if name in _NO_PASS:
-            return f" It is in HF's `{name}`: {_NO_PASS[name]}. {NO_FIX}."
-    return ""
-
 
 def binding_hint(node: fx.Node) -> str:
     """What to bind when `node` sits in an HF layer that needs it, else ''."""

@@ -6,7 +6,8 @@ graph no pass can claim. A binding module (`longstraw.models.qwen3_5`) has
 drop-ins for those functions that call LongStraw's operators instead;
 `longstraw.models.mamba2` and `longstraw.models.mamba` route Mamba-2's and
 Mamba-1's scans to `longstraw::ssd_scan`, `longstraw.models.kimi_linear`
-Kimi Delta Attention to `longstraw::kimi_delta_rule`; `longstraw.models.llama4`
+Kimi Delta Attention to `longstraw::kimi_delta_rule`, `longstraw.models.minimax`
+MiniMax's lightning attention to `longstraw::ssd_scan`; `longstraw.models.llama4`
 has Dynamo trace Llama 4's MoE with the token axis apart from the expert
 axis; `longstraw.models.moe` traces
 HF's grouped_mm experts as one per-position
@@ -58,6 +59,7 @@ BINDINGS = {
     )},
     "transformers.models.kimi_linear.modeling_kimi_linear": "longstraw.models.kimi_linear",
     "transformers.models.llama4.modeling_llama4": "longstraw.models.llama4",
+    "transformers.models.minimax.modeling_minimax": "longstraw.models.minimax",
     "transformers.models.gpt_oss.modeling_gpt_oss": "longstraw.models.sinks",
     "transformers.models.mimo_v2_flash.modeling_mimo_v2_flash": "longstraw.models.sinks",
     "transformers.utils.logging": "longstraw.models.hf_logging",

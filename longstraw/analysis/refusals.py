@@ -12,7 +12,6 @@ from longstraw.errors import (
     NO_FIX,
     InputError,
     UnsupportedGraphError,
-    architecture_hint,
     binding_hint,
     describe_node,
     experts_hint,
@@ -32,8 +31,7 @@ def unsupported(node: fx.Node, why: str, advice: str = "") -> UnsupportedGraphEr
     if advice:
         said = f"{why}: {advice.rstrip('.')}."
     else:
-        hints = (f"{binding_hint(node)}{experts_hint(node)}{positions_hint(node)}{random_hint(node)}"
-                 f"{architecture_hint(node)}")
+        hints = f"{binding_hint(node)}{experts_hint(node)}{positions_hint(node)}{random_hint(node)}"
         said = f"{why}.{hints or f' {NO_FIX}.'}"
     return UnsupportedGraphError(
         f"{describe_node(node)} {said} LongStraw needs every operator that mixes sequence positions to be claimed by "

@@ -329,6 +329,11 @@ SUPPORTED = [
                                 mlp_layer_types=["dense", "sparse"]),
            attn_implementation="eager", experts="batched_mm", detached=_eager_attention_detached,
            note="Sinks on its sliding layers only, twice their K/V heads, MoE; as gpt-oss (`longstraw.models.sinks`)"),
+    Family("minimax", _hf(T.MiniMaxConfig, num_local_experts=4, num_experts_per_tok=2,
+                          layer_types=["full_attention", "linear_attention"]), experts="batched_mm",
+           detached=_hybrid_detached,
+           note="Lightning attention (linear attention with a decay per head) as the SSD scan "
+                "(`longstraw.models.minimax`), full attention, MoE"),
 ]
 
 REFUSED = [
@@ -363,11 +368,6 @@ REFUSED = [
            fix=Fix(loss=_arange_positions_loss),
            note="Without position ids it numbers positions with a `cumsum` over the sequence, which no pass claims: "
                 "pass `position_ids`."),
-    Family("minimax", _hf(T.MiniMaxConfig, num_local_experts=4, num_experts_per_tok=2,
-                          layer_types=["full_attention", "linear_attention"]), experts="batched_mm",
-           refused=r"`MiniMaxLightningAttention`: MiniMax's lightning attention.*no pass runs from a carried state",
-           note="Lightning attention (linear attention as block matrix products with a decay per head) has no pass: "
-                "no fix yet."),
     Family("gemma3n (train mode)", _GEMMA3N, train=True,
            refused=r"clamp_.*writes in place into `model.model.layers.0.altup.prediction_coefs.weight`.*eval mode",
            fix=Fix(model=lambda model: model.eval()),
