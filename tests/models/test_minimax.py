@@ -88,15 +88,16 @@ def test_a_call_from_a_cached_state_traces_hfs_recurrence():
 
 
 @pytest.mark.slow
-def test_state_at_transformers_default_shape():
-    """`MiniMaxConfig`'s defaults (32 layers alternating full and lightning
-    attention, 32 heads of 128, 8 K/V heads), bf16, on the meta device: K and V
-    of the 16 full layers per position; fixed, the 16 lightning layers'
-    `[32, 128, 128]` float32 state."""
-    config = transformers.MiniMaxConfig()
+def test_state_at_minimax_text_01():
+    """MiniMax-Text-01's published shapes (80 layers, seven lightning layers
+    then one full attention layer, 64 heads of 128, 8 K/V heads, 32 experts),
+    bf16, on the meta device: K and V of the 10 full layers per position;
+    fixed, the 70 lightning layers' `[64, 128, 128]` float32 state."""
+    config = transformers.MiniMaxConfig(
+        hidden_size=6144, intermediate_size=9216, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=80, layer_types=(["linear_attention"] * 7 + ["full_attention"]) * 10,
+        num_local_experts=32, num_experts_per_tok=2, vocab_size=200064, block_size=256)
     report = explain_published(transformers.MiniMaxForCausalLM, config, 128, 64, experts="grouped_mm")
     full, linear = config.layer_types.count("full_attention"), config.layer_types.count("linear_attention")
-    head_dim = config.hidden_size // config.num_attention_heads
-    assert (full, linear, head_dim) == (16, 16, 128)
-    assert report.state_bytes_per_position == full * 2 * config.num_key_value_heads * head_dim * 2 == 65_536
-    assert report.state_fixed_bytes == linear * config.num_attention_heads * head_dim * head_dim * 4 == 33_554_432
+    assert report.state_bytes_per_position == full * 2 * 8 * 128 * 2 == 40_960
+    assert report.state_fixed_bytes == linear * 64 * 128 * 128 * 4 == 293_601_280
