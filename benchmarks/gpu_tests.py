@@ -25,8 +25,6 @@ import subprocess
 import sys
 from collections import Counter
 
-from grpo.results import provenance
-
 REPORTS = "GPU_TESTS_REPORTS"  # where the pytest process, with this module as a plugin, appends each test's report
 
 
@@ -91,6 +89,10 @@ def table(result: dict) -> str:
 
 
 def main() -> None:
+    # here, not at the top: pytest loads this module as a plugin (`-p gpu_tests`), and
+    # grpo.results imports torch, which tests that do not need it should not wait for
+    from grpo.results import provenance
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="test files or folders (node ids too)")
     parser.add_argument("--budget-s", type=float, default=560)

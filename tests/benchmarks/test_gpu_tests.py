@@ -50,7 +50,8 @@ def test_unmarked_for_gpu_is_not_collected():
 def test_outcomes_of_a_run_the_budget_ends(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
-    tests, stopped = run([str(tmp_path)], budget_s=10, log_path=str(tmp_path / "out.log"))
+    # 6 s: pytest starts and runs the three quick tests in about 1 s; the budget ends the sleeping one
+    tests, stopped = run([str(tmp_path)], budget_s=6, log_path=str(tmp_path / "out.log"))
     assert stopped
     got = {name.split("::")[-1]: test for name, test in tests.items()}
     assert {name: test["outcome"] for name, test in got.items()} == {
