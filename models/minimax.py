@@ -34,14 +34,16 @@ _SUBSTITUTED: set[str] = set()
 
 
 def lightning_attention_forward(
-    self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, mask_padding,
+    self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`MiniMaxLightningAttention.forward` from a zero state: the layer's output
     and the final state as HF returns and caches it, `K^T V`
     (`[batch, heads, head_dim (k), head_dim (v)]`, the model's dtype)."""
     batch, length, _ = hidden_states.shape
     heads, dim = self.num_attention_heads, self.head_dim
-    qkv = mask_padding(self.act_fn(self.qkv_proj(hidden_states)), attention_mask)
+    qkv = self.act_fn(self.qkv_proj(hidden_states))
+    if attention_mask is not None:  # HF's `apply_mask_to_padding_states`: padding's q, k and v are zero
+        qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
     query, key, value = torch.split(qkv.reshape(batch, length, heads, 3 * dim), dim, dim=3)
     compute = scan_dtype(value)
     log_decay = -self.slope_rate.reshape(1, 1, heads).to(compute).expand(batch, length, heads)
@@ -63,8 +65,7 @@ def substitute_in_traces(module: types.ModuleType) -> None:
         cached = None if past_key_values is None else past_key_values.get_linear_cache(self.layer_idx)
         if not torch.compiler.is_compiling() or cached is not None:
             return hf_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        out, state = lightning_attention_forward(self, hidden_states, attention_mask,
-                                                 module.apply_mask_to_padding_states)
+        out, state = lightning_attention_forward(self, hidden_states, attention_mask)
         if past_key_values is not None:
             past_key_values.set_linear_cache(self.layer_idx, state)
         return out, state
