@@ -111,8 +111,13 @@ def embedding_scale_loss(model, prompt, responses, advantages, mask, scale: floa
     return pg_tail(logits, responses, advantages, mask)
 
 
-@pytest.mark.parametrize("loss_fn", [temperature_loss, embedding_scale_loss], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("mode", ["exact", "detached"])
+@pytest.mark.parametrize("mode,loss_fn", [  # CI: the prompt steps in both modes, the branch steps detached (exact:
+    # test_scalar_schedule_through_every_region[branch-default-exact]); `-m slow` the branch steps exact
+    pytest.param("exact", temperature_loss, id="exact-temperature_loss", marks=pytest.mark.slow),
+    pytest.param("exact", embedding_scale_loss, id="exact-embedding_scale_loss"),
+    pytest.param("detached", temperature_loss, id="detached-temperature_loss"),
+    pytest.param("detached", embedding_scale_loss, id="detached-embedding_scale_loss"),
+])
 def test_float_inside_the_steps_changes_every_call(loss_fn, mode):
     model = make_model("plain")
     args = make_group(3, 13, 5, pad=True)
@@ -174,9 +179,11 @@ SCALAR_TRACES = {  # how Dynamo hands the float over
 }
 
 
-SCALAR_CI = [  # the tail and the prompt steps are also covered by the tests above
-    ("head", "default", "exact"), ("head", "default", "detached"), ("head", "specialize_float", "exact"),
-    ("head", "dynamic", "exact"), ("branch", "default", "exact"), ("stage", "default", "exact"),
+# CI: the head in both modes, the `specialize_float` trace, the branch and the stage; the tail, the prompt steps and
+# the `dynamic` trace are CI's in the tests above (test_kl_coefficient_schedule, test_float_inside_the_steps_...)
+SCALAR_CI = [
+    ("head", "default", "detached"), ("head", "specialize_float", "exact"), ("branch", "default", "exact"),
+    ("stage", "default", "exact"),
 ]
 
 
