@@ -85,6 +85,7 @@ def test_without_remove_padding_matches_verl(model_path):
     assert_same_update(*results)
 
 
+@pytest.mark.slow  # LoRA through peft is CI's in test_parity_dense.py::test_lora and test_trl.py (dapo-True)
 def test_lora_update_matches_verl(model_path):
     """verl's LoRA adapters (rank 4 on every linear layer): the adapters' gradients."""
     engines = [build_engine(engine_class, model_path, lora_rank=4)
