@@ -69,7 +69,8 @@ def run_batch(family: str, sizes: list[int], chunk: int, **options) -> list[str]
     return seen
 
 
-@pytest.mark.parametrize("sizes", [[4], [2, 3, 2]])
+# CI: three groups of 2, 3 and 2 (every group's prompt and each of its branches kept); `-m slow` one group of 4
+@pytest.mark.parametrize("sizes", [pytest.param([4], marks=pytest.mark.slow), [2, 3, 2]])
 def test_kept_graph_matches_eager_without_the_reverse_forward(sizes):
     """Every group's prompt, in chunks of 4 of its 12 positions, and every
     branch are differentiated from the forward's graphs: no reverse-pass
