@@ -17,9 +17,10 @@ a recurrent matrix) hold a state with no positions: the prompt's, copied to
 each row of its group, is the padded batch's too, since HF zeroes the hidden
 states at padding, which leaves both the window and the matrix as they
 start. Caches this cannot lay out (sliding windows, static or quantized
-caches), inputs other than token ids and an attention mask, and batches
-with no repeated prompt run HF's `generate` unchanged; the reason is logged
-at INFO on `longstraw.integrations.shared_prefill`.
+caches, a model's own cache class such as MiniMax's or Mamba's
+`cache_params`), inputs other than token ids and an attention mask, and
+batches with no repeated prompt run HF's `generate` unchanged; the reason
+is logged at INFO on `longstraw.integrations.shared_prefill`.
 """
 
 from __future__ import annotations
@@ -91,8 +92,14 @@ def _not_shared(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     if not bool((real[:, 1:] >= real[:, :-1]).all()) or not bool(real[:, -2:].all()):
         return "prompts are not left-padded with two real tokens or more"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes keywords through
-    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+    parameters = inspect.signature(base.forward).parameters
+    if "logits_to_keep" not in parameters:
         return f"{type(base).__name__}.forward takes no logits_to_keep"
+    if "past_key_values" not in parameters:  # Mamba's `cache_params`
+        return f"{type(base).__name__}.forward takes no past_key_values"
+    dynamic = getattr(type(base), "_supports_default_dynamic_cache", None)  # HF's own test, where it has one
+    if dynamic is not None and not dynamic():
+        return f"{type(base).__name__} keeps a cache of its own class, not a DynamicCache"
     layers = DynamicCache(config=model.config).layers
     kinds = sorted({type(layer).__name__ for layer in layers if type(layer) not in LAID_OUT})
     if kinds:

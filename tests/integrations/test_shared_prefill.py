@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 from longstraw.integrations.shared_prefill import generate_with_shared_prefill, shared_prefill
 
+from helpers.families import FAMILIES, SUPPORTED
 from helpers.tiny_models import VOCAB, make_lora_qwen3, make_mistral, make_qwen3, make_qwen3_5
 
 PAD = 0
@@ -125,3 +126,42 @@ def test_a_model_that_generates_without_a_cache_runs_generate_unchanged(caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
     assert "use_cache=False" in caplog.text
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("minimax", "MiniMaxForCausalLM keeps a cache of its own class, not a DynamicCache"),
+    ("mamba2", "Mamba2ForCausalLM.forward takes no past_key_values"),  # its cache is `cache_params`
+])
+def test_a_model_with_a_cache_of_its_own_runs_generate_unchanged(name, reason, caplog):
+    """Handing these models a `DynamicCache` raises (MiniMax) or is refused
+    by `generate` (Mamba's unused `past_key_values`): they run HF's own path."""
+    model = FAMILIES[name].build().eval()
+    ids, mask = family_prompts(model)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert reason in caplog.text
+    want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def family_prompts(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 7 tokens in the model's vocabulary, the first left-padded by 2, each twice."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(model.config.vocab_size, 50), (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = PAD, 0
+    order = torch.tensor([0, 0, 1, 1])
+    return ids[order], mask[order]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f.name for f in SUPPORTED])
+def test_every_supported_family_generates_what_generate_does(name):
+    """Shared or not (the fallbacks above), the tokens are HF's, greedy, float64."""
+    family = FAMILIES[name]
+    with family.bind():
+        model = family.build().eval()
+        ids, mask = family_prompts(model)
+        want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
+        got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
+    assert torch.equal(got.sequences, want.sequences)
