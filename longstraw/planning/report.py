@@ -25,6 +25,7 @@ import html
 import importlib.resources
 import json
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -266,7 +267,7 @@ def explain(
     opts = dataclasses.replace(Options.from_any(options), on_unsupported="error")
     backend = Backend(opts, passes=passes)
     backend.stop_after_planning = True
-    compiled = torch.compile(loss_fn, backend=backend)
+    compiled = torch.compile(_with_code_of_its_own(loss_fn), backend=backend)
     try:
         compiled(*example_args, **example_kwargs)
     except PlanningDone as done:
@@ -275,6 +276,21 @@ def explain(
         "explain: the loss ran without a graph reaching the backend (was it compiled before with another "
         "backend in a way Dynamo reuses, or does it contain no tensor operations?)"
     )
+
+
+def _with_code_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, where it is a plain function, as a copy with a code object of its
+    own. Dynamo keeps compiled code, and counts recompiles against
+    `recompile_limit`, per code object: each `explain` then compiles afresh
+    and leaves nothing behind (the copy's entries go with it), where
+    explaining a loss for several models would otherwise add a compile of the
+    loss per model and reach the limit of the user's own compiles of it."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
 
 
 def _page() -> str:

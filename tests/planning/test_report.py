@@ -475,3 +475,20 @@ def test_console_errors_are_caught(tmp_path):
     page.write_text("<html><body><script>undefinedFunction();</script></body></html>")
     result = browser.run(page.as_uri(), "--dump-dom")
     assert any("undefinedFunction" in line for line in browser.console_messages(result.stderr))
+
+
+def test_explaining_for_several_models_leaves_the_loss_s_compiles_alone():
+    """Each model is a new guard of the loss: explain compiles a copy of it,
+    so explaining it for more models than `recompile_limit` allows neither
+    raises nor leaves compiled code on the loss the user compiles, and the
+    user's first compile of the loss afterwards is its only one."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    group = make_group(2, 9, 3)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for seed in range(3):
+            report = longstraw.explain(grpo_loss_f64, make_model("plain", seed=seed), *group)
+            assert report.state_bytes_per_position > 0
+        assert _debug_get_cache_entry_list(grpo_loss_f64.__code__) == []
+        compile_loss(grpo_loss_f64, longstraw.Backend())(make_model("plain", seed=3), *group)
+        assert len(_debug_get_cache_entry_list(grpo_loss_f64.__code__)) == 1
