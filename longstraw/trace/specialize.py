@@ -14,7 +14,8 @@ reason about by values flowing along edges:
 2. values recorded: FakeTensor propagation at these argument sizes, or,
    for a graph Dynamo traced with dynamic shapes and planned before, its
    symbolic example values evaluated at these sizes (`symbolic_values.py`);
-3. sizes folded: every integer the graph computes becomes a constant, so
+3. sizes folded: every integer the graph computes, and every tuple of them
+   (a shape read whole, `x.size()[:-1] + (n,)`), becomes a constant, so
    graphs traced with `dynamic=True` plan like static ones. An integer that
    comes from an argument's *value* (`n.item()` of a tensor argument) is
    folded too, and the plan is keyed on that value (`Specialization.guards`).
@@ -331,14 +332,24 @@ def _fold_integers(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[tuple[int, 
                     _replace_with_constant(n, n.meta["longstraw_value"])
     for node in list(gm.graph.nodes):
         value = node.meta.get("longstraw_value")
-        if node.op == "output" or isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        if node.op == "output" or not (_integer(value) or _integer_tuple(value)):
             continue
         for source in ancestors([node]):
             if source.op == "call_method" and source.target == "item" and source.args[0] in position:
                 index = position[source.args[0]]
                 guards[index] = scalar_of(args[index])
-        _replace_with_constant(node, int(value))
+        _replace_with_constant(node, int(value) if _integer(value) else tuple(int(v) for v in value))
     return tuple(sorted(guards.items()))
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _integer_tuple(value: Any) -> bool:
+    """A shape (`x.size()` under dynamic shapes, `x.size()[:-1] + (n,)`): a
+    tuple of integers, which a static trace would have held as a constant."""
+    return isinstance(value, tuple) and bool(value) and all(_integer(v) for v in value)
 
 
 def _scalar_descendants(node: fx.Node) -> set[fx.Node]:

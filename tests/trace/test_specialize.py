@@ -525,3 +525,35 @@ def test_plan_cache_keeps_the_most_recent_plans():
 def test_invalid_plan_cache_size(size):
     with raises_longstraw(re.escape(f"plan_cache_size must be a positive int, got {size!r}")):
         longstraw.Backend(plan_cache_size=size)
+
+
+def _scored_loss(model, input_ids, attention_mask, advantages, logits_to_keep):
+    from longstraw.integrations.scoring import completion_logps_and_entropies
+
+    logps, entropies = completion_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, 1.0)
+    return (logps * advantages[:, None]).sum() + 0.1 * entropies.sum()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "falcon"])
+def test_a_shape_used_whole_is_folded_under_dynamic_shapes(name):
+    """Traced with dynamic sizes (as the TRL and verl integrations compile),
+    a shape read whole is a node whose value is a tuple: GPT-2's Conv1D views
+    its output as `x.size()[:-1] + (nf,)`, Falcon broadcasts K and V to
+    `query.shape`. Folded like the integers in it, the steps get the sizes of
+    each step (unfolded, GPT-2's step viewed its output as `(1,)` and Falcon's
+    `size` was refused as dropping the sequence axis)."""
+    from helpers.families import FAMILIES
+
+    model = FAMILIES[name].build()
+    G, P, R = 3, 9, 4
+    prompt, responses, advantages, _ = make_group(G, P, R)
+    input_ids = torch.cat([prompt.expand(G, -1), responses], 1)
+    mask = torch.ones_like(input_ids)
+    mask[0, -1] = 0  # a completion one token shorter
+    backend = longstraw.Backend(prefix_chunk_size=4, verify_state=True)
+    compiled = torch.compile(_scored_loss, backend=backend, dynamic=True)
+    got_loss, got = compiled_loss_and_grads(compiled, model, input_ids, mask, advantages, R)
+    want_loss, want = compiled_loss_and_grads(_scored_loss, model, input_ids, mask, advantages, R)
+    assert_close(got_loss, want_loss, 1e-10, "loss")
+    assert_grads_close(got, want, 1e-10)
+    assert len(backend.plans) == 1
