@@ -79,6 +79,15 @@ _RAISED = re.compile(r"raised exception (?P<exception>\w+\(.*\))\s*$", re.MULTIL
 _LOGGER_CALL = re.compile(r"method: <Logger (?P<name>\S+) \(\w+\)>\.(?P<method>\w+)")
 # HF's flex path breaks in create_block_mask before any flex_attention node is traced.
 _FLEX_ATTENTION = os.path.join(TORCH_DIR, "nn", "attention", "flex_attention.py")
+# PEFT's LoRA on a parameter it wraps directly (`ParamWrapper`: a MoE's 3-D expert weights, which
+# `target_modules="all-linear"` reaches) registers a parametrization at every forward, which Dynamo does not trace.
+_PARAMETRIZE = os.path.join(TORCH_DIR, "nn", "utils", "parametrize.py")
+_PARAMETRIZED_ADAPTER = (
+    "The break is in torch.nn.utils.parametrize, which PEFT uses for a LoRA adapter on a parameter it wraps "
+    "directly (`ParamWrapper`, e.g. a mixture of experts' expert weights, which `target_modules=\"all-linear\"` "
+    "reaches); Dynamo does not trace it. Leave those parameters out of the adapter: name the modules, e.g. "
+    "`target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"]`"
+)
 # Graph breaks inside these files, and what to do: in DDP's forward or FSDP2's hooks, the wrapper ran inside
 # the compiled function (Dynamo's own hints there are about torch's internals).
 _BREAK_FIXES = (
@@ -140,6 +149,8 @@ def _describe(reason) -> str:
     if any(os.path.normpath(f.filename) == _FLEX_ATTENTION for f in stack):
         advice = sdpa_advice(_hf_model_bases(stack))
         hints = [f"The break is inside flex attention, which LongStraw does not claim: {advice}."]
+    if any(os.path.normpath(f.filename) == _PARAMETRIZE for f in stack):
+        hints = [_PARAMETRIZED_ADAPTER]  # Dynamo's hints (move a context manager out) do not apply to PEFT's
     hints += [fix for prefix, fix in _BREAK_FIXES if any(os.path.normpath(f.filename).startswith(prefix) for f in stack)]
     if stack and "expert" in (stack[-1].line or ""):
         loop = _EXPERTS_LOOP if any(f.filename.endswith(HF_EXPERTS_DISPATCH) for f in stack) else _OWN_EXPERTS_LOOP

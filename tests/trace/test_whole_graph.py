@@ -415,3 +415,28 @@ def test_on_unsupported_eager_runs_eager(case):
     want = eager_loss_and_grads(loss_fn, model, *[a.clone() for a in args])
     assert_close(got[0], want[0], tol, "loss")
     assert_grads_close(got[1], want[1], tol)
+
+
+def test_a_lora_adapter_on_expert_weights_names_the_modules_to_target():
+    """PEFT's "all-linear" reaches a mixture of experts' 3-D expert weights,
+    which it wraps with a parametrization Dynamo does not trace: the refusal
+    says so, and its advice (name the attention projections) compiles to
+    eager's gradients."""
+    import peft
+
+    from helpers.families import FAMILIES
+
+    group = make_group(3, 11, 4, pad=True)
+    adapted = peft.get_peft_model(FAMILIES["qwen3_moe"].build(),
+                                  peft.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False))
+    with raises_longstraw(r"torch\.nn\.utils\.parametrize, which PEFT uses for a LoRA adapter on a parameter it "
+                          r"wraps directly .* `target_modules=\[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"\]`"):
+        compile_loss(grpo_loss_f64, longstraw.Backend())(adapted, *group)
+    torch._dynamo.reset()
+    advised = peft.get_peft_model(FAMILIES["qwen3_moe"].build(), peft.LoraConfig(
+        r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    got_loss, got = compiled_loss_and_grads(compile_loss(grpo_loss_f64, longstraw.Backend(verify_state=True)), advised,
+                                            *group)
+    want_loss, want = eager_loss_and_grads(grpo_loss_f64, advised, *group)
+    assert_close(got_loss, want_loss, 1e-6, "loss")
+    assert_grads_close(got, want, 1e-6)
