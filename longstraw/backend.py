@@ -18,12 +18,12 @@ import os
 import re
 import types
 import warnings
-import weakref
 from collections import OrderedDict, deque
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from longstraw.analysis.partition import Partition
 from longstraw.analysis.slots import SlotKind
@@ -231,8 +231,10 @@ RECOMPILE_LIMIT = (
     "change are guarded), or raise torch._dynamo.config.recompile_limit before the first call."
 )
 
-_LONGSTRAW_CODE: weakref.WeakKeyDictionary[types.CodeType, str] = weakref.WeakKeyDictionary()
-"""Code objects LongStraw compiled (the frame Dynamo traced) -> the prompt_grad they were compiled for."""
+_LONGSTRAW_CODE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Code objects LongStraw compiled (the frame Dynamo traced) -> the prompt_grad they were compiled for. By
+identity, as Dynamo keeps its caches: code objects compare equal by value, and `explain` compiles an equal
+copy of the loss's, whose going must not take the loss's own entry with it."""
 
 
 def _remember_compiled_code(opts: Options) -> None:
