@@ -39,6 +39,7 @@ from grpo.results import provenance
 from grpo.sweep import sweep
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
+from peers.plot_axes import against_prompt_length
 
 
 SLICES = {"dense": "dense 4-layer Qwen3-8B", "hybrid": "Qwen3.5 hybrid 4-layer", "hybrid_moe": "Qwen3.5-MoE 4-layer",
@@ -75,13 +76,7 @@ def plot(result: dict, path: str) -> None:
             memory.plot([r["P"] for r in ok], [r["peak_gb"] for r in ok], marker="o", label=mode, color=f"C{i}")
             time.plot([r["P"] for r in ok], [r["seconds"] for r in ok], marker="o", label=mode, color=f"C{i}")
     memory.axhline(141, color="gray", linestyle=":", label="H200 (141 GB)")
-    for ax, label in ((memory, "peak allocated GB"), (time, "step seconds (first call at each P)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens P (longer prompt)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    against_prompt_length(((memory, "peak allocated GB"), (time, "step seconds (first call at each P)")))
     slice_ = SLICES[result["model"]]
     fig.suptitle(f"one TRL GRPO micro-batch: {result['n_prompts']} prompts x G={result['G']}, R={result['R']}, "
                  f"{slice_} slice, bf16")

@@ -40,6 +40,7 @@ from grpo.models import build_model
 from grpo.results import provenance
 from peers.batch import trl_micro_batch
 from peers.modes import PEERS, PeerRunner
+from peers.plot_axes import against_prompt_length
 
 
 def device_profile(runner: PeerRunner, batch: dict[str, torch.Tensor], top: int, shapes: bool = False) -> tuple[dict, str]:
@@ -268,13 +269,7 @@ def plot(result: dict, path: str) -> None:
         for r in result["runs"]:
             if (r["model"], r["mode"]) == (kind, mode) and r.get("oom"):
                 seconds.axvline(r["P"], color=f"C{i}", linestyle=":", alpha=0.6)
-    for ax, label in ((seconds, "warm step seconds"), (memory, "peak allocated GB")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt tokens P (longer prompt)")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    against_prompt_length(((seconds, "warm step seconds"), (memory, "peak allocated GB")))
     fig.suptitle(f"one TRL GRPO micro-batch: {result['n_prompts']} prompts x G={result['G']}, R={result['R']}, "
                  f"{result['dtype'].removeprefix('torch.')}, {result.get('device') or 'unknown device'} "
                  "(dotted: out of memory)")
