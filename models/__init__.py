@@ -27,12 +27,14 @@ untouched; a binding's `bind()` routes eager calls too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,6 +91,20 @@ def substitute_functions(module: types.ModuleType, drop_ins: dict[str, Callable]
             continue
         torch.compiler.substitute_in_graph(getattr(module, attr), skip_signature_check=True)(drop_in)
         _SUBSTITUTED.add((module.__name__, attr))
+
+
+def substitute_forward(module: types.ModuleType, class_name: str,
+                       traced: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Make `module.<class_name>.forward` the function `traced(hf_forward)`
+    returns (once per process), which picks the drop-in while Dynamo traces
+    and calls `hf_forward` otherwise. For a module's `forward`, which
+    `substitute_in_graph` does not reach: Dynamo inlines it without looking
+    it up."""
+    if (module.__name__, class_name) in _SUBSTITUTED:
+        return
+    cls = getattr(module, class_name)
+    cls.forward = functools.wraps(cls.forward)(traced(cls.forward))
+    _SUBSTITUTED.add((module.__name__, class_name))
 
 
 def _substitute(module: types.ModuleType) -> None:

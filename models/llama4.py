@@ -16,12 +16,11 @@ run HF's. Dynamo's `substitute_in_graph` does not reach a module's
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
 
-_SUBSTITUTED: set[str] = set()
+from . import substitute_forward
 
 
 def llama4_moe_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,18 +37,15 @@ def llama4_moe_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor,
 
 def substitute_in_traces(module: types.ModuleType) -> None:
     """Make Dynamo trace the drop-in wherever a `Llama4TextMoe` runs."""
-    if module.__name__ in _SUBSTITUTED:
-        return
-    hf_forward = module.Llama4TextMoe.forward
 
-    @functools.wraps(hf_forward)
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            return llama4_moe_forward(self, hidden_states)
-        return hf_forward(self, hidden_states)
+    def traced(hf_forward):
+        def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if torch.compiler.is_compiling():
+                return llama4_moe_forward(self, hidden_states)
+            return hf_forward(self, hidden_states)
+        return forward
 
-    module.Llama4TextMoe.forward = forward
-    _SUBSTITUTED.add(module.__name__)
+    substitute_forward(module, "Llama4TextMoe", traced)
 
 
 __all__ = ["llama4_moe_forward", "substitute_in_traces"]

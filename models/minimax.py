@@ -22,7 +22,6 @@ cached state run HF's.
 
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from longstraw.passes.ssd import ssd_scan
 from longstraw.runtime.kernels.ssd import scan_dtype
 
-_SUBSTITUTED: set[str] = set()
+from . import substitute_forward
 
 
 def lightning_attention_forward(
@@ -56,22 +55,20 @@ def lightning_attention_forward(
 def substitute_in_traces(module: types.ModuleType) -> None:
     """Make Dynamo trace the drop-in wherever a `MiniMaxLightningAttention`
     starts from a zero state (no cache, or a cache without this layer's state)."""
-    if module.__name__ in _SUBSTITUTED:
-        return
-    hf_forward = module.MiniMaxLightningAttention.forward
 
-    @functools.wraps(hf_forward)
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        cached = None if past_key_values is None else past_key_values.get_linear_cache(self.layer_idx)
-        if not torch.compiler.is_compiling() or cached is not None:
-            return hf_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-        out, state = lightning_attention_forward(self, hidden_states, attention_mask)
-        if past_key_values is not None:
-            past_key_values.set_linear_cache(self.layer_idx, state)
-        return out, state
+    def traced(hf_forward):
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                    **kwargs):
+            cached = None if past_key_values is None else past_key_values.get_linear_cache(self.layer_idx)
+            if not torch.compiler.is_compiling() or cached is not None:
+                return hf_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+            out, state = lightning_attention_forward(self, hidden_states, attention_mask)
+            if past_key_values is not None:
+                past_key_values.set_linear_cache(self.layer_idx, state)
+            return out, state
+        return forward
 
-    module.MiniMaxLightningAttention.forward = forward
-    _SUBSTITUTED.add(module.__name__)
+    substitute_forward(module, "MiniMaxLightningAttention", traced)
 
 
 __all__ = ["lightning_attention_forward", "substitute_in_traces"]
