@@ -13,7 +13,7 @@ from longstraw.integrations.scoring import completion_logps_and_entropies
 from helpers.compare import assert_close, assert_grads_close
 from helpers.families import FAMILIES, SUPPORTED
 from helpers.harness import compiled_loss_and_grads
-from helpers.padding import padded_group
+from helpers.padding import padded_group, scored_grpo_loss
 from helpers.tiny_models import make_qwen3
 
 
@@ -51,17 +51,11 @@ def test_every_family_compiled_as_the_integrations_compile_it(name):
     left-padded) with right-padded completions: eager's loss and gradients."""
     family = FAMILIES[name]
     groups = [padded_group(2, 9, 4, left=2, lengths=[4, 2], seed=1), padded_group(2, 9, 4, left=0, lengths=[3, 4], seed=2)]
-    prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = (torch.cat(x) for x in zip(*groups))
-    input_ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-
-    def loss_fn(model, input_ids, mask, advantages):
-        logps, entropies = completion_logps_and_entropies(model, input_ids, mask, 4, 1.0)
-        return (logps * advantages[:, None]).sum() / mask[:, -4:].sum() + 0.1 * entropies.mean()
-
+    batch = [torch.cat(x) for x in zip(*groups)]
     with family.bind():
         model = family.build()
-        compiled = torch.compile(loss_fn, backend=longstraw.Backend(verify_state=True), dynamic=True)
-        got_loss, got = compiled_loss_and_grads(compiled, model, input_ids, mask, advantages)
-        want_loss, want = compiled_loss_and_grads(loss_fn, model, input_ids, mask, advantages)
+        compiled = torch.compile(scored_grpo_loss, backend=longstraw.Backend(verify_state=True), dynamic=True)
+        got_loss, got = compiled_loss_and_grads(compiled, model, *batch, 1.0)
+        want_loss, want = compiled_loss_and_grads(scored_grpo_loss, model, *batch, 1.0)
     assert_close(got_loss, want_loss, family.tol, "loss")
     assert_grads_close(got, want, family.tol)

@@ -527,13 +527,6 @@ def test_invalid_plan_cache_size(size):
         longstraw.Backend(plan_cache_size=size)
 
 
-def _scored_loss(model, input_ids, attention_mask, advantages, logits_to_keep):
-    from longstraw.integrations.scoring import completion_logps_and_entropies
-
-    logps, entropies = completion_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, 1.0)
-    return (logps * advantages[:, None]).sum() + 0.1 * entropies.sum()
-
-
 @pytest.mark.parametrize("name", ["gpt2", "falcon"])
 def test_a_shape_used_whole_is_folded_under_dynamic_shapes(name):
     """Traced with dynamic sizes (as the TRL and verl integrations compile),
@@ -543,17 +536,14 @@ def test_a_shape_used_whole_is_folded_under_dynamic_shapes(name):
     each step (unfolded, GPT-2's step viewed its output as `(1,)` and Falcon's
     `size` was refused as dropping the sequence axis)."""
     from helpers.families import FAMILIES
+    from helpers.padding import padded_group, scored_grpo_loss
 
     model = FAMILIES[name].build()
-    G, P, R = 3, 9, 4
-    prompt, responses, advantages, _ = make_group(G, P, R)
-    input_ids = torch.cat([prompt.expand(G, -1), responses], 1)
-    mask = torch.ones_like(input_ids)
-    mask[0, -1] = 0  # a completion one token shorter
+    group = padded_group(3, 9, 4, left=0, lengths=[3, 4, 4])  # a completion one token shorter
     backend = longstraw.Backend(prefix_chunk_size=4, verify_state=True)
-    compiled = torch.compile(_scored_loss, backend=backend, dynamic=True)
-    got_loss, got = compiled_loss_and_grads(compiled, model, input_ids, mask, advantages, R)
-    want_loss, want = compiled_loss_and_grads(_scored_loss, model, input_ids, mask, advantages, R)
+    compiled = torch.compile(scored_grpo_loss, backend=backend, dynamic=True)
+    got_loss, got = compiled_loss_and_grads(compiled, model, *group, 1.0)
+    want_loss, want = compiled_loss_and_grads(scored_grpo_loss, model, *group, 1.0)
     assert_close(got_loss, want_loss, 1e-10, "loss")
     assert_grads_close(got, want, 1e-10)
     assert len(backend.plans) == 1
