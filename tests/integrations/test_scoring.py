@@ -50,7 +50,8 @@ def test_every_family_compiled_as_the_integrations_compile_it(name):
     integrations compile it), exact mode, on TRL's batch of two prompts (one
     left-padded) with right-padded completions: eager's loss and gradients."""
     family = FAMILIES[name]
-    groups = [padded_group(2, 9, 4, left=2, lengths=[4, 2], seed=1), padded_group(2, 9, 4, left=0, lengths=[3, 4], seed=2)]
+    groups = [padded_group(2, 9, 4, left=2, lengths=[4, 2], seed=1),
+              padded_group(2, 9, 4, left=0, lengths=[3, 4], seed=2)]
     batch = [torch.cat(x) for x in zip(*groups)]
     with family.bind():
         model = family.build()

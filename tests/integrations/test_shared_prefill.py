@@ -20,10 +20,10 @@ PAD = 0
 LOGGER = "longstraw.integrations.shared_prefill"
 
 
-def repeated_prompts(G: int = 3, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+def repeated_prompts(G: int = 3, pad: int = 3, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """Two prompts, the second left-padded by `pad`, each repeated G times, the rows interleaved as a shuffle could leave them."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (2, 9), generator=gen)  # [2, P]
+    ids = torch.randint(1, vocab, (2, 9), generator=gen)  # [2, P]
     mask = torch.ones_like(ids)
     ids[1, :pad], mask[1, :pad] = PAD, 0
     order = torch.tensor([0, 1] * G)
@@ -136,22 +136,12 @@ def test_a_model_with_a_cache_of_its_own_runs_generate_unchanged(name, reason, c
     """Handing these models a `DynamicCache` raises (MiniMax) or is refused
     by `generate` (Mamba's unused `past_key_values`): they run HF's own path."""
     model = FAMILIES[name].build().eval()
-    ids, mask = family_prompts(model)
+    ids, mask = repeated_prompts(G=2, pad=2, vocab=min(model.config.vocab_size, VOCAB))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
     assert reason in caplog.text
     want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
     assert torch.equal(got.sequences, want.sequences)
-
-
-def family_prompts(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts of 7 tokens in the model's vocabulary, the first left-padded by 2, each twice."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, min(model.config.vocab_size, 50), (2, 7), generator=gen)
-    mask = torch.ones_like(ids)
-    ids[0, :2], mask[0, :2] = PAD, 0
-    order = torch.tensor([0, 0, 1, 1])
-    return ids[order], mask[order]
 
 
 @pytest.mark.slow
@@ -161,7 +151,7 @@ def test_every_supported_family_generates_what_generate_does(name):
     family = FAMILIES[name]
     with family.bind():
         model = family.build().eval()
-        ids, mask = family_prompts(model)
+        ids, mask = repeated_prompts(G=2, pad=2, vocab=min(model.config.vocab_size, VOCAB))
         want = model.generate(input_ids=ids, attention_mask=mask, generation_config=config(False))
         got = generate_with_shared_prefill(model, model.generate, ids, mask, generation_config=config(False))
     assert torch.equal(got.sequences, want.sequences)
