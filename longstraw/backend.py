@@ -39,6 +39,7 @@ from longstraw.planning.sizing import KEEP_EVERY_STATE
 from longstraw.runtime.autograd_boundary import GroupFunction
 from longstraw.runtime.kept_graphs import one_row_reason
 from longstraw.runtime.runner import GroupRunner
+from longstraw.runtime.step_seconds import StepSeconds
 from longstraw.trace.specialize import scalar_of
 from longstraw.trace.whole_graph import DDP_SPLIT, is_ddp_split, partial_graph_reason
 
@@ -325,6 +326,7 @@ class CompiledGroupLoss:
         self.guarded: dict[tuple, tuple[int, ...]] = {}  # signature -> arguments its plans fold
         self.activations: Simulations = {}  # the planner's simulations, shared by this graph's plans
         self.kept_bytes: dict[str, float] = {}  # kept graphs' measured bytes per position, likewise
+        self.step_seconds = StepSeconds()  # the steps' measured forward seconds, likewise
         self.warned = False
 
     def __call__(self, *args: Any) -> Any:
@@ -359,7 +361,8 @@ class CompiledGroupLoss:
         Specialising is part of planning: a graph it refuses (an in-place
         write into an argument, a functorch transform) follows
         `on_unsupported` like any other."""
-        planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations, self.kept_bytes)
+        planning = Planning(self.gm, args, self.options, self.backend.passes, self.activations, self.kept_bytes,
+                            self.step_seconds)
         try:
             planning = run_pipeline(planning)
             spent = dict(planning.seconds)

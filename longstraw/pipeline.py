@@ -34,6 +34,7 @@ from longstraw.planning.planner import Simulations
 from longstraw.planning.simulation import without_cyclic_gc
 from longstraw.planning.sizing import KeptRoom, size_plan
 from longstraw.runtime.runner import GroupRunner
+from longstraw.runtime.step_seconds import StepSeconds
 from longstraw.trace.specialize import Specialization, specialize
 
 DUMP_VARIABLE = "LONGSTRAW_DUMP"
@@ -49,6 +50,7 @@ class Planning:
     passes: tuple[ArchitecturePass, ...]
     activations: Simulations  # the planner's simulations, shared by a compiled graph's plans
     kept_bytes: dict[str, float] | None = None  # kept graphs' measured bytes per position, shared likewise
+    step_seconds: StepSeconds | None = None  # the steps' measured forward seconds, shared likewise
     specialization: Specialization | None = None
     partition: Partition | None = None
     program: StepProgram | None = None
@@ -109,7 +111,7 @@ def _runner(p: Planning) -> Planning:
     room = p.room
     runner = GroupRunner(p.program, p.sized, state_room=room.states, graph_room=room.graphs,
                          graph_chunk_bytes=room.graph_chunk, step_bytes=room.step, branch_room=room.spare,
-                         kept_bytes=p.kept_bytes)
+                         kept_bytes=p.kept_bytes, step_seconds=p.step_seconds)
     if p.sized.prompt_grad == "exact":
         runner.batch.check_prompt_gradients([isinstance(a, torch.Tensor) and a.requires_grad for a in p.args],
                                             runner.prefix.externals)

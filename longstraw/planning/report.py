@@ -154,7 +154,11 @@ class ExplainReport:
                 self._work[key] = None
         if self._work[key] is None:
             return plan
-        time = predict(self._work[key], P, G, R, mode == "exact", plan.prefix_chunk_size, plan.kept, *rate)
+        try:
+            time = predict(self._work[key], P, G, R, mode == "exact", plan.prefix_chunk_size, plan.kept, *rate)
+        except ValueError as err:
+            log.warning("longstraw: no predicted time for this plan: %s", err)
+            return plan
         return dataclasses.replace(plan, time=time)
 
     def _rate(self, device: torch.device, dtype: torch.dtype | None, tflops: float | None,

@@ -238,7 +238,9 @@ def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kep
     branches differentiated, the others replayed; in exact mode the
     prompt's graph differentiated if kept, else its reverse pass. A step
     of several rows is counted at one row's operators: the attention's
-    per-row calls (a few operators per layer and row) are not counted."""
+    per-row calls (a few operators per layer and row) are not counted.
+    Costs that come out negative at these sizes raise ValueError (the fit
+    does not hold for this program: see the message)."""
     prompt = max(P - 1, 0)
     chunks = ChunkSchedule(prompt, chunk).chunks if prompt else ()
     kept_branches = 0 if kept is None else kept.branches
@@ -259,6 +261,13 @@ def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kep
             phases.append(("differentiating the kept prompt", *total(work.reverse.less(work.capture), chunks)))
         else:
             phases.append(("the reverse pass over the prompt", *total(work.reverse, chunks)))
+    negative = [phase for phase, flops, _ in phases if flops < 0]
+    if negative:
+        raise ValueError(
+            f"the costs fitted from the simulated step give {', '.join(negative)} negative FLOPs at P={P}, R={R}: "
+            "a branch's cost per earlier key is the prompt chunks', which skip the last layer's attention output, "
+            "and where that layer holds most of the model's attention (a slice of a few layers of a hybrid model) "
+            "the fit does not hold; explain a model with more attention layers before its last")
     return StepTime(tuple(p for p in phases if p[2] > 0), rate, op_seconds)
 
 

@@ -1,5 +1,5 @@
 """What a call keeps for its backward beside the planned peak, and how many
-branch rows one step holds (decisions 0016, 0038).
+branch rows one step holds (decisions 0016, 0038, 0045).
 
 The planner leaves room beside its predicted peak (`planning.sizing.KeptRoom`).
 A call spends it on the forward's autograd graphs (a kept graph saves that
@@ -21,6 +21,7 @@ from longstraw.codegen.program import StepProgram
 from longstraw.options import Options
 from longstraw.runtime.call_state import GraphSpending
 from longstraw.runtime.device_memory import allocated
+from longstraw.runtime.step_seconds import StepSeconds
 
 
 def graphs_keepable(program: StepProgram, options: Options) -> bool:
@@ -80,19 +81,47 @@ def kept_in(spending: GraphSpending, prompt: int | None, branch: int | None, row
 
 
 def rows_or_graphs(spending_beside: Callable[[int], GraphSpending], prompt: int | None, branch: int | None, rows: int,
-                   group_size: int, positions: tuple[int, int]) -> int:
+                   group_size: int, positions: tuple[int, int], seconds: StepSeconds | None = None) -> int:
     """`rows` per branch step, or one where the room those rows take beyond
     one (`spending_beside(rows)`: the spending left beside steps of that
     many rows) would keep graphs over fewer of the `positions` (a prompt's,
     a branch's) than steps of one row keep: a kept graph saves its
-    positions' second forward, several rows per step only launches
-    (measured on the dense slice: half the launches, the same time)."""
+    positions' second forward, several rows per step launches (measured on
+    the dense slice: half the launches, the same time). Where `seconds`
+    measured both kinds of step (and the prompt's forward, where only one
+    keeps its graph), the faster of the two by `group_seconds` instead: on
+    a step bound by launches, the rows save more than the graphs they
+    cost."""
+    many = kept_in(spending_beside(rows), prompt, branch, rows, group_size)
+    one = kept_in(spending_beside(1), prompt, branch, 1, group_size)
 
-    def saved(per_step: int) -> int:
-        prompt_kept, branch_rows = kept_in(spending_beside(per_step), prompt, branch, per_step, group_size)
-        return prompt_kept * positions[0] + branch_rows * positions[1]
+    def saved(kept: tuple[bool, int]) -> int:
+        return kept[0] * positions[0] + kept[1] * positions[1]
 
-    return rows if saved(rows) >= saved(1) else 1
+    if saved(many) >= saved(one):
+        return rows
+    if seconds is not None:
+        wanted = prompt is not None
+        times = [group_seconds(seconds, k, kept, wanted, group_size, positions) for k, kept in ((rows, many), (1, one))]
+        if None not in times:
+            return rows if times[0] < times[1] else 1
+    return 1
+
+
+def group_seconds(seconds: StepSeconds, rows: int, kept: tuple[bool, int], prompt_wanted: bool, group_size: int,
+                  positions: tuple[int, int]) -> float | None:
+    """A group's seconds in steps of `rows` rows that keep `kept` (the
+    prompt's graph, branch rows), from the forwards `seconds` measured: each
+    step's forward and its backward (twice a forward), a second forward for
+    each step not kept, and the prompt's where its graph is wanted and not
+    kept. None where a forward it needs was not measured."""
+    prompt_kept, branch_rows = kept
+    step = seconds.branch(rows, positions[1])
+    again = seconds.prompt(positions[0]) if prompt_wanted and not prompt_kept else 0.0
+    if step is None or again is None:
+        return None
+    steps, replayed = -(-group_size // rows), -(-(group_size - branch_rows) // rows)
+    return (3 * steps + replayed) * step + again
 
 
 class GraphBytes:

@@ -67,6 +67,7 @@ from longstraw.runtime.mask_block import attach_host_copy
 from longstraw.runtime.phases import noting, walked
 from longstraw.runtime.prompt_state import ChunkRound, FiniteCheck, PromptState, StepContext, has_values, nonfinite
 from longstraw.runtime.schedule import Chunk, ChunkSchedule
+from longstraw.runtime.step_seconds import StepSeconds
 
 log = logging.getLogger("longstraw.runtime.runner")
 
@@ -87,12 +88,13 @@ class GroupRunner(BackwardPass):
     and gradients, which each call keeps free before it spends `graph_room`
     (`device_memory.room_now`); `kept_bytes`: what kept graphs were measured
     to hold per position, shared by the plans of one compiled loss
-    (`kept_graphs.GraphBytes`)."""
+    (`kept_graphs.GraphBytes`); `step_seconds`: what the steps' forwards
+    were measured to take, shared likewise (`step_seconds.StepSeconds`)."""
 
     def __init__(
         self, program: StepProgram, options: Options, ranks: Ranks | None = None, sampled: bool = False,
         state_room: int = 0, graph_room: int = 0, graph_chunk_bytes: int = 0, step_bytes: int = 0,
-        branch_room: int = 0, kept_bytes: dict[str, float] | None = None,
+        branch_room: int = 0, kept_bytes: dict[str, float] | None = None, step_seconds: StepSeconds | None = None,
     ) -> None:
         part = program.partition
         self.program = program
@@ -105,6 +107,7 @@ class GroupRunner(BackwardPass):
         self.graph_room, self.graph_chunk_bytes, self.step_bytes = graph_room, graph_chunk_bytes, step_bytes
         self.branch_room = branch_room
         self.graph_bytes = GraphBytes(graph_chunk_bytes, kept_bytes)
+        self.step_seconds = StepSeconds() if step_seconds is None else step_seconds
         self.outer = program.outer
         self.stages = list(program.stages)
         self.prefix = program.prefix
@@ -306,6 +309,7 @@ class GroupRunner(BackwardPass):
         calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
         ran = padded = 0  # branch positions run, and those of the padded rows
         planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
+        self.step_seconds.settle()
         rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
         checks: list[FiniteCheck] = []  # the captures' `check_finite`, read once after the last group's branches
         for i, group in enumerate(groups):
@@ -323,7 +327,7 @@ class GroupRunner(BackwardPass):
                 branch = self.graph_bytes.branch(1, branch_len) if self.keeps_branch_graphs else None
                 beside = lambda rows: self._spending(kept, end, last, graph_room - (rows - 1) * row_bytes)  # noqa: E731
                 per_step = rows_or_graphs(beside, prompt_cost, branch, per_step, len(group.rows),
-                                          (group.prefix_len, branch_len))
+                                          (group.prefix_len, branch_len), self.step_seconds)
             if reads is not None and self.options.branch_rows is None:  # fewer rows per step, fewer positions
                 per_step = reads.rows_per_step(group.rows, branch_len, per_step)
             # a step of several rows holds their graphs at once: what it takes beyond one is not kept room
@@ -346,7 +350,8 @@ class GroupRunner(BackwardPass):
                             and spending.take(self.graph_bytes.branch(len(rows), branch_len)))
                     where = f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"
                     with noting(where), torch.set_grad_enabled(keep), \
-                            self.graph_bytes.measuring(keep, "branch", len(rows) * ctx.length, device):
+                            self.graph_bytes.measuring(keep, "branch", len(rows) * ctx.length, device), \
+                            self.step_seconds.timing(("branch", len(rows)), len(rows) * ctx.length, device):
                         inputs_of_row = self._step_inputs(
                             step, inputs, values, rows if turn.rows else row, group.prefix_len, ctx.length, handed[row])
                         outs = turn.padded(step.module(ctx, *inputs_of_row), where)
@@ -434,7 +439,8 @@ class GroupRunner(BackwardPass):
                 rng["chunk", offset] = RngState.capture(device)  # the replayed stage's, captured last
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
             with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None), \
-                    self.graph_bytes.measuring(graph is not None, "prompt", length, device):
+                    self.graph_bytes.measuring(graph is not None, "prompt", length, device), \
+                    self.step_seconds.timing(("prompt", 1), length, device):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 outputs = stage.prefix.module(
                     ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))

@@ -135,3 +135,16 @@ def _kept_prompt(phases):
             yield "differentiating the kept prompt", f - capture[0], o - capture[1]
         else:
             yield phase, f, o
+
+
+def test_costs_that_come_out_negative_give_no_time():
+    """A fit whose cost per own key is negative (a hybrid slice whose only
+    attention is its last layer, which the prompt chunks skip) holds at
+    short spans and not at long ones: there `predict` refuses instead of
+    printing a negative time."""
+    capture = StepCost(0.0, 7.0, 0.0, 0.0, 11.0)
+    reverse = StepCost(0.0, 21.0, 0.0, -0.5, 30.0)
+    work = StepWork(capture, reverse, StepCost(100.0, 8.0, 0.0, 0.0, 13.0), StepCost(300.0, 24.0, 0.0, 0.0, 40.0))
+    assert predict(work, 33, 4, 6, True, 16, None, 1.0, 0.0).flops > 0
+    with pytest.raises(ValueError, match="the reverse pass over the prompt negative FLOPs at P=4097"):
+        predict(work, 4097, 4, 6, True, 4096, None, 1.0, 0.0)

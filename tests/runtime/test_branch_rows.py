@@ -26,6 +26,7 @@ from longstraw.options import Options
 from longstraw.planning.planner import Simulations
 from longstraw.planning.sizing import KeptRoom
 from longstraw.runtime.phases import phase_of
+from longstraw.runtime.step_seconds import StepSeconds
 
 from conftest import raises_longstraw
 from helpers.batches import batch_loss, detached_batch_reference, make_batch
@@ -260,11 +261,9 @@ def test_carried_operators_start_every_row_from_the_prompts_carry():
     assert_grads_close(results[0][1], results[1][1], TOL)  # its float32 parts round per batch shape
 
 
-def test_planned_rows_follow_the_room(monkeypatch):
-    """`branch_rows=None` with a budget: as many rows per step as the room
-    beside the planned peak holds at a branch's graph each beyond the
-    first; with room for one more, steps of two; with none, one row; and
-    one row where the rows' room would keep fewer graphs."""
+def spare_graphs(monkeypatch) -> dict[str, int | None]:
+    """Each plan's room beside its peak set to `extra["rows"]` planned
+    graphs (None: as planned); returns `extra`."""
     sized = pipeline.size_plan
     extra = {"rows": None}
     # the runs with keep_graphs=False trace one model and batch under one set of options: one simulation serves
@@ -279,6 +278,15 @@ def test_planned_rows_follow_the_room(monkeypatch):
         return options, KeptRoom(0, spare, room.graph_chunk, room.step, spare)
 
     monkeypatch.setattr(pipeline, "size_plan", with_room)
+    return extra
+
+
+def test_planned_rows_follow_the_room(monkeypatch):
+    """`branch_rows=None` with a budget: as many rows per step as the room
+    beside the planned peak holds at a branch's graph each beyond the
+    first; with room for one more, steps of two; with none, one row; and
+    one row where the rows' room would keep fewer graphs."""
+    extra = spare_graphs(monkeypatch)
     seen = run_batch("qwen3", [4], memory_budget_gb=100.0, keep_graphs=False)
     assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen)
     for rows, batched, single in ((1, 2, 0), (0, 0, 4)):
@@ -293,6 +301,27 @@ def test_planned_rows_follow_the_room(monkeypatch):
     seen = run_batch("qwen3", [4], memory_budget_gb=100.0)
     assert BATCHED not in phases(seen) and phases(seen).count(ONE_ROW) == 4
     assert phases(seen).count("differentiating the kept prompt") == 3
+
+
+@pytest.mark.parametrize("launch_bound", [True, False])
+def test_rows_and_graphs_weighed_by_measured_seconds(monkeypatch, launch_bound):
+    """Room for three graphs: steps of one row keep the prompt's (three
+    chunks), steps of four keep nothing. Where the steps' forwards were
+    measured (CUDA events on a GPU; set here), the faster schedule runs: a
+    step of four rows that takes a step of one's time (bound by launches)
+    runs the rows and the prompt's forward again; one that takes four
+    times as long keeps the prompt's graph. Eager's gradients either way."""
+    extra = spare_graphs(monkeypatch)
+    extra["rows"] = 3
+    per_position = {("branch", 1): 1e-3, ("branch", 4): 0.25e-3 if launch_bound else 1e-3, ("prompt", 1): 1e-3}
+    monkeypatch.setattr(StepSeconds, "settle", lambda self: self.measured.update(per_position))
+    seen = run_batch("qwen3", [4], memory_budget_gb=100.0)
+    if launch_bound:
+        assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen), phases(seen)
+        assert "differentiating the kept prompt" not in phases(seen) and "in the reverse pass" in phases(seen)
+    else:
+        assert BATCHED not in phases(seen) and phases(seen).count(ONE_ROW) == 4, phases(seen)
+        assert phases(seen).count("differentiating the kept prompt") == 3
 
 
 def test_planned_rows_follow_the_measured_graph_bytes(monkeypatch):

@@ -14,7 +14,15 @@ import torch
 
 from longstraw.options import Options
 from longstraw.runtime.call_state import GraphSpending
-from longstraw.runtime.kept_graphs import GraphBytes, graphs_keepable, kept_in, rows_or_graphs, rows_per_step
+from longstraw.runtime.kept_graphs import (
+    GraphBytes,
+    graphs_keepable,
+    group_seconds,
+    kept_in,
+    rows_or_graphs,
+    rows_per_step,
+)
+from longstraw.runtime.step_seconds import StepSeconds
 
 
 def test_rows_per_step_follow_the_option_then_the_room():
@@ -55,6 +63,26 @@ def test_rows_give_way_to_graphs_that_save_more_positions(room, want):
     one row per step keeps it and steps of 4 would not."""
     beside = lambda rows: GraphSpending(room - (rows - 1) * 30, 0, 0)  # noqa: E731
     assert rows_or_graphs(beside, prompt=60, branch=5, rows=4, group_size=8, positions=(4096, 1024)) == want
+
+
+@pytest.mark.parametrize("row_seconds, want", [(1.0, 1), (0.25, 4), (None, 1)])
+def test_measured_seconds_weigh_rows_against_graphs(row_seconds, want):
+    """Room where steps of 4 rows lose the prompt's graph (60 bytes, 4,096
+    positions) and steps of one keep it: by positions, one row. Where both
+    steps' forwards and the prompt's were measured, by time: a branch step
+    of 4 rows at a step of one's seconds per position (bound by arithmetic)
+    runs one row; at a quarter of them (bound by launches) 4 rows, the
+    prompt's second forward beside them; a row count never measured, by
+    positions."""
+    beside = lambda rows: GraphSpending(100 - (rows - 1) * 30, 0, 0)  # noqa: E731
+    seconds = StepSeconds({("branch", 1): 1e-5, ("prompt", 1): 1e-6})
+    if row_seconds is not None:
+        seconds.measured["branch", 4] = row_seconds * 1e-5
+    got = rows_or_graphs(beside, prompt=60, branch=5, rows=4, group_size=8, positions=(4096, 1024), seconds=seconds)
+    assert got == want
+    if row_seconds is not None:  # 2 steps of 4 rows keep nothing: forwards, backwards, replays; the prompt again
+        want_seconds = (3 * 2 + 2) * row_seconds * 1e-5 * 4 * 1024 + 4096 * 1e-6
+        assert group_seconds(seconds, 4, (False, 0), True, 8, (4096, 1024)) == pytest.approx(want_seconds)
 
 
 def test_graph_bytes_follow_what_was_measured():
