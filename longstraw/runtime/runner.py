@@ -351,7 +351,7 @@ class GroupRunner(BackwardPass):
                     where = f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"
                     with noting(where), torch.set_grad_enabled(keep), \
                             self.graph_bytes.measuring(keep, "branch", len(rows) * ctx.length, device), \
-                            self.step_seconds.timing(("branch", len(rows)), len(rows) * ctx.length, device):
+                            self.step_seconds.timing(("branch", len(rows)), len(rows) * ctx.length, device, real):
                         inputs_of_row = self._step_inputs(
                             step, inputs, values, rows if turn.rows else row, group.prefix_len, ctx.length, handed[row])
                         outs = turn.padded(step.module(ctx, *inputs_of_row), where)
@@ -440,7 +440,7 @@ class GroupRunner(BackwardPass):
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
             with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None), \
                     self.graph_bytes.measuring(graph is not None, "prompt", length, device), \
-                    self.step_seconds.timing(("prompt", 1), length, device):
+                    self.step_seconds.timing(("prompt", 1), length, device, real):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 outputs = stage.prefix.module(
                     ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))
