@@ -13,6 +13,7 @@ follows what kept graphs were measured to hold where the device tells.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -22,6 +23,8 @@ from longstraw.options import Options
 from longstraw.runtime.call_state import GraphSpending
 from longstraw.runtime.device_memory import allocated
 from longstraw.runtime.step_seconds import StepSeconds
+
+log = logging.getLogger("longstraw.runtime.kept_graphs")
 
 
 def graphs_keepable(program: StepProgram, options: Options) -> bool:
@@ -104,6 +107,9 @@ def rows_or_graphs(spending_beside: Callable[[int], GraphSpending], prompt: int 
         wanted = prompt is not None
         times = [group_seconds(seconds, k, kept, wanted, group_size, positions) for k, kept in ((rows, many), (1, one))]
         if None not in times:
+            log.info("branch steps of %d rows keep graphs over fewer positions than steps of one; by the measured "
+                     "forwards %.4f s against %.4f s: %s", rows, times[0], times[1],
+                     f"{rows} rows" if times[0] < times[1] else "one row")
             return rows if times[0] < times[1] else 1
     return 1
 

@@ -304,7 +304,7 @@ def test_planned_rows_follow_the_room(monkeypatch):
 
 
 @pytest.mark.parametrize("launch_bound", [True, False])
-def test_rows_and_graphs_weighed_by_measured_seconds(monkeypatch, launch_bound):
+def test_rows_and_graphs_weighed_by_measured_seconds(monkeypatch, caplog, launch_bound):
     """Room for three graphs: steps of one row keep the prompt's (three
     chunks), steps of four keep nothing. Where the steps' forwards were
     measured (CUDA events on a GPU; set here), the faster schedule runs: a
@@ -315,7 +315,9 @@ def test_rows_and_graphs_weighed_by_measured_seconds(monkeypatch, launch_bound):
     extra["rows"] = 3
     per_position = {("branch", 1): 1e-3, ("branch", 4): 0.25e-3 if launch_bound else 1e-3, ("prompt", 1): 1e-3}
     monkeypatch.setattr(StepSeconds, "settle", lambda self: self.measured.update(per_position))
-    seen = run_batch("qwen3", [4], memory_budget_gb=100.0)
+    with caplog.at_level(logging.INFO, logger="longstraw.runtime.kept_graphs"):
+        seen = run_batch("qwen3", [4], memory_budget_gb=100.0)
+    assert ("4 rows" if launch_bound else "one row") in caplog.text and "by the measured forwards" in caplog.text
     if launch_bound:
         assert phases(seen).count(BATCHED) == 1 and ONE_ROW not in phases(seen), phases(seen)
         assert "differentiating the kept prompt" not in phases(seen) and "in the reverse pass" in phases(seen)
