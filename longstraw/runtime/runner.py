@@ -180,6 +180,13 @@ class GroupRunner(BackwardPass):
     def keeps_branch_graphs(self) -> bool:
         return self.keeps_graphs and branch_graphs_keepable(self.program)
 
+    @functools.cached_property
+    def times_steps(self) -> bool:
+        """Whether this plan's calls may weigh planned branch rows against
+        kept graphs (`kept_graphs.rows_or_graphs`), and so time their steps'
+        forwards (`StepSeconds`): nowhere else are the timings read."""
+        return self.batches_branches and self.options.branch_rows is None and self.branch_room > 0 and self.keeps_graphs
+
     # inputs of the steps ------------------------------------------------
 
     def _step_inputs(
@@ -309,7 +316,8 @@ class GroupRunner(BackwardPass):
         calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
         ran = padded = 0  # branch positions run, and those of the padded rows
         planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
-        self.step_seconds.settle()
+        if self.times_steps:
+            self.step_seconds.settle()
         rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
         checks: list[FiniteCheck] = []  # the captures' `check_finite`, read once after the last group's branches
         for i, group in enumerate(groups):
@@ -351,7 +359,8 @@ class GroupRunner(BackwardPass):
                     where = f"running {branches_named(rows, part.group_size)} over [{group.prefix_len}, {end})"
                     with noting(where), torch.set_grad_enabled(keep), \
                             self.graph_bytes.measuring(keep, "branch", len(rows) * ctx.length, device), \
-                            self.step_seconds.timing(("branch", len(rows)), len(rows) * ctx.length, device, real):
+                            self.step_seconds.timing(("branch", len(rows)), len(rows) * ctx.length, device,
+                                                    real and self.times_steps):
                         inputs_of_row = self._step_inputs(
                             step, inputs, values, rows if turn.rows else row, group.prefix_len, ctx.length, handed[row])
                         outs = turn.padded(step.module(ctx, *inputs_of_row), where)
@@ -440,7 +449,7 @@ class GroupRunner(BackwardPass):
             restored = rng["chunk", offset].restored() if self.random and again else contextlib.nullcontext()
             with noting(f"{what} [{offset}, {offset + length})"), restored, torch.set_grad_enabled(graph is not None), \
                     self.graph_bytes.measuring(graph is not None, "prompt", length, device), \
-                    self.step_seconds.timing(("prompt", 1), length, device, real):
+                    self.step_seconds.timing(("prompt", 1), length, device, real and self.times_steps):
                 ctx = StepContext(state, offset, length, grad_enabled=False)
                 outputs = stage.prefix.module(
                     ctx, *self._step_inputs(stage.prefix, inputs, values, group.rows[0], offset, length))

@@ -36,11 +36,12 @@ class StepSeconds:
         self._pending: list[tuple[Kind, int, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
-    def timing(self, kind: Kind, positions: int, device: torch.device, real: bool = True) -> Iterator[None]:
+    def timing(self, kind: Kind, positions: int, device: torch.device, enabled: bool = True) -> Iterator[None]:
         """Around a step's forward over `positions` positions (rows times
-        their length): on CUDA, events before and after it; none around a
-        step on fake tensors (`real` False: the planner's simulation)."""
-        if device.type != "cuda" or not real:
+        their length): on CUDA, events before and after it; none where not
+        `enabled` (a step on fake tensors in the planner's simulation, or of
+        a plan that never reads the timings)."""
+        if device.type != "cuda" or not enabled:
             yield
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

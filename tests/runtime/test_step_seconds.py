@@ -39,11 +39,11 @@ def test_completed_timings_keep_the_least_seconds_per_position():
     assert seconds.prompt(2000) == pytest.approx(0.01) and seconds._pending == []
 
 
-def test_steps_off_cuda_or_on_fake_tensors_are_not_timed():
+def test_steps_off_cuda_or_not_enabled_are_not_timed():
     seconds = StepSeconds()
     with seconds.timing(("branch", 1), 10, torch.device("cpu")):
         torch.ones(3).sum()
-    with seconds.timing(("branch", 1), 10, torch.device("cuda"), real=False):
+    with seconds.timing(("branch", 1), 10, torch.device("cuda"), enabled=False):
         pass
     seconds.settle()
     assert seconds.measured == {} and seconds._pending == []
