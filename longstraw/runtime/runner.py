@@ -181,11 +181,17 @@ class GroupRunner(BackwardPass):
         return self.keeps_graphs and branch_graphs_keepable(self.program)
 
     @functools.cached_property
+    def plans_rows(self) -> bool:
+        """Whether each call plans its branch rows from the room beside the
+        planned peak (`Options.branch_rows` None, room planned)."""
+        return self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
+
+    @functools.cached_property
     def times_steps(self) -> bool:
         """Whether this plan's calls may weigh planned branch rows against
         kept graphs (`kept_graphs.rows_or_graphs`), and so time their steps'
         forwards (`StepSeconds`): nowhere else are the timings read."""
-        return self.batches_branches and self.options.branch_rows is None and self.branch_room > 0 and self.keeps_graphs
+        return self.plans_rows and self.keeps_graphs
 
     # inputs of the steps ------------------------------------------------
 
@@ -315,10 +321,9 @@ class GroupRunner(BackwardPass):
         per_row: dict[int, dict[int, torch.Tensor]] = {}
         calls, kept = [], 0  # bytes of earlier groups' states and of graphs kept for the backward
         ran = padded = 0  # branch positions run, and those of the padded rows
-        planned_rows = self.batches_branches and self.options.branch_rows is None and self.branch_room > 0
         if self.times_steps:
             self.step_seconds.settle()
-        rows_room = self._room_now(inputs, device, self.branch_room) if planned_rows else 0
+        rows_room = self._room_now(inputs, device, self.branch_room) if self.plans_rows else 0
         checks: list[FiniteCheck] = []  # the captures' `check_finite`, read once after the last group's branches
         for i, group in enumerate(groups):
             rng: dict[tuple[str, int], RngState] = {}
