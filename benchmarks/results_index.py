@@ -81,6 +81,7 @@ SUPERSEDED: dict[str, Supersession] = {
     "grpo_bench_hybrid_b_h200": Supersession(
         "grpo_bench_hybrid_e_h200", "LongStraw's sweeps after in-place gradient accumulation", partly=True),
     "grpo_bench_dense_h_h200": Supersession("grpo_bench_dense_i_h200", "same command at a later commit"),
+    "verl_bench_dense_h100": Supersession("verl_bench_dense_sweep_h100", "same command with a longer budget"),
     "grpo_bench_hybrid_h_h200": Supersession("grpo_bench_hybrid_i_h200", "same command at a later commit"),
     "grpo_bench_glm5_a_h200": Supersession(
         "grpo_bench_glm5_h_h200", "LongStraw's warm steps after selected attention and TF32 products", partly=True),
