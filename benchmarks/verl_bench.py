@@ -32,6 +32,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,8 +119,10 @@ def timed_update(engine, batch: TensorDict, loss) -> tuple[float, float | None]:
     return time.perf_counter() - begin, peak
 
 
-def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float) -> dict:
-    """One mode's P sweep: first and second update at each P, until OOM, --p-max or the deadline."""
+def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float,
+               save: Callable[[dict], None]) -> dict:
+    """One mode's P sweep: first and second update at each P, until OOM, --p-max or the deadline;
+    `save(sweep so far)` after each P, so that a command killed mid-sweep keeps what it measured."""
     engine = engine_for(mode, model_path, args.tiny)
     loss = functools.partial(ppo_loss, FSDPActorConfig(strategy="fsdp2", rollout_n=args.G, use_kl_loss=True,
                                                        ppo_micro_batch_size_per_gpu=args.G))
@@ -145,6 +148,7 @@ def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float) ->
         finally:
             release(engine.module)
         out["runs"].append(run)
+        save(out)
         print(f"  {mode:20} P={P:>8} " + (f"first {run['first_s']:.2f} s, warm {run['warm_s']:.2f} s, "
                                            f"peak {gb(run['peak_gb'])} GB" if run["ok"] else run["error"]), flush=True)
         if not run["ok"]:
@@ -152,6 +156,7 @@ def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float) ->
         P *= 2
     del engine
     release()
+    save(out)
     return out
 
 
@@ -200,11 +205,15 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
-    for index, mode in enumerate(modes):
-        share = (deadline - time.monotonic()) / (len(modes) - index)  # the time left, split over the modes left
-        result["sweep"][mode] = sweep_mode(mode, args, model_path, vocab, time.monotonic() + share)
+
+    def save(mode: str, sweep: dict) -> None:
+        result["sweep"][mode] = sweep
         with open(stem + ".json", "w") as f:
             json.dump(result, f, indent=2)
+
+    for index, mode in enumerate(modes):
+        share = (deadline - time.monotonic()) / (len(modes) - index)  # the time left, split over the modes left
+        sweep_mode(mode, args, model_path, vocab, time.monotonic() + share, functools.partial(save, mode))
     with open(stem + ".md", "w") as f:
         f.write(table(result) + "\n")
     print(table(result))
