@@ -120,7 +120,7 @@ def timed_update(engine, batch: TensorDict, loss) -> tuple[float, float | None]:
 
 
 def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float,
-               save: Callable[[dict], None]) -> dict:
+               save: Callable[[dict], None]) -> None:
     """One mode's P sweep: first and second update at each P, until OOM, --p-max or the deadline;
     `save(sweep so far)` after each P, so that a command killed mid-sweep keeps what it measured."""
     engine = engine_for(mode, model_path, args.tiny)
@@ -157,7 +157,6 @@ def sweep_mode(mode: str, args, model_path: str, vocab: int, deadline: float,
     del engine
     release()
     save(out)
-    return out
 
 
 def gb(value: float | None) -> str:
