@@ -263,12 +263,25 @@ def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kep
             phases.append(("the reverse pass over the prompt", *total(work.reverse, chunks)))
     negative = [phase for phase, flops, _ in phases if flops < 0]
     if negative:
-        raise ValueError(
-            f"the costs fitted from the simulated step give {', '.join(negative)} negative FLOPs at P={P}, R={R}: "
-            "a branch's cost per earlier key is the prompt chunks', which skip the last layer's attention output, "
+        raise ValueError(f"the costs fitted from the simulated step give {', '.join(negative)} negative FLOPs at "
+                         f"P={P}, R={R}: {_why_negative(negative)}")
+    return StepTime(tuple(p for p in phases if p[2] > 0), rate, op_seconds)
+
+
+_PROMPT_PHASES = ("capturing the prompt", "the reverse pass over the prompt", "differentiating the kept prompt")
+
+
+def _why_negative(phases: Sequence[str]) -> str:
+    """The cause of negative fitted costs, by the phases they reach."""
+    if any(phase in _PROMPT_PHASES for phase in phases):
+        return ("the prompt chunks' counted FLOPs do not grow with a chunk's length and offset as the fit assumes "
+                "(an operator that works in whole blocks, such as the gated delta rule's chunked PyTorch form, "
+                "counts a short chunk as a block), so a term fitted from the traced prompt's chunks comes out "
+                "negative and outgrows the others at long prompts; explain with a longer traced prompt, which moves "
+                "the length where it does out")
+    return ("a branch's cost per earlier key is the prompt chunks', which skip the last layer's attention output, "
             "and where that layer holds most of the model's attention (a slice of a few layers of a hybrid model) "
             "the fit does not hold; explain a model with more attention layers before its last")
-    return StepTime(tuple(p for p in phases if p[2] > 0), rate, op_seconds)
 
 
 _SPAN = re.compile(r"\[(\d+), (\d+)\)")

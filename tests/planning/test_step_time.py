@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import pathlib
 import sys
 
@@ -16,7 +17,11 @@ import torch
 import longstraw
 from longstraw.planning.planner import KeptGraphs
 from longstraw.planning.step_time import StepCost, StepCount, StepWork, WorkRecorder, predict
+from longstraw.models import qwen3_5
 from longstraw.models.tiny import tiny_causal_lm
+
+from helpers.losses import grpo_loss_f64
+from helpers.tiny_models import make_group, make_qwen3_5
 
 G, R, CHUNK = 3, 5, 8
 
@@ -138,13 +143,39 @@ def _kept_prompt(phases):
 
 
 def test_costs_that_come_out_negative_give_no_time():
-    """A fit whose cost per own key is negative (a hybrid slice whose only
-    attention is its last layer, which the prompt chunks skip) holds at
-    short spans and not at long ones: there `predict` refuses instead of
-    printing a negative time."""
+    """A fit whose cost per own key is negative holds at short spans and not
+    at long ones: there `predict` refuses instead of printing a negative
+    time, naming the cause by where the negative cost is. In the prompt
+    chunks' fit: an operator counted in whole blocks (the tiny hybrid's
+    chunked gated delta rule); in the branches' alone: the last layer's
+    attention, which the prompt chunks skip (a hybrid slice whose only
+    attention is its last layer)."""
     capture = StepCost(0.0, 7.0, 0.0, 0.0, 11.0)
     reverse = StepCost(0.0, 21.0, 0.0, -0.5, 30.0)
-    work = StepWork(capture, reverse, StepCost(100.0, 8.0, 0.0, 0.0, 13.0), StepCost(300.0, 24.0, 0.0, 0.0, 40.0))
+    branch = StepCost(100.0, 8.0, 0.0, 0.0, 13.0)
+    work = StepWork(capture, reverse, branch, StepCost(300.0, 24.0, 0.0, 0.0, 40.0))
     assert predict(work, 33, 4, 6, True, 16, None, 1.0, 0.0).flops > 0
-    with pytest.raises(ValueError, match="the reverse pass over the prompt negative FLOPs at P=4097"):
+    with pytest.raises(ValueError, match="the reverse pass over the prompt negative FLOPs at P=4097, R=6: the prompt "
+                                         "chunks' counted FLOPs do not grow"):
         predict(work, 4097, 4, 6, True, 4096, None, 1.0, 0.0)
+    short_branch = StepWork(capture, None, StepCost(100.0, 8.0, 0.0, -0.5, 13.0), branch)
+    assert predict(short_branch, 33, 4, 6, True, 16, None, 1.0, 0.0).flops > 0
+    with pytest.raises(ValueError, match="running the branches negative FLOPs at P=33, R=64: a branch's cost per "
+                                         "earlier key is the prompt chunks'"):
+        predict(short_branch, 33, 4, 64, True, 16, None, 1.0, 0.0)
+
+
+@pytest.mark.slow  # the message's choice is the test above's; this one proves the cause on a real fit
+def test_the_tiny_hybrid_s_prediction_is_refused_for_its_block_counted_chunks(caplog):
+    """The real cause on a real fit: the tiny Qwen3.5 hybrid traced at a
+    40-position prompt counts its chunked gated delta rule (PyTorch's, on
+    the CPU) in 64-position blocks, so the prompt chunks' fit is what goes
+    negative; the plan keeps its peak and carries no time."""
+    model = make_qwen3_5(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    with qwen3_5.bound():
+        report = longstraw.explain(grpo_loss_f64, model, *make_group(4, 40, 6))
+    with caplog.at_level(logging.WARNING, logger="longstraw.planning.report"):
+        plan = report.plan(P=1024, G=8, R=16, tflops=1.0, op_us=1.0, budget_gb=None, prefix_chunk_size=1024,
+                           recompute_layers=False)
+    assert plan.time is None and plan.peak > 0
+    assert "capturing the prompt" in caplog.text and "the prompt chunks' counted FLOPs do not grow" in caplog.text
