@@ -26,11 +26,12 @@ end at one position, so their own counts cannot tell `b` from `a` and
 the attention operators' FLOPs are counted apart, and their own `b` is
 fitted on each side (the prompt chunks skip the last layer's attention
 output, which nothing reads; on a hybrid slice whose one attention layer
-is its last, that is all of a branch's). A kept graph's backward is the replay, or the reverse pass, less
-the forward it does not run again. A step's operator count is taken as
-constant (the attention kernels' walk over key blocks adds a few per
-block of thousands of keys). Inside a fused kernel that is not an
-operator (fla's Triton kernels), nothing is counted.
+is its last, that is all of a branch's). A kept graph's backward is the
+replay, or the reverse pass, less the forward it does not run again. A
+step's operator count is taken as constant (the attention kernels' walk
+over key blocks adds a few per block of thousands of keys). Inside a
+fused kernel that is not an operator (fla's Triton kernels), nothing is
+counted.
 
 The rate and the cost per operator are measured, not datasheet figures
 (`RATES`). Below about 8K positions the dense slice's step is bound by
