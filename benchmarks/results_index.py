@@ -82,6 +82,10 @@ SUPERSEDED: dict[str, Supersession] = {
         "grpo_bench_hybrid_e_h200", "LongStraw's sweeps after in-place gradient accumulation", partly=True),
     "grpo_bench_dense_h_h200": Supersession("grpo_bench_dense_i_h200", "same command at a later commit"),
     "verl_bench_dense_h100": Supersession("verl_bench_dense_sweep_h100", "same command with a longer budget"),
+    "gpu_tests_now_h100": Supersession("gpu_tests_all_b_h100", "the same tests among the 58 run again at a later commit"),
+    "gpu_tests_rest_h100": Supersession("gpu_tests_all_b_h100", "the same tests among the 58 run again at a later commit"),
+    "gpu_tests_runtime_fixed_h100": Supersession("gpu_tests_all_b_h100", "its tests but fla's run again at a later "
+                                                 "commit (its fla convolution test in gpu_tests_all_h100)", partly=True),
     "grpo_bench_hybrid_h_h200": Supersession("grpo_bench_hybrid_i_h200", "same command at a later commit"),
     "grpo_bench_glm5_a_h200": Supersession(
         "grpo_bench_glm5_h_h200", "LongStraw's warm steps after selected attention and TF32 products", partly=True),

@@ -1,13 +1,16 @@
 """benchmarks/gpu_tests.py on a folder of sample tests: every outcome is
-read, a failure keeps its error, and the tests the budget cut are "not run"."""
+read, a failure keeps its error, the tests the budget cut are "not run",
+and the budget covers the collection."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 from helpers.paths import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
+import gpu_tests  # noqa: E402
 from gpu_tests import run, table  # noqa: E402
 
 SAMPLE = '''
@@ -47,12 +50,16 @@ def test_unmarked_for_gpu_is_not_collected():
 '''
 
 
-def test_outcomes_of_a_run_the_budget_ends(tmp_path):
+def test_outcomes_of_a_run_the_budget_ends(tmp_path, monkeypatch):
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
-    # 6 s: pytest starts and runs the three quick tests in about 1 s; the budget ends the sleeping one
+    collected = gpu_tests.collected
+    # a collection 2 s slower: the budget that is left runs the tests
+    monkeypatch.setattr(gpu_tests, "collected", lambda paths: (time.sleep(2), collected(paths))[1])
+    # 6 s: collecting and starting pytest and the three quick tests take about 4 s; the budget ends the sleeping one
+    start = time.monotonic()
     tests, stopped = run([str(tmp_path)], budget_s=6, log_path=str(tmp_path / "out.log"))
-    assert stopped
+    assert stopped and time.monotonic() - start < 7.5
     got = {name.split("::")[-1]: test for name, test in tests.items()}
     assert {name: test["outcome"] for name, test in got.items()} == {
         "test_passes": "passed", "test_fails": "failed", "test_skips": "skipped",
