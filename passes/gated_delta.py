@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from longstraw.runtime.carry import CarryKernel, recompute_grads
 from longstraw.runtime.kernels import fla_gated_delta
-from longstraw.runtime.kernels.gated_delta import gated_delta_rule_reference
+from longstraw.runtime.kernels.gated_delta import gated_delta_flops, gated_delta_rule_reference
 from longstraw.nodes import arg
 
 from .base import CarryPass, DimRules
@@ -135,4 +135,5 @@ class GatedDeltaPass(CarryPass):
             grads=functools.partial(fla_gated_delta.gated_delta_grads, use_qk_l2norm=use_qk_l2norm)
             if fla_gated_delta.applies(inputs[0]) else None,
             span=FLA_SPAN,
+            flops=gated_delta_flops,
         )

@@ -29,9 +29,15 @@ output, which nothing reads; on a hybrid slice whose one attention layer
 is its last, that is all of a branch's). A kept graph's backward is the
 replay, or the reverse pass, less the forward it does not run again. A
 step's operator count is taken as constant (the attention kernels' walk
-over key blocks adds a few per block of thousands of keys). Inside a
-fused kernel that is not an operator (fla's Triton kernels), nothing is
-counted.
+over key blocks adds a few per block of thousands of keys). A carried
+kernel that counts its own arithmetic (`CarryKernel.flops`: Gated
+DeltaNet's, whose PyTorch form pads a span to 64-position chunks and
+whose fla form launches no operator) is counted by it, per position;
+the others count what they dispatch: nothing inside a fused kernel that
+is not an operator, and, for the chunked PyTorch forms of Kimi Delta
+Attention and Mamba-2's scan, products that grow with the square of a
+span up to a chunk of 64 and linearly beyond, which the fit's `c`
+extrapolates as the square.
 
 The rate and the cost per operator are measured, not datasheet figures
 (`RATES`). Below about 8K positions the dense slice's step is bound by
@@ -57,6 +63,7 @@ from longstraw.options import Options
 from longstraw.planning.planner import KeptGraphs, extrapolation_cuts
 from longstraw.planning.simulation import simulate_phases, step_depth
 from longstraw.runtime.call_state import Group
+from longstraw.runtime.kernels import work
 from longstraw.runtime.schedule import ChunkSchedule
 
 RATES: dict[str, tuple[float, float]] = {"cuda": (596e12, 25e-6)}
@@ -86,12 +93,36 @@ class StepCount:
 
 class WorkRecorder(TorchDispatchMode):
     """FLOPs and launched operators of each step the runtime runs: enter it
-    as a dispatch mode and give `in_step` to `around_steps`."""
+    as a dispatch mode and give `in_step` to `around_steps`. A kernel that
+    counts its own arithmetic (`kernels.work.counted_as`) adds that in place
+    of the FLOPs of what it dispatches; its operators still count."""
 
     def __init__(self) -> None:
         super().__init__()
         self.steps: list[StepCount] = []
         self._open: list[list] = []  # [where, flops, ops, attention flops] of the steps running, innermost last
+        self._own_count = 0  # depth of kernels counting their own arithmetic
+
+    def __enter__(self):
+        self._listening = work.listening(self)
+        self._listening.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._listening.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def counted_as(self, flops: float) -> Iterator[None]:
+        if self._open:
+            self._open[-1][1] += flops
+        self._own_count += 1
+        try:
+            yield
+        finally:
+            self._own_count -= 1
 
     @contextlib.contextmanager
     def in_step(self, where: str) -> Iterator[None]:
@@ -107,7 +138,7 @@ class WorkRecorder(TorchDispatchMode):
         if self._open:
             packet = func.overloadpacket
             counted = self._open[-1]
-            if packet in flop_registry:
+            if packet in flop_registry and not self._own_count:
                 flops = flop_registry[packet](*args, **kwargs, out_val=out)
                 counted[1] += flops
                 if _is_attention(packet):
@@ -293,10 +324,10 @@ def _why_negative(phases: Sequence[str]) -> str:
     """The cause of negative fitted costs, by the phases they reach."""
     if any(phase in _PROMPT_PHASES for phase in phases):
         return ("the prompt chunks' counted FLOPs do not grow with a chunk's length and offset as the fit assumes "
-                "(an operator that works in whole blocks, such as the gated delta rule's chunked PyTorch form, "
-                "counts a short chunk as a block), so a term fitted from the traced prompt's chunks comes out "
-                "negative and outgrows the others at long prompts; explain with a longer traced prompt, which moves "
-                "the length where it does out")
+                "(an operator that works in whole blocks and does not count its own arithmetic, "
+                "`CarryKernel.flops`, counts a short chunk as a block), so a term fitted from the traced prompt's "
+                "chunks comes out negative and outgrows the others at long prompts; explain with a longer traced "
+                "prompt, which moves the length where it does out")
     return ("the branches' fit does not hold at this length: their cost per earlier key is the prompt chunks' plus "
             "what the attention operators count beyond them, so attention the chunks skip that runs outside an "
             "attention operator (MLA's absorbed products, say) goes uncounted, and the branches' other terms make "

@@ -28,6 +28,7 @@ import torch
 
 from longstraw.parallel.shards import gather_round
 from longstraw.errors import LongStrawError
+from longstraw.runtime.kernels import work
 from longstraw.runtime.prompt_state import StepContext, has_values
 
 CarryFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -152,13 +153,33 @@ class CarryKernel:
     holds less per position than autograd through the forward).
     `graph_key` names what `forward` computes (the operator and the
     constants it closes over): autograd recomputations with the same key
-    and input shapes share one CUDA graph (`SpanGraphs`). None: never graphed."""
+    and input shapes share one CUDA graph (`SpanGraphs`). None: never graphed.
+    `flops(*inputs)`, when set, is the forward's arithmetic over these
+    inputs' positions, which the planner's work count takes in place of
+    what the kernel dispatches (`kernels.work`): for a kernel that launches
+    no operator (fla's) or computes in whole blocks (the chunked PyTorch
+    rules). A span's backward counts `BACKWARD_FORWARDS` forwards."""
 
     forward: CarryFn
     token_dims: tuple[int | None, ...]
     graph_key: Hashable | None = None
     grads: CarryGradsFn | None = None
     span: int | None = None
+    flops: Callable[..., float] | None = None
+
+
+BACKWARD_FORWARDS = 3
+"""A carried operator's backward, in forwards of its arithmetic: it computes
+the forward again (the PyTorch kernel under autograd; fla's backward its
+chunk states), and its gradients take about two forwards' products."""
+
+
+def _counted(kernel: CarryKernel, inputs: Sequence[torch.Tensor], forwards: int):
+    """Where `kernel` counts its own arithmetic (`CarryKernel.flops`), its
+    `forwards` forwards over `inputs` in place of what it dispatches."""
+    if kernel.flops is None:
+        return contextlib.nullcontext()
+    return work.counted_as(lambda: forwards * kernel.flops(*inputs))
 
 
 class CarryStep(torch.autograd.Function):
@@ -168,11 +189,12 @@ class CarryStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step: StepContext, slot: int, kernel: CarryKernel, *inputs):
-        if step.prompt_round is not None:
-            out, new_carry, ctx.round_carries = _round_forward(step, slot, kernel, inputs)
-        else:
-            out, new_carry = kernel.forward(_carry_of_rows(step, slot), *inputs)
-            step.carry_out(slot, new_carry)
+        with _counted(kernel, inputs, 1):
+            if step.prompt_round is not None:
+                out, new_carry, ctx.round_carries = _round_forward(step, slot, kernel, inputs)
+            else:
+                out, new_carry = kernel.forward(_carry_of_rows(step, slot), *inputs)
+                step.carry_out(slot, new_carry)
         if new_carry._base is not None:
             # a view (a conv's last inputs, sliced from the whole chunk's) would keep
             # the chunk-sized storage alive as long as the step's outputs, which under
@@ -200,12 +222,14 @@ class CarryStep(torch.autograd.Function):
             span_grads = lambda *a: graphs.grads(kernel.graph_key, *a)  # noqa: E731
         if _SHAPE_ONLY_SPANS and not has_values(carry) and kernel.graph_key is not None:
             span_grads = functools.partial(_SHAPE_ONLY_SPANS[-1], kernel.graph_key, span_grads)
-        if step.prompt_round is not None:
-            grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span, ctx.round_carries)
-        else:
-            grads = _spanwise_grads(
-                kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
-            )
+        with _counted(kernel, inputs, BACKWARD_FORWARDS):
+            if step.prompt_round is not None:
+                grads = _round_grads(step, kernel, inputs, grad_out, grad_carry, wanted, span_grads, span,
+                                     ctx.round_carries)
+            else:
+                grads = _spanwise_grads(
+                    kernel.forward, kernel.token_dims, carry, inputs, grad_out, grad_carry, wanted, span_grads, span
+                )
         d_carry = grads[0]
         if d_carry is not None and step.rows > 1:  # every row of the step started from the prompt's carry
             d_carry = d_carry.sum(_rows_dim(step, ctx.slot), keepdim=True)

@@ -81,6 +81,18 @@ def gated_delta_rule_reference(
     return out.transpose(1, 2).to(out_dtype).contiguous(), state.reshape(batch, heads_v, dim_k, dim_v)
 
 
+def gated_delta_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> float:
+    """The rule's matrix products over these positions as if they filled
+    whole chunks of C = `CHUNK`: per position and value head `C (5 Dk + 3 Dv)
+    + 6 Dk Dv`. Within a chunk, `k_beta k^T` and `q k^T` (2 C Dk each), the
+    two triangular solves (C Dk, C Dv) and the output from the chunk's own
+    values (2 C Dv); against the state, three products of 2 Dk Dv each. fla's
+    kernels compute the same products (`CarryKernel.flops`)."""
+    batch, length, _, dim_k = k.shape
+    heads_v, dim_v = v.shape[-2:]
+    return float(batch * length * heads_v * (CHUNK * (5 * dim_k + 3 * dim_v) + 6 * dim_k * dim_v))
+
+
 class _ChunkScan(torch.autograd.Function):
     """The sequential part of the chunked rule: the state passed from one
     64-position chunk to the next, per row of `[B*H]`,

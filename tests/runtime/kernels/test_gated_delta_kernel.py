@@ -86,3 +86,21 @@ def test_shape_only_tensors_run_forward_and_backward():
     assert out.shape == (1, CHUNK + 6, 2, 3) and final.shape == (1, 2, 4, 3)
     grads = torch.autograd.grad((out.sum(), final.sum()), inputs)
     assert [g.shape for g in grads] == [t.shape for t in inputs]
+
+
+def test_the_counted_arithmetic_is_the_rules_products_over_whole_chunks():
+    """`gated_delta_flops` is what the rule's matrix products count over
+    positions that fill whole chunks (PyTorch's FLOP formulas for its
+    batched products, and C^2 D for each triangular solve, which has none):
+    the count a work recorder takes in place of the padded blocks."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, g, beta, state = _inputs(2 * CHUNK, heads_k=1, heads_v=2)
+    with FlopCounterMode(display=False) as counter:
+        gated_delta_rule_reference(q, k, v, g, beta, state, True)
+    rows, chunks, dim_k, dim_v = 2, 2, 4, 3
+    solves = rows * chunks * CHUNK * CHUNK * (dim_k + dim_v)
+    assert gated_delta.gated_delta_flops(q, k, v, g, beta) == counter.get_total_flops() + solves
+    # a span that does not fill its last chunk counts its positions, not the padded chunk
+    assert gated_delta.gated_delta_flops(*(x[:, :CHUNK + 6] for x in (q, k, v, g, beta))) == pytest.approx(
+        counter.get_total_flops() / 2 * (CHUNK + 6) / CHUNK + solves / 2 * (CHUNK + 6) / CHUNK)
