@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.runtime.carry import CarryKernel
-from longstraw.runtime.kernels.kimi_delta import kimi_delta_rule_reference
+from longstraw.runtime.kernels.kimi_delta import kimi_delta_flops, kimi_delta_rule_reference
 
 from .gated_delta import GatedDeltaPass, register_delta_rule
 
@@ -53,4 +53,5 @@ class KimiDeltaPass(GatedDeltaPass):
             forward=lambda state, *x: kimi_delta_rule_reference(*x, state, use_qk_l2norm),
             token_dims=(1, 1, 1, 1, 1, 1),
             graph_key=("kimi_delta", use_qk_l2norm),
+            flops=kimi_delta_flops,
         )

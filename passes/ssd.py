@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from longstraw.runtime.carry import CarryKernel, recompute_grads
-from longstraw.runtime.kernels.ssd import scan_dtype, ssd_scan_reference
+from longstraw.runtime.kernels.ssd import scan_dtype, ssd_flops, ssd_scan_reference
 from longstraw.nodes import arg
 
 from .base import CarryPass, DimRules
@@ -82,4 +82,5 @@ class SSDPass(CarryPass):
             forward=lambda state, x, dA, B, C: ssd_scan_reference(x, dA, B, C, state),
             token_dims=(1, 1, 1, 1, 1),
             graph_key=("ssd",),
+            flops=ssd_flops,
         )

@@ -29,15 +29,15 @@ output, which nothing reads; on a hybrid slice whose one attention layer
 is its last, that is all of a branch's). A kept graph's backward is the
 replay, or the reverse pass, less the forward it does not run again. A
 step's operator count is taken as constant (the attention kernels' walk
-over key blocks adds a few per block of thousands of keys). A carried
-kernel that counts its own arithmetic (`CarryKernel.flops`: Gated
-DeltaNet's, whose PyTorch form pads a span to 64-position chunks and
-whose fla form launches no operator) is counted by it, per position;
-the others count what they dispatch: nothing inside a fused kernel that
-is not an operator, and, for the chunked PyTorch forms of Kimi Delta
-Attention and Mamba-2's scan, products that grow with the square of a
-span up to a chunk of 64 and linearly beyond, which the fit's `c`
-extrapolates as the square.
+over key blocks adds a few per block of thousands of keys). The chunked
+rules of the carried operators (Gated DeltaNet, Kimi Delta Attention,
+Mamba-2's scan) count their own arithmetic (`CarryKernel.flops`), per
+position: their PyTorch forms compute in chunks of 64 positions (Gated
+DeltaNet's pads a span to whole chunks, the others' products grow as the
+square of a span up to a chunk and linearly beyond, which no polynomial
+fitted over short traced chunks follows), and fla's forms launch no
+operator. Other fused kernels that are not operators (fla's convolution)
+count nothing.
 
 The rate and the cost per operator are measured, not datasheet figures
 (`RATES`). Below about 8K positions the dense slice's step is bound by

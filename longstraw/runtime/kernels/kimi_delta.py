@@ -30,6 +30,18 @@ import torch
 CHUNK = 64
 
 
+def kimi_delta_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> float:
+    """The rule's matrix products over these positions as if they filled
+    whole chunks of C = `CHUNK`: per position and head `C (4 Dk + 3 Dv) + 6
+    Dk Dv`. Within a chunk, the system and the output's pairwise products
+    over the decayed keys (2 C Dk each), the triangular solve (C Dv) and the
+    output from the chunk's own updates (2 C Dv); against the state, three
+    products of 2 Dk Dv each (`CarryKernel.flops`)."""
+    batch, length, heads, dim_k = k.shape
+    dim_v = v.shape[-1]
+    return float(batch * length * heads * (CHUNK * (4 * dim_k + 3 * dim_v) + 6 * dim_k * dim_v))
+
+
 def kimi_delta_rule_reference(
     q: torch.Tensor,
     k: torch.Tensor,

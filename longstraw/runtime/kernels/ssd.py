@@ -28,6 +28,16 @@ def scan_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def ssd_flops(x: torch.Tensor, dA: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> float:
+    """The scan's matrix products over these positions as if they filled
+    whole chunks of `CHUNK`: per position and head `2 CHUNK (n + p) + 4 n p`
+    (within a chunk, the weights from C and B and the output from them;
+    against the state, the output from it and its update) (`CarryKernel.flops`)."""
+    batch, length, heads, dim = x.shape
+    state = B.shape[-1]
+    return float(batch * length * heads * (2 * CHUNK * (state + dim) + 4 * state * dim))
+
+
 def ssd_scan_reference(
     x: torch.Tensor, dA: torch.Tensor, B: torch.Tensor, C: torch.Tensor, initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

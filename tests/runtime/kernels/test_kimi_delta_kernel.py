@@ -93,3 +93,20 @@ def test_low_precision_inputs_compute_in_float32():
     want_out, want_final = delta_rule_recurrence(*(t.double() for t in inputs))
     torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(final.double(), want_final, rtol=1e-5, atol=1e-5)
+
+
+def test_the_counted_arithmetic_is_the_rules_products_over_whole_chunks():
+    """`kimi_delta_flops` is what the rule's products count over positions
+    that fill whole chunks (PyTorch's FLOP formulas, and C^2 Dv for the
+    triangular solve, which has none); a span that does not fill its last
+    chunk counts its positions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, g, beta, state = _inputs(2 * CHUNK)
+    with FlopCounterMode(display=False) as counter:
+        kimi_delta_rule_reference(q, k, v, g, beta, state, True)
+    heads, chunks, dim_v = 2, 2, 3
+    whole = counter.get_total_flops() + heads * chunks * CHUNK * CHUNK * dim_v
+    assert kimi_delta.kimi_delta_flops(q, k, v, g, beta) == whole
+    partial = kimi_delta.kimi_delta_flops(*(x[:, :CHUNK + 6] for x in (q, k, v, g, beta)))
+    assert partial == pytest.approx(whole * (CHUNK + 6) / (2 * CHUNK))

@@ -94,3 +94,17 @@ def test_low_precision_inputs_scan_in_float32():
 def test_the_scan_dtype_is_float32_or_wider():
     dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
     assert [scan_dtype(torch.zeros(1, dtype=d)) for d in dtypes] == [torch.float32] * 3 + [torch.float64]
+
+
+def test_the_counted_arithmetic_is_the_scans_products_over_whole_chunks():
+    """`ssd_flops` is what the scan's products count over positions that
+    fill whole chunks (PyTorch's FLOP formulas); a span that does not fill
+    its last chunk counts its positions."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, dA, B, C, state = _inputs(2 * CHUNK)
+    with FlopCounterMode(display=False) as counter:
+        ssd_scan_reference(x, dA, B, C, state)
+    assert ssd.ssd_flops(x, dA, B, C) == counter.get_total_flops()
+    partial = ssd.ssd_flops(*(t[:, :CHUNK + 6] for t in (x, dA, B, C)))
+    assert partial == pytest.approx(counter.get_total_flops() * (CHUNK + 6) / (2 * CHUNK))
