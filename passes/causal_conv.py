@@ -35,6 +35,14 @@ def causal_conv1d_reference(
     return _ACTIVATIONS[activation](out).to(x.dtype), full[..., full.shape[-1] - (width - 1):]
 
 
+def causal_conv_flops(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    """The convolution's products over these positions, as PyTorch counts a
+    depthwise `conv1d`: 2 K per channel and position (`CarryKernel.flops`:
+    fla's kernel, not an operator, would count nothing)."""
+    batch, channels, length = x.shape
+    return float(2 * batch * channels * weight.shape[-1] * length)
+
+
 @torch.library.custom_op("longstraw::causal_conv1d", mutates_args=())
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
     return causal_conv1d_reference(x, weight, bias, activation, None)[0]
@@ -86,6 +94,7 @@ class CausalConvPass(CarryPass):
             graph_key=("causal_conv", activation),
             grads=functools.partial(fla_causal_conv.causal_conv_grads, activation=activation) if fused else None,
             span=FUSED_SPAN,
+            flops=causal_conv_flops,
         )
 
 

@@ -36,8 +36,8 @@ position: their PyTorch forms compute in chunks of 64 positions (Gated
 DeltaNet's pads a span to whole chunks, the others' products grow as the
 square of a span up to a chunk and linearly beyond, which no polynomial
 fitted over short traced chunks follows), and fla's forms launch no
-operator. Other fused kernels that are not operators (fla's convolution)
-count nothing.
+operator. The short convolution counts its own too: fla's form of it is
+no operator either.
 
 The rate and the cost per operator are measured, not datasheet figures
 (`RATES`). Below about 8K positions the dense slice's step is bound by

@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from longstraw.passes.causal_conv import FUSED_SPAN, CausalConvPass, causal_conv1d, causal_conv1d_reference
+from longstraw.passes.causal_conv import (FUSED_SPAN, CausalConvPass, causal_conv1d, causal_conv1d_reference,
+                                          causal_conv_flops)
 from longstraw.trace.specialize import specialize
 
 OP = torch.ops.longstraw.causal_conv1d.default
@@ -154,3 +155,15 @@ def test_the_kernel_run_from_its_carry_is_the_convolution_over_all_positions(cut
     want = causal_conv1d(x, weight, bias, "silu")
     torch.testing.assert_close(torch.cat([first, rest], -1), want, rtol=1e-14, atol=1e-14)
     assert torch.equal(final, x[..., -3:])
+
+
+def test_the_counted_arithmetic_is_what_pytorch_counts_for_the_reference():
+    """`causal_conv_flops` is PyTorch's count of the reference's convolution
+    over a span after a carried tail: what fla's kernel, which counts
+    nothing, is counted as."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, weight, bias = torch.randn(2, 6, 11), torch.randn(6, 4), torch.randn(6)
+    with FlopCounterMode(display=False) as counter:
+        causal_conv1d_reference(x, weight, bias, "silu", torch.randn(2, 6, 3))
+    assert causal_conv_flops(x, weight, bias) == counter.get_total_flops() > 0
