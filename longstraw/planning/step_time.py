@@ -116,7 +116,7 @@ class WorkRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def counted_as(self, flops: float) -> Iterator[None]:
-        if self._open:
+        if self._open and not self._own_count:  # a kernel inside one that counts itself is part of its count
             self._open[-1][1] += flops
         self._own_count += 1
         try:

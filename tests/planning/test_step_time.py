@@ -136,8 +136,9 @@ def test_branches_count_the_attention_the_prompt_chunks_skip():
 
 def test_a_kernel_that_counts_its_own_arithmetic_replaces_what_it_dispatches():
     """Inside `kernels.work.counted_as`, a step counts the kernel's own
-    FLOPs, once, and not those of the products it dispatches; its operators
-    still count. With no recorder listening the count is never asked for."""
+    FLOPs, once, and not those of the products it dispatches or of a kernel
+    it runs that counts itself; its operators still count. With no
+    recorder listening the count is never asked for."""
     a = torch.ones(4, 8)
     recorder = WorkRecorder()
     with recorder:
@@ -145,7 +146,8 @@ def test_a_kernel_that_counts_its_own_arithmetic_replaces_what_it_dispatches():
             a @ a.T
             with work.counted_as(lambda: 1000.0):
                 a @ a.T
-                a @ a.T
+                with work.counted_as(lambda: 50.0):  # inside the outer kernel: part of its count
+                    a @ a.T
     (step,) = recorder.steps
     assert (step.flops, step.ops) == (2 * 4 * 8 * 4 + 1000.0, 3)
     with work.counted_as(lambda: pytest.fail("counted with no recorder listening")):
