@@ -300,29 +300,28 @@ def predict(work: StepWork, P: int, G: int, R: int, exact: bool, chunk: int, kep
         spans = list(spans)
         return sum(cost.flops(o, n) for o, n in spans), cost.ops * -(-len(spans) // per_step)
 
-    phases = [("capturing the prompt", *total(work.capture, chunks)),
-              ("running the branches", *total(work.branch, [(prompt, R)] * G, rows))]
-    backward = work.replay.less(work.branch)
-    phases.append(("differentiating the kept branches", *total(backward, [(prompt, R)] * kept_branches, rows)))
-    phases.append(("replaying the branches", *total(work.replay, [(prompt, R)] * (G - kept_branches), rows)))
+    on_prompt = [("capturing the prompt", *total(work.capture, chunks))]
     if exact and work.reverse is not None:
         if prompt_kept:
-            phases.append(("differentiating the kept prompt", *total(work.reverse.less(work.capture), chunks)))
+            on_prompt.append(("differentiating the kept prompt", *total(work.reverse.less(work.capture), chunks)))
         else:
-            phases.append(("the reverse pass over the prompt", *total(work.reverse, chunks)))
+            on_prompt.append(("the reverse pass over the prompt", *total(work.reverse, chunks)))
+    backward = work.replay.less(work.branch)
+    on_branches = [("running the branches", *total(work.branch, [(prompt, R)] * G, rows)),
+                   ("differentiating the kept branches", *total(backward, [(prompt, R)] * kept_branches, rows)),
+                   ("replaying the branches", *total(work.replay, [(prompt, R)] * (G - kept_branches), rows))]
+    phases = [on_prompt[0], *on_branches, *on_prompt[1:]]
     negative = [phase for phase, flops, _ in phases if flops < 0]
     if negative:
+        why = _why_negative(any(flops < 0 for _, flops, _ in on_prompt))
         raise ValueError(f"the costs fitted from the simulated step give {', '.join(negative)} negative FLOPs at "
-                         f"P={P}, R={R}: {_why_negative(negative)}")
+                         f"P={P}, R={R}: {why}")
     return StepTime(tuple(p for p in phases if p[2] > 0), rate, op_seconds)
 
 
-_PROMPT_PHASES = ("capturing the prompt", "the reverse pass over the prompt", "differentiating the kept prompt")
-
-
-def _why_negative(phases: Sequence[str]) -> str:
-    """The cause of negative fitted costs, by the phases they reach."""
-    if any(phase in _PROMPT_PHASES for phase in phases):
+def _why_negative(on_prompt: bool) -> str:
+    """The cause of negative fitted costs, by whether they reach the prompt chunks' phases."""
+    if on_prompt:
         return ("the prompt chunks' counted FLOPs do not grow with a chunk's length and offset as the fit assumes "
                 "(an operator that works in whole blocks and does not count its own arithmetic, "
                 "`CarryKernel.flops`, counts a short chunk as a block), so a term fitted from the traced prompt's "
