@@ -11,9 +11,11 @@ It collects `pytest -m gpu <paths>`, runs them in a subprocess killed at the
 budget, collection included (fla's kernels compile at their first call:
 a whole folder can take ten minutes), and writes `<name>.json` (per test:
 passed, failed with the first line of its error, skipped, or not run
-where the budget ended first) and `<name>.log` (pytest's output). Outside CI's machine install the
-package from a wheel and run with `PYTHONSAFEPATH=1`, so that the tests
-import the installed package.
+where the budget ended first) and `<name>.log` (pytest's output).
+`--test-timeout-s` fails a test that runs longer (pytest-timeout), so that
+one test stuck compiling kernels does not take the whole budget. Outside
+CI's machine install the package from a wheel and run with
+`PYTHONSAFEPATH=1`, so that the tests import the installed package.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def collected(paths: list[str]) -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if "::" in line]
 
 
-def run(paths: list[str], budget_s: float, log_path: str) -> tuple[dict[str, dict], bool]:
+def run(paths: list[str], budget_s: float, log_path: str, test_timeout_s: float | None = None,
+        ) -> tuple[dict[str, dict], bool]:
     """(each collected test's outcome, whether the budget ended the run).
     The budget covers the collection too: a command that ends a little
-    after it still gets the result file."""
+    after it still gets the result file. `test_timeout_s`: a test that runs
+    longer fails there (pytest-timeout) and the tests after it still run."""
     start = time.monotonic()
     tests = collected(paths)
     reports = log_path + ".reports"
@@ -67,8 +71,9 @@ def run(paths: list[str], budget_s: float, log_path: str) -> tuple[dict[str, dic
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "w") as log:
         try:
-            subprocess.run(gpu_pytest(paths, "-v", "-p", "gpu_tests"), stdout=log, stderr=subprocess.STDOUT,
-                           timeout=max(budget_s - (time.monotonic() - start), 1.0), env=env)
+            per_test = () if test_timeout_s is None else ("--timeout", str(test_timeout_s))
+            subprocess.run(gpu_pytest(paths, "-v", "-p", "gpu_tests", *per_test), stdout=log,
+                           stderr=subprocess.STDOUT, timeout=max(budget_s - (time.monotonic() - start), 1.0), env=env)
             stopped = False
         except subprocess.TimeoutExpired:
             stopped = True
@@ -100,6 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="test files or folders (node ids too)")
     parser.add_argument("--budget-s", type=float, default=560)
+    parser.add_argument("--test-timeout-s", type=float, default=None,
+                        help="fail a test that runs longer (needs pytest-timeout), so that one stuck test "
+                             "does not take the whole budget")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="gpu_tests")
     args = parser.parse_args()
@@ -107,8 +115,9 @@ def main() -> None:
             *["benchmarks/results" if a == args.out_dir else a for a in sys.argv[1:]]]
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, args.name)
-    tests, stopped = run(args.paths, args.budget_s, stem + ".log")
+    tests, stopped = run(args.paths, args.budget_s, stem + ".log", args.test_timeout_s)
     result = {**provenance(" ".join(argv)), "paths": args.paths, "budget_s": args.budget_s,
+              "test_timeout_s": args.test_timeout_s,
               "stopped_by_budget": stopped, "tests": tests}
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)

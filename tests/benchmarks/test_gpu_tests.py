@@ -67,3 +67,16 @@ def test_outcomes_of_a_run_the_budget_ends(tmp_path, monkeypatch):
     assert "test_unmarked_for_gpu_is_not_collected" not in got
     assert got["test_fails"]["error"].startswith("AssertionError: one is not two")
     assert "| passed | failed | skipped | not run |" in table({"tests": tests})
+
+
+def test_a_test_past_its_own_timeout_fails_and_the_rest_run(tmp_path):
+    """With `test_timeout_s` the sleeping test fails at its timeout, not at
+    the budget, and the test after it runs."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    tests, stopped = run([str(tmp_path)], budget_s=30, log_path=str(tmp_path / "out.log"), test_timeout_s=2)
+    got = {name.split("::")[-1]: test for name, test in tests.items()}
+    assert not stopped
+    timed_out = got["test_outlives_the_budget"]
+    assert timed_out["outcome"] == "failed" and "Timeout" in timed_out["error"]
+    assert got["test_after_the_budget"]["outcome"] == "passed"
