@@ -38,12 +38,13 @@ def listening(counter: WorkCounter) -> Iterator[None]:
         _COUNTERS.remove(counter)
 
 
-@contextlib.contextmanager
-def counted_as(flops: Callable[[], float]) -> Iterator[None]:
+_NOT_COUNTING = contextlib.nullcontext()
+
+
+def counted_as(flops: Callable[[], float]) -> ContextManager[None]:
     """Run a kernel whose arithmetic is `flops()` (called only while a
-    counter listens)."""
+    counter listens). Every carried step of a run takes this: with no
+    counter listening it is a shared no-op, no generator made per call."""
     if not _COUNTERS:
-        yield
-        return
-    with _COUNTERS[-1].counted_as(flops()):
-        yield
+        return _NOT_COUNTING
+    return _COUNTERS[-1].counted_as(flops())
